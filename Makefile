@@ -1,0 +1,32 @@
+# Two commands for a new user: `make demo` and `make test`. Both build .venv on first use.
+# torch is installed first, pinned, and every later pip call is constrained to that pin:
+# any other torch spec would pull a multi-gigabyte CUDA build onto a CPU machine.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench install clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/elastron train examples/llama_tiny_tp2.yaml --ranks 2 --metrics-out runs/demo/metrics.jsonl
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(PY) bench/engine_step.py
+
+clean:
+	rm -rf $(VENV) runs
