@@ -1,0 +1,308 @@
+"""The job specification: the one contract shared by the CLI, the REST API and the workers.
+
+It is pure pydantic (no torch) so the control plane can validate a job on a machine without
+torch. Every rule that can be checked before a single process starts is checked here, and each
+error names the field and says how to fix it; anything a running engine would trip over later
+(heads that do not split over tensor ranks, a batch that does not divide) belongs here, not in
+the engine.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class _Section(BaseModel):
+    # Unknown keys are an error: a misspelt `tensor_paralel` must not silently train on TP=1.
+    model_config = ConfigDict(extra="forbid", validate_assignment=False)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+class ModelSpec(_Section):
+    """Architecture, with Megatron-Core's names. `arch` picks the family defaults."""
+
+    arch: Literal["gpt2", "llama"] = "llama"
+    num_layers: PositiveInt = 2
+    hidden_size: PositiveInt = 64
+    num_attention_heads: PositiveInt = 4
+    num_query_groups: PositiveInt | None = Field(
+        None, description="Grouped-query attention groups; default: one per head (plain multi-head)."
+    )
+    ffn_hidden_size: PositiveInt | None = Field(
+        None, description="Default: 4*hidden (gpt2), or 8/3*hidden rounded up to 64 (llama, SwiGLU)."
+    )
+    vocab_size: PositiveInt | None = Field(None, description="Default: the tokenizer's vocabulary size.")
+    make_vocab_size_divisible_by: PositiveInt = Field(
+        128, description="Pad the embedding table to a multiple of this (must be divisible by parallel.tensor)."
+    )
+    seq_length: PositiveInt = 128
+    tie_embeddings: bool | None = Field(None, description="Default: true for gpt2, false for llama.")
+    hidden_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    norm_epsilon: float = Field(1e-5, gt=0.0)
+    rotary_base: float = Field(10000.0, gt=0.0)
+    init_method_std: float = Field(0.02, gt=0.0)
+
+    @model_validator(mode="after")
+    def _arch_defaults(self) -> ModelSpec:
+        if self.num_query_groups is None:
+            self.num_query_groups = self.num_attention_heads
+        if self.ffn_hidden_size is None:
+            if self.arch == "gpt2":
+                self.ffn_hidden_size = 4 * self.hidden_size
+            else:
+                self.ffn_hidden_size = 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+        if self.tie_embeddings is None:
+            self.tie_embeddings = self.arch == "gpt2"
+        if self.hidden_size % self.num_attention_heads:
+            raise ValueError(
+                f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_attention_heads "
+                f"({self.num_attention_heads}): pick heads from {_divisors(self.hidden_size)}"
+            )
+        if self.num_attention_heads % self.num_query_groups:
+            raise ValueError(
+                f"model.num_query_groups ({self.num_query_groups}) must divide model.num_attention_heads "
+                f"({self.num_attention_heads}): pick one of {_divisors(self.num_attention_heads)}"
+            )
+        if self.arch == "llama" and (self.hidden_size // self.num_attention_heads) % 2:
+            raise ValueError(
+                "model.hidden_size / model.num_attention_heads (the head size) must be even for rotary "
+                f"embeddings (llama), got {self.hidden_size // self.num_attention_heads}"
+            )
+        return self
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+
+class ParallelSpec(_Section):
+    """Parallel layout. Data parallel size is derived: ranks / (tensor*pipeline*context)."""
+
+    tensor: PositiveInt = 1
+    pipeline: PositiveInt = 1
+    virtual_pipeline: PositiveInt | None = None
+    context: PositiveInt = 1
+    expert: PositiveInt = 1
+    sequence_parallel: bool = Field(
+        False, description="Shard activations along the sequence between TP regions (no-op when tensor=1)."
+    )
+
+
+class DataSpec(_Section):
+    source: Literal["text", "synthetic"] = Field(
+        "text", description="text: a UTF-8 file tokenised at start; synthetic: seeded random tokens (benchmarks)."
+    )
+    path: str | None = Field(None, description="Text file for source=text; default: the corpus shipped with elastron.")
+    tokenizer: Literal["byte"] = "byte"
+
+
+class TrainingSpec(_Section):
+    global_batch_size: PositiveInt = 8
+    micro_batch_size: PositiveInt = 1
+    train_iters: PositiveInt = 10
+    seed: int = 1234
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    rampup_batch_size: tuple[PositiveInt, PositiveInt, PositiveInt] | None = Field(
+        None, description="[start, increment, ramp_samples]: grow the global batch step-wise (Megatron-Core's rampup)."
+    )
+    log_interval: PositiveInt = 1
+
+
+class OptimizerSpec(_Section):
+    type: Literal["adamw"] = "adamw"
+    lr: float = Field(3e-4, gt=0.0)
+    min_lr: float = Field(0.0, ge=0.0)
+    weight_decay: float = Field(0.01, ge=0.0)
+    start_weight_decay: float | None = Field(None, ge=0.0)
+    end_weight_decay: float | None = Field(None, ge=0.0)
+    weight_decay_incr_style: Literal["constant", "linear", "cosine"] = "constant"
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(0.95, ge=0.0, lt=1.0)
+    adam_eps: float = Field(1e-8, gt=0.0)
+    clip_grad: float = Field(1.0, ge=0.0, description="Global grad-norm clip; 0 disables clipping.")
+    lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "cosine"
+    lr_warmup_iters: int = Field(0, ge=0)
+    lr_warmup_init: float = Field(0.0, ge=0.0)
+    lr_decay_iters: PositiveInt | None = Field(None, description="Default: training.train_iters.")
+    lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "exponential"
+    lr_wsd_decay_iters: int | None = Field(None, ge=0, description="Anneal length for WSD (required for WSD).")
+
+    @model_validator(mode="after")
+    def _check(self) -> OptimizerSpec:
+        if self.min_lr > self.lr:
+            raise ValueError(f"optimizer.min_lr ({self.min_lr}) must not exceed optimizer.lr ({self.lr})")
+        if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None:
+            raise ValueError("optimizer.lr_wsd_decay_iters is required when optimizer.lr_decay_style is WSD")
+        if (self.start_weight_decay is None) != (self.end_weight_decay is None):
+            raise ValueError(
+                "optimizer.start_weight_decay and optimizer.end_weight_decay go together: set both or neither"
+            )
+        return self
+
+
+class CheckpointSpec(_Section):
+    path: str | None = Field(None, description="Local directory or s3://bucket/prefix for sharded checkpoints.")
+    interval: PositiveInt | None = Field(None, description="Save every N iterations.")
+    resume: Literal["auto", "never"] = "auto"
+
+
+class ResilienceSpec(_Section):
+    max_restarts: int = Field(0, ge=0, description="Worker-group restarts allowed before the job fails.")
+
+
+class ResourcesSpec(_Section):
+    ranks: PositiveInt = 1
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
+
+
+class JobSpec(_Section):
+    name: str = Field("job", pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$", description="Lowercase, digits, . _ -")
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    resilience: ResilienceSpec = Field(default_factory=ResilienceSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+
+    @property
+    def data_parallel_size(self) -> int:
+        p = self.parallel
+        return self.resources.ranks // (p.tensor * p.pipeline * p.context)
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> JobSpec:
+        m, p, t, ranks = self.model, self.parallel, self.training, self.resources.ranks
+        tp = p.tensor
+        model_parallel = p.tensor * p.pipeline * p.context
+        if ranks % model_parallel:
+            raise ValueError(
+                f"parallel.tensor ({p.tensor}) x parallel.pipeline ({p.pipeline}) x parallel.context ({p.context}) "
+                f"= {model_parallel} does not divide resources.ranks ({ranks}): set resources.ranks to a multiple "
+                f"of {model_parallel} or shrink the parallel sizes"
+            )
+        dp = ranks // model_parallel
+        if (dp * p.context) % p.expert:
+            raise ValueError(
+                f"parallel.expert ({p.expert}) must divide data-parallel x context size ({dp * p.context})"
+            )
+        if m.num_attention_heads % tp:
+            raise ValueError(
+                f"model.num_attention_heads ({m.num_attention_heads}) is not divisible by parallel.tensor ({tp}): "
+                f"choose parallel.tensor from {_divisors(m.num_attention_heads)}"
+            )
+        if m.num_query_groups % tp:
+            raise ValueError(
+                f"model.num_query_groups ({m.num_query_groups}) is not divisible by parallel.tensor ({tp}): "
+                f"choose parallel.tensor from {_divisors(m.num_query_groups)} or raise num_query_groups"
+            )
+        if m.ffn_hidden_size % tp:
+            raise ValueError(
+                f"model.ffn_hidden_size ({m.ffn_hidden_size}) is not divisible by parallel.tensor ({tp}): "
+                f"make it a multiple of {tp}"
+            )
+        if m.make_vocab_size_divisible_by % tp:
+            raise ValueError(
+                f"model.make_vocab_size_divisible_by ({m.make_vocab_size_divisible_by}) must be a multiple of "
+                f"parallel.tensor ({tp}) so the embedding table splits evenly"
+            )
+        if p.sequence_parallel and tp > 1 and m.seq_length % tp:
+            raise ValueError(
+                f"model.seq_length ({m.seq_length}) must be divisible by parallel.tensor ({tp}) with "
+                "parallel.sequence_parallel: true"
+            )
+        if m.num_layers % p.pipeline:
+            raise ValueError(
+                f"model.num_layers ({m.num_layers}) is not divisible by parallel.pipeline ({p.pipeline}): "
+                f"choose parallel.pipeline from {_divisors(m.num_layers)}"
+            )
+        if p.virtual_pipeline is not None:
+            if p.pipeline == 1:
+                raise ValueError("parallel.virtual_pipeline needs parallel.pipeline > 1: remove it or raise pipeline")
+            if m.num_layers % (p.pipeline * p.virtual_pipeline):
+                raise ValueError(
+                    f"model.num_layers ({m.num_layers}) must be divisible by parallel.pipeline x "
+                    f"parallel.virtual_pipeline ({p.pipeline * p.virtual_pipeline})"
+                )
+        per_step = t.micro_batch_size * dp
+        if t.global_batch_size % per_step:
+            raise ValueError(
+                f"training.global_batch_size ({t.global_batch_size}) is not divisible by "
+                f"training.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp}) = {per_step}: "
+                f"use a multiple of {per_step}"
+            )
+        if t.rampup_batch_size is not None:
+            start, incr, _ = t.rampup_batch_size
+            if start % per_step or incr % per_step:
+                raise ValueError(
+                    f"training.rampup_batch_size start ({start}) and increment ({incr}) must be multiples of "
+                    f"micro_batch_size x data-parallel size ({per_step})"
+                )
+            if (t.global_batch_size - start) % incr or start > t.global_batch_size:
+                raise ValueError(
+                    f"training.rampup_batch_size: global_batch_size ({t.global_batch_size}) - start ({start}) "
+                    f"must be a non-negative multiple of the increment ({incr})"
+                )
+        if self.optimizer.lr_warmup_iters > (self.optimizer.lr_decay_iters or t.train_iters):
+            raise ValueError(
+                f"optimizer.lr_warmup_iters ({self.optimizer.lr_warmup_iters}) exceeds the decay length "
+                f"(optimizer.lr_decay_iters or training.train_iters)"
+            )
+        return self
+
+
+class JobSpecError(ValueError):
+    """A job file that cannot run: the message lists each bad field and the fix, one per line."""
+
+
+def format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"{loc}: {msg}" if loc and not msg.startswith(loc) else msg)
+    return "\n".join(lines)
+
+
+def parse_job(data: dict[str, Any]) -> JobSpec:
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as err:
+        raise JobSpecError(format_validation_error(err)) from None
+
+
+def load_job(path: str | Path) -> JobSpec:
+    """Read a YAML or JSON job file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise JobSpecError(f"cannot read job file {path}: {err.strerror}") from None
+    if path.suffix == ".json":
+        data = json.loads(text)
+    else:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise JobSpecError(f"{path} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise JobSpecError(f"{path}: a job file is a mapping with sections name, model, parallel, ...")
+    return parse_job(data)
+
+
+def json_schema() -> dict[str, Any]:
+    return JobSpec.model_json_schema()

@@ -1,0 +1,165 @@
+"""Run a function on N local ranks with a real process group: the torchrun of this project.
+
+One launcher serves `elastron train` and every multi-rank test, so the way ranks start, bind
+threads and devices, and report failures is the same in both. Ranks are forked from a
+forkserver that has torch imported once (a rank starts in a fraction of a second instead of
+re-importing torch), each gets a gloo (CPU) or NCCL (CUDA) group on a free loopback port, and
+the parent collects each rank's return value or traceback. When one rank fails, the others are
+given a short grace period and then terminated, so a crash never turns into a hang on a
+collective.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_mod
+import socket
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import Any
+
+
+class RankFailure(RuntimeError):
+    """One or more ranks raised or died; `failures` maps rank -> traceback or exit description.
+
+    `failures` is in the order the parent learned of them: the first one is the likely cause,
+    later ones are usually peers that lost their connection to it.
+    """
+
+    def __init__(self, failures: dict[int, str]):
+        self.failures = failures
+        first = next(iter(failures))
+        others = f" (then ranks {sorted(set(failures) - {first})})" if len(failures) > 1 else ""
+        super().__init__(f"rank {first} failed{others}:\n{failures[first]}")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(
+    rank: int,
+    world_size: int,
+    port: int,
+    device_type: str,
+    fn: Callable[..., Any],
+    args: Sequence[Any],
+    results: mp.Queue,
+    timeout_s: float,
+) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from engine import device
+
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(device.cpu_threads_per_rank(world_size))
+    try:
+        device.set_device(device_type, rank)
+        dist.init_process_group(
+            device.backend_for(device_type),
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        out = fn(*args)
+        results.put((rank, True, pickle.dumps(out)))
+    except BaseException:  # noqa: BLE001 - everything a rank raises goes back to the parent
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _context() -> mp.context.BaseContext:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "engine.device"])
+    return ctx
+
+
+def spawn(
+    fn: Callable[..., Any],
+    world_size: int,
+    args: Sequence[Any] = (),
+    device_type: str = "cpu",
+    timeout_s: float = 300.0,
+    grace_s: float = 5.0,
+) -> list[Any]:
+    """Run `fn(*args)` on ranks 0..world_size-1; return the per-rank results in rank order.
+
+    `fn` must be importable by name (a module-level function). Raises RankFailure naming every
+    rank that raised, died, or did not finish within `timeout_s`.
+    """
+    ctx = _context()
+    results: mp.Queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world_size, port, device_type, fn, tuple(args), results, timeout_s),
+            name=f"elastron-rank-{rank}",
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    outputs: dict[int, Any] = {}
+    failures: dict[int, str] = {}
+    deadline = time.monotonic() + timeout_s
+    first_failure_at: float | None = None
+    try:
+        while len(outputs) + len(failures) < world_size:
+            now = time.monotonic()
+            if now > deadline:
+                for r in range(world_size):
+                    if r not in outputs and r not in failures:
+                        failures[r] = f"did not finish within {timeout_s:.0f} s"
+                break
+            if first_failure_at is not None and now - first_failure_at > grace_s:
+                for r in range(world_size):
+                    if r not in outputs and r not in failures:
+                        failures[r] = "terminated after another rank failed"
+                break
+            try:
+                rank, ok, payload = results.get(timeout=0.2)
+            except queue_mod.Empty:
+                for r, p in enumerate(procs):
+                    if r not in outputs and r not in failures and p.exitcode is not None:
+                        # Exited without reporting: killed by a signal or os._exit. Drain first.
+                        time.sleep(0.2)
+                        if results.empty():
+                            failures[r] = f"process exited with code {p.exitcode} without a result"
+                            first_failure_at = first_failure_at or time.monotonic()
+                continue
+            if ok:
+                outputs[rank] = pickle.loads(payload)
+            else:
+                failures[rank] = payload
+                first_failure_at = first_failure_at or time.monotonic()
+    finally:
+        for p in procs:
+            if p.is_alive() and (failures or p.exitcode is None):
+                p.join(timeout=0.5 if failures else grace_s)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if failures:
+        raise RankFailure(failures)
+    return [outputs[r] for r in range(world_size)]
