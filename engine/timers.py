@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from engine import device
+from engine.distributed.collectives import all_gather_into
 
 LEVELS = (0, 1, 2)
 
@@ -57,6 +58,8 @@ class _NoopTimer:
 
 
 NOOP_TIMER = _NoopTimer()
+
+
 
 
 def _barrier() -> None:
@@ -176,11 +179,16 @@ class Timers:
         if normalizer <= 0:
             raise ValueError(f"normalizer must be > 0, got {normalizer}")
         names = list(names)
+        if not names:  # every rank passes the same names, so every rank skips the collective
+            return {}
         local = self._local_elapsed(names, reset)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             world = dist.get_world_size()
-            gathered = torch.empty((world, len(names)), dtype=local.dtype, device=local.device)
-            dist.all_gather_into_tensor(gathered, local)
+            # Concatenated (flat) output, viewed as [world, n] afterwards: gloo rejects the stacked
+            # [world, n] output form that NCCL accepts.
+            flat = torch.empty(world * len(names), dtype=local.dtype, device=local.device)
+            all_gather_into(flat, local)
+            gathered = flat.view(world, len(names))
         else:
             gathered = local.unsqueeze(0)
         gathered = gathered.cpu()
@@ -196,7 +204,9 @@ class Timers:
     @staticmethod
     def format(aggregated: dict[str, tuple[float, float]]) -> str:
         """'name: min/max ms | ...' for the result of `aggregate` (already normalised)."""
-        return " | ".join(f"{name}: {lo * 1e3:.1f}/{hi * 1e3:.1f} ms" for name, (lo, hi) in aggregated.items())
+        return " | ".join(
+            f"{name}: {lo * 1e3:.1f}/{hi * 1e3:.1f} ms" for name, (lo, hi) in aggregated.items()
+        )
 
     def log_string(self, names: list[str], reset: bool = True, normalizer: float = 1.0) -> str:
         """One line, min/max over ranks in ms, e.g. 'forward: 12.3/14.0 ms | backward: 20.1/22.5 ms'.

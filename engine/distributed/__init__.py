@@ -1,0 +1,1 @@
+"""Data parallelism and gradient finalisation."""

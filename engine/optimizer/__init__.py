@@ -1,0 +1,1 @@
+"""Optimizer construction, mixed-precision master weights, grad clipping and lr / weight-decay schedules."""

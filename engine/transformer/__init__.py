@@ -1,0 +1,1 @@
+"""Transformer building blocks: config, attention, MLP, layer, block."""

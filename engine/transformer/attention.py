@@ -1,0 +1,68 @@
+"""Causal self-attention with grouped-query heads, split by query groups over TP ranks.
+
+The fused QKV weight is laid out per query group, [groups x (q_per_group + 2) x head_dim, hidden]
+(Megatron-Core's layout), so a contiguous split over TP hands each rank whole groups with their
+own queries, key and value: no communication inside attention. The core is torch's
+scaled_dot_product_attention (flash/fused kernels where the device has them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine import parallel_state as ps
+from engine.tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker
+from engine.transformer.config import TransformerConfig
+from engine.transformer.rope import apply_rotary
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        tp = ps.get_tensor_model_parallel_world_size()
+        self.config = config
+        self.heads_local = config.num_attention_heads // tp
+        self.groups_local = config.num_query_groups // tp
+        self.q_per_group = config.num_attention_heads // config.num_query_groups
+        hd = config.head_dim
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size,
+            (config.num_attention_heads + 2 * config.num_query_groups) * hd,
+            bias=config.add_bias_linear,
+            sequence_parallel=config.sequence_parallel,
+            params_dtype=config.params_dtype,
+            init_std=config.init_method_std,
+        )
+        self.linear_proj = RowParallelLinear(
+            config.num_attention_heads * hd,
+            config.hidden_size,
+            bias=config.add_bias_linear,
+            sequence_parallel=config.sequence_parallel,
+            params_dtype=config.params_dtype,
+            init_std=config.output_layer_init_std,
+        )
+
+    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        qkv = self.linear_qkv(x)  # [s, b, groups_local * (q_per_group + 2) * head_dim]
+        s, b = qkv.shape[:2]
+        hd = self.config.head_dim
+        qkv = qkv.view(s, b, self.groups_local, self.q_per_group + 2, hd)
+        q, k, v = qkv.split([self.q_per_group, 1, 1], dim=3)
+        q = q.reshape(s, b, self.heads_local, hd)
+        k, v = k.squeeze(3), v.squeeze(3)
+        if rotary is not None:
+            cos, sin = rotary
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, head_dim]
+        p = self.config.attention_dropout if self.training else 0.0
+        # Heads are split over TP, so their dropout masks must differ per rank.
+        with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
+            out = F.scaled_dot_product_attention(
+                q, k, v, dropout_p=p, is_causal=True, enable_gqa=self.q_per_group > 1
+            )
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * hd)
+        return self.linear_proj(out)

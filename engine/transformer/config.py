@@ -1,0 +1,79 @@
+"""TransformerConfig: everything a layer needs to build itself, derived once from a JobSpec.
+
+The model and its layers read only this (never the JobSpec or the parallel sizes directly), so
+the same layer code builds every layout: tensor/sequence parallelism enter through the layers'
+parallel linears, not through branches in the model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from engine.jobspec import JobSpec
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@dataclass(frozen=True)
+class TransformerConfig:
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    padded_vocab_size: int
+    seq_length: int
+    normalization: str  # "LayerNorm" | "RMSNorm"
+    activation: str  # "gelu" | "swiglu"
+    position_embedding: str  # "learned_absolute" | "rope"
+    add_bias_linear: bool
+    tie_embeddings: bool
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    norm_epsilon: float = 1e-5
+    rotary_base: float = 10000.0
+    init_method_std: float = 0.02
+    params_dtype: torch.dtype = torch.float32
+    sequence_parallel: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    @property
+    def output_layer_init_std(self) -> float:
+        """Projections that write into the residual stream start smaller (GPT-2 / Megatron-Core)."""
+        return self.init_method_std / math.sqrt(2.0 * self.num_layers)
+
+    @classmethod
+    def from_job(cls, spec: JobSpec, vocab_size: int) -> TransformerConfig:
+        m = spec.model
+        vocab = m.vocab_size or vocab_size
+        if vocab < vocab_size:
+            raise ValueError(f"model.vocab_size ({vocab}) is smaller than the tokenizer's vocabulary ({vocab_size})")
+        multiple = m.make_vocab_size_divisible_by
+        llama = m.arch == "llama"
+        return cls(
+            num_layers=m.num_layers,
+            hidden_size=m.hidden_size,
+            num_attention_heads=m.num_attention_heads,
+            num_query_groups=m.num_query_groups,
+            ffn_hidden_size=m.ffn_hidden_size,
+            padded_vocab_size=multiple * math.ceil(vocab / multiple),
+            seq_length=m.seq_length,
+            normalization="RMSNorm" if llama else "LayerNorm",
+            activation="swiglu" if llama else "gelu",
+            position_embedding="rope" if llama else "learned_absolute",
+            add_bias_linear=not llama,
+            tie_embeddings=m.tie_embeddings,
+            hidden_dropout=m.hidden_dropout,
+            attention_dropout=m.attention_dropout,
+            norm_epsilon=m.norm_epsilon,
+            rotary_base=m.rotary_base,
+            init_method_std=m.init_method_std,
+            params_dtype=DTYPES[spec.training.precision],
+            sequence_parallel=spec.parallel.sequence_parallel and spec.parallel.tensor > 1,
+        )

@@ -1,0 +1,38 @@
+"""Layout-independent weight initialisation.
+
+Each parameter is drawn whole (its `global_shape`) from a generator seeded by (seed, parameter
+name), then this rank keeps its shard. The same seed therefore gives the same model on one rank
+and on any tensor-parallel layout, which is what lets every parallel run be checked against the
+single-rank run. The cost is one transient full-size tensor per parameter at start-up.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import torch
+from torch import nn
+
+from engine import parallel_state as ps
+from engine.tensor_parallel import shard_of
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+
+
+@torch.no_grad()
+def initialize_weights(model: nn.Module, seed: int) -> None:
+    """Weights: normal(0, param.init_std); norm weights: 1; biases and std-0 params: 0."""
+    world, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    for name, param in model.named_parameters():
+        shape = getattr(param, "global_shape", tuple(param.shape))
+        std = getattr(param, "init_std", None)
+        if std is None:  # norms: scale 1, shift 0
+            full = torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
+        elif std == 0.0:
+            full = torch.zeros(shape)
+        else:
+            full = torch.empty(shape).normal_(0.0, std, generator=_generator(seed, name))
+        local = shard_of(full, getattr(param, "partition_dim", None), getattr(param, "partition_stride", 1), rank, world)
+        param.copy_(local.to(param.dtype))

@@ -1,0 +1,47 @@
+"""Feed-forward block: column-parallel up projection, activation, row-parallel down projection.
+
+SwiGLU's gate and up projections are one fused weight [2 x ffn, hidden] with partition stride 2,
+so each TP rank holds [gate_r; up_r] and the activation needs no communication.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from engine.transformer.config import TransformerConfig
+
+
+class MLP(nn.Module):
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        self.swiglu = config.activation == "swiglu"
+        width = config.ffn_hidden_size * (2 if self.swiglu else 1)
+        self.linear_fc1 = ColumnParallelLinear(
+            config.hidden_size,
+            width,
+            bias=config.add_bias_linear,
+            sequence_parallel=config.sequence_parallel,
+            partition_stride=2 if self.swiglu else 1,
+            params_dtype=config.params_dtype,
+            init_std=config.init_method_std,
+        )
+        self.linear_fc2 = RowParallelLinear(
+            config.ffn_hidden_size,
+            config.hidden_size,
+            bias=config.add_bias_linear,
+            sequence_parallel=config.sequence_parallel,
+            params_dtype=config.params_dtype,
+            init_std=config.output_layer_init_std,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear_fc1(x)
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y)
+        return self.linear_fc2(y)
