@@ -22,6 +22,9 @@ from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
+# A collective that waits longer than this is a hang, not a slow step: fail the rank.
+PROCESS_GROUP_TIMEOUT_S = 1800.0
+
 
 class RankFailure(RuntimeError):
     """One or more ranks raised or died; `failures` maps rank -> traceback or exit description.
@@ -74,7 +77,7 @@ def _rank_main(
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
+            timeout=timedelta(seconds=min(timeout_s, PROCESS_GROUP_TIMEOUT_S)),
         )
         out = fn(*args)
         results.put((rank, True, pickle.dumps(out)))

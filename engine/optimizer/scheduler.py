@@ -212,7 +212,7 @@ class OptimizerParamScheduler:
         if n > decay:
             return self.min_lr
         if self.lr_decay_style == "inverse-square-root":
-            lr = self.max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(n, 1))
+            lr = self.max_lr * math.sqrt(max(warmup, 2)) / math.sqrt(max(n, 1))
             return max(self.min_lr, lr)
 
         if self.lr_decay_style == "WSD":
@@ -256,7 +256,7 @@ class OptimizerParamScheduler:
         lr, wd = self.get_lr(), self.get_wd()
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
-            group["weight_decay"] = wd
+            group["weight_decay"] = wd * group.get("wd_mult", 1.0)
 
     def step(self, increment: int = 1) -> None:
         """Advance by `increment` steps and write the new lr / weight decay to every param group."""

@@ -1,0 +1,1 @@
+"""Tokenizers and token sources."""

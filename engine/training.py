@@ -1,0 +1,208 @@
+"""Build a rank's training state from a JobSpec and run the loop.
+
+`Trainer` is what every launcher drives (the local `elastron train`, and Ray workers later):
+the rank grid, seeds, model, optimizer, scheduler, microbatch calculator and data source, then
+one `train_step` per iteration that returns the iteration's metrics record. All collectives a
+step needs are inside `train_step`, so every rank calls it the same number of times.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine import device
+from engine import parallel_state as ps
+from engine.data.sources import SyntheticSource, TextSource, micro_batch
+from engine.data.tokenizer import build_tokenizer
+from engine.distributed.finalize_grads import finalize_model_grads
+from engine.jobspec import JobSpec, JobSpecError
+from engine.microbatches import MicrobatchCalculator
+from engine.models import GPTModel
+from engine.optimizer.optimizer import TrainingOptimizer
+from engine.optimizer.scheduler import OptimizerParamScheduler
+from engine.tensor_parallel import model_parallel_manual_seed
+from engine.timers import Timers
+from engine.transformer.config import TransformerConfig
+from engine.transformer.initialization import initialize_weights
+
+STEP_TIMERS = ["forward-backward", "grads-finalize", "optimizer"]
+
+
+def unsupported_features(spec: JobSpec) -> list[str]:
+    """Valid job settings this engine version cannot run yet, each with what to use instead."""
+    p, out = spec.parallel, []
+    if p.pipeline > 1 or p.virtual_pipeline:
+        out.append("parallel.pipeline / virtual_pipeline: pipeline parallelism is not available yet; use 1")
+    if p.context > 1:
+        out.append("parallel.context: context parallelism is not available yet; use 1")
+    if p.expert > 1:
+        out.append("parallel.expert: expert parallelism needs an MoE model, not available yet; use 1")
+    if spec.training.precision == "fp16":
+        out.append("training.precision: fp16 (loss scaling) is not available yet; use bf16 or fp32")
+    if spec.checkpoint.path:
+        out.append("checkpoint.path: checkpointing is not available yet; remove it")
+    return out
+
+
+def check_supported(spec: JobSpec) -> None:
+    problems = unsupported_features(spec)
+    if problems:
+        raise JobSpecError("\n".join(problems))
+
+
+@dataclass
+class StepMetrics:
+    iteration: int
+    loss: float
+    lr: float
+    grad_norm: float
+    tokens: int
+    step_time_s: float
+    tokens_per_s: float
+    global_batch_size: int
+    consumed_samples: int
+    timers: dict[str, list[float]] = field(default_factory=dict)
+
+
+def build_source(spec: JobSpec, vocab_size: int):
+    if spec.data.source == "synthetic":
+        return SyntheticSource(vocab_size, spec.model.seq_length, spec.training.seed)
+    tokenizer = build_tokenizer(spec.data.tokenizer)
+    return TextSource(spec.data.path, tokenizer, spec.model.seq_length, spec.training.seed)
+
+
+class Trainer:
+    """One rank's training state. Needs an initialised torch.distributed default group."""
+
+    def __init__(self, spec: JobSpec, timer_level: int = 1):
+        check_supported(spec)
+        self.spec = spec
+        p, t = spec.parallel, spec.training
+        ps.initialize_model_parallel(
+            tensor=p.tensor, pipeline=p.pipeline, context=p.context, expert=p.expert,
+            virtual_pipeline=p.virtual_pipeline,
+        )
+        model_parallel_manual_seed(t.seed)
+        tokenizer = build_tokenizer(spec.data.tokenizer)
+        self.config = TransformerConfig.from_job(spec, tokenizer.vocab_size)
+        self.device = device.current_device()
+        self.model = GPTModel(self.config).to(self.device)
+        initialize_weights(self.model, t.seed)
+        self.optimizer = TrainingOptimizer(self.model, spec.optimizer)
+        self.scheduler = OptimizerParamScheduler.from_spec(self.optimizer, spec.optimizer, t.train_iters)
+        self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        self.microbatches = MicrobatchCalculator.from_spec(t, self.dp_size)
+        self.source = build_source(spec, self.config.padded_vocab_size if spec.data.source == "synthetic"
+                                   else tokenizer.vocab_size)
+        self.timers = Timers(log_level=timer_level)
+        self.iteration = 0
+        self.consumed_samples = 0
+
+    def forward_backward(self, num_microbatches: int) -> torch.Tensor:
+        """Accumulate grads of the mean token loss over this rank's microbatches; returns that loss."""
+        t = self.spec.training
+        total = torch.zeros((), device=self.device)
+        for m in range(num_microbatches):
+            tokens, labels = micro_batch(
+                self.source, self.consumed_samples, m, t.micro_batch_size, self.dp_size, self.dp_rank
+            )
+            losses = self.model(tokens.to(self.device), labels.to(self.device))
+            loss = losses.float().mean()
+            (loss / num_microbatches).backward()
+            total += loss.detach()
+        return total / num_microbatches
+
+    def train_step(self) -> StepMetrics:
+        self.model.train()
+        device.synchronize()
+        start = time.perf_counter()
+        self.microbatches.update(self.consumed_samples)
+        n, gbs = self.microbatches.num_microbatches, self.microbatches.current_global_batch_size
+        lr = self.optimizer.param_groups[0]["lr"]
+
+        self.optimizer.zero_grad()
+        self.timers("forward-backward", 1).start()
+        loss = self.forward_backward(n)
+        self.timers("forward-backward", 1).stop()
+        self.timers("grads-finalize", 1).start()
+        finalize_model_grads(self.model)
+        self.timers("grads-finalize", 1).stop()
+        self.timers("optimizer", 1).start()
+        grad_norm = self.optimizer.step()
+        self.scheduler.step()
+        self.timers("optimizer", 1).stop()
+
+        if self.dp_size > 1:
+            dist.all_reduce(loss, group=ps.get_group("dp"))
+            loss /= self.dp_size
+        self.iteration += 1
+        self.consumed_samples += gbs
+        device.synchronize()
+        elapsed = time.perf_counter() - start
+        tokens = gbs * self.config.seq_length
+        timers = {}
+        if self.iteration % self.spec.training.log_interval == 0:
+            timers = {k: [lo, hi] for k, (lo, hi) in self.timers.aggregate(STEP_TIMERS).items()}
+        return StepMetrics(
+            iteration=self.iteration,
+            loss=float(loss),
+            lr=lr,
+            grad_norm=grad_norm,
+            tokens=tokens,
+            step_time_s=elapsed,
+            tokens_per_s=tokens / elapsed,
+            global_batch_size=gbs,
+            consumed_samples=self.consumed_samples,
+            timers=timers,
+        )
+
+
+def _progress_line(m: StepMetrics, total: int) -> str:
+    return (
+        f"iter {m.iteration:>5}/{total} | loss {m.loss:.4f} | lr {m.lr:.3e} | grad_norm {m.grad_norm:.3f} "
+        f"| {m.tokens_per_s:,.0f} tok/s | {m.step_time_s * 1000:.0f} ms"
+    )
+
+
+def train_rank(spec_dict: dict[str, Any], metrics_out: str | None = None, quiet: bool = False) -> list[dict]:
+    """Per-rank entry point: train the whole job; rank 0 writes and returns the metrics records."""
+    spec = JobSpec.model_validate(spec_dict)
+    trainer = Trainer(spec)
+    is_logger = dist.get_rank() == 0
+    records: list[dict] = []
+    sink = None
+    if is_logger and metrics_out:
+        Path(metrics_out).parent.mkdir(parents=True, exist_ok=True)
+        sink = open(metrics_out, "w")  # noqa: SIM115 - closed below, kept open across steps
+    try:
+        if is_logger and not quiet:
+            c, g = trainer.config, ps.get_grid()
+            n_params = sum(p.numel() for p in trainer.model.parameters())
+            print(
+                f"[elastron] {spec.name}: {spec.model.arch} {c.num_layers}L h{c.hidden_size} on "
+                f"{g.world_size} ranks (tp={g.tp} pp={g.pp} cp={g.cp} dp={g.dp}), "
+                f"{n_params:,} params per rank, {spec.training.precision}",
+                flush=True,
+            )
+        for _ in range(spec.training.train_iters):
+            m = trainer.train_step()
+            if is_logger:
+                rec = asdict(m)
+                records.append(rec)
+                if sink:
+                    sink.write(json.dumps(rec) + "\n")
+                    sink.flush()
+                if not quiet and m.iteration % spec.training.log_interval == 0:
+                    print(_progress_line(m, spec.training.train_iters), flush=True)
+    finally:
+        if sink:
+            sink.close()
+        ps.destroy_model_parallel()
+    return records
