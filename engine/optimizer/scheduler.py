@@ -212,7 +212,7 @@ class OptimizerParamScheduler:
         if n > decay:
             return self.min_lr
         if self.lr_decay_style == "inverse-square-root":
-            lr = self.max_lr * math.sqrt(max(warmup, 2)) / math.sqrt(max(n, 1))
+            lr = self.max_lr * math.sqrt(max(warmup, 1)) / math.sqrt(max(n, 1))
             return max(self.min_lr, lr)
 
         if self.lr_decay_style == "WSD":
