@@ -1,0 +1,86 @@
+"""Run a job for a few iterations on N spawned ranks and return what the equivalence tests compare:
+per-iteration losses, and the full (unsharded) gradients and parameters of the last iteration.
+
+Gradient clipping is off in these jobs so the gradients compared are the raw reduced ones.
+Adam's eps is 1e-6 rather than 1e-8: the key bias (GPT-2 style) has a mathematically zero
+gradient (softmax ignores a shift shared by all keys), measured at ~1e-11, and with eps 1e-8
+Adam turns that round-off into steps of ~1e-2 x lr that differ between any two reduction
+orders. With 1e-6 such noise moves nothing; every real gradient here is far above it.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+
+from engine import parallel_state as ps
+from engine.jobspec import JobSpec
+from engine.launcher import spawn
+from engine.tensor_parallel import unshard
+from engine.tensor_parallel.mappings import all_gather_along
+from engine.training import Trainer
+
+BASE_JOB = {
+    "name": "equiv",
+    "model": {
+        "arch": "llama",
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "num_query_groups": 2,
+        "seq_length": 32,
+    },
+    "data": {"source": "text"},
+    "training": {"global_batch_size": 4, "micro_batch_size": 2, "train_iters": 5, "seed": 7},
+    "optimizer": {"lr": 1e-3, "clip_grad": 0.0, "lr_warmup_iters": 1, "adam_eps": 1e-6},
+}
+
+
+def job(ranks: int = 1, **sections) -> dict:
+    """BASE_JOB with sections merged one level deep, e.g. job(2, parallel={"tensor": 2})."""
+    spec = copy.deepcopy(BASE_JOB)
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            spec.setdefault(key, {}).update(value)
+        else:
+            spec[key] = value
+    spec["resources"] = {"ranks": ranks, "device": "cpu"}
+    return spec
+
+
+def _full(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    dim = getattr(param, "partition_dim", None)
+    if dim is None or ps.get_tensor_model_parallel_world_size() == 1:
+        return t.detach().float().clone()
+    tp = ps.get_tensor_model_parallel_world_size()
+    gathered = all_gather_along(t.detach().float().contiguous(), 0, ps.get_tensor_model_parallel_group())
+    return unshard(list(gathered.chunk(tp, dim=0)), dim, param.partition_stride)
+
+
+def _train_and_collect(spec_dict: dict) -> dict:
+    trainer = Trainer(JobSpec.model_validate(spec_dict))
+    losses = [trainer.train_step().loss for _ in range(spec_dict["training"]["train_iters"])]
+    grads, params = {}, {}
+    for name, p in trainer.model.named_parameters():
+        grads[name] = _full(p.grad, p)
+        params[name] = _full(p, p)
+    ps.destroy_model_parallel()
+    return {"losses": losses, "grads": grads, "params": params} if dist.get_rank() == 0 else {}
+
+
+def run_job(spec_dict: dict) -> dict:
+    return spawn(_train_and_collect, spec_dict["resources"]["ranks"], (spec_dict,), timeout_s=240)[0]
+
+
+def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tuple[float, str]:
+    """Largest |a-b| / (max|b| + 1e-8) over tensors with the same name, and which name."""
+    assert a.keys() == b.keys(), set(a) ^ set(b)
+    worst, where = 0.0, ""
+    for k in a:
+        assert a[k].shape == b[k].shape, (k, a[k].shape, b[k].shape)
+        d = float((a[k] - b[k]).abs().max() / (b[k].abs().max() + 1e-8))
+        if d > worst:
+            worst, where = d, k
+    return worst, where
