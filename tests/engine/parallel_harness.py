@@ -61,13 +61,19 @@ def _full(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 
 def _train_and_collect(spec_dict: dict) -> dict:
     trainer = Trainer(JobSpec.model_validate(spec_dict))
-    losses = [trainer.train_step().loss for _ in range(spec_dict["training"]["train_iters"])]
+    steps = [trainer.train_step() for _ in range(spec_dict["training"]["train_iters"])]
     grads, params = {}, {}
     for name, p in trainer.model.named_parameters():
         grads[name] = _full(p.grad, p)
         params[name] = _full(p, p)
     ps.destroy_model_parallel()
-    return {"losses": losses, "grads": grads, "params": params} if dist.get_rank() == 0 else {}
+    result = {
+        "losses": [m.loss for m in steps],
+        "grad_norms": [m.grad_norm for m in steps],
+        "grads": grads,
+        "params": params,
+    }
+    return result if dist.get_rank() == 0 else {}
 
 
 def run_job(spec_dict: dict) -> dict:

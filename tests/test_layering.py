@@ -1,0 +1,56 @@
+"""DESIGN.md's dependency rule: engine is a library (imports neither workers nor service);
+workers never import service; service (and the CLI) start without importing torch or Ray Train."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _imported_packages(package: str) -> dict[str, set[str]]:
+    found: dict[str, set[str]] = {}
+    for path in (ROOT / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for name in names:
+                found.setdefault(name.split(".")[0], set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_engine_imports_neither_workers_nor_service():
+    imported = _imported_packages("engine")
+    assert "service" not in imported, imported.get("service")
+    assert "workers" not in imported, imported.get("workers")
+
+
+def test_workers_do_not_import_service():
+    assert "service" not in _imported_packages("workers")
+
+
+def test_service_and_cli_start_without_torch_or_ray_train():
+    code = (
+        "import sys, service, service.cli, engine.jobspec; "
+        "bad = [m for m in ('torch', 'ray.train') if m in sys.modules]; "
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_device_handling_lives_in_one_place():
+    """Only engine/device.py talks to torch.cuda."""
+    offenders = [
+        str(p.relative_to(ROOT))
+        for p in (ROOT / "engine").rglob("*.py")
+        if "torch.cuda" in p.read_text() and p.name != "device.py"
+    ]
+    assert not offenders, offenders
