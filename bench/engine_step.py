@@ -65,7 +65,10 @@ class PlainBlock(nn.Module):
         v = self.wv(y).view(b, s, self.groups, self.hd)
         q, k = rope(q, cos, sin), rope(k, cos, sin)
         o = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            is_causal=True,
             enable_gqa=self.heads != self.groups,
         )
         x = x + self.wo(o.transpose(1, 2).reshape(b, s, -1))
@@ -137,14 +140,22 @@ def main() -> None:
     cfg = trainer.config
     dtype = cfg.params_dtype
     plain = PlainLlama(
-        cfg.padded_vocab_size, cfg.hidden_size, cfg.num_layers, cfg.num_attention_heads, cfg.num_query_groups,
-        cfg.ffn_hidden_size, cfg.norm_epsilon, cfg.rotary_base,
+        cfg.padded_vocab_size,
+        cfg.hidden_size,
+        cfg.num_layers,
+        cfg.num_attention_heads,
+        cfg.num_query_groups,
+        cfg.ffn_hidden_size,
+        cfg.norm_epsilon,
+        cfg.rotary_base,
     )
     copy_weights(trainer.model, plain, cfg)
     plain_params = list(plain.parameters())
     master = [p.detach().clone().requires_grad_() for p in plain_params] if dtype != torch.float32 else None
     plain.to(dtype)
-    opt = torch.optim.AdamW(master or plain_params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True)
+    opt = torch.optim.AdamW(
+        master or plain_params, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, foreach=True
+    )
 
     rows = torch.stack([trainer.source[i] for i in range(spec.training.micro_batch_size)])
     ids, labels = rows[:, :-1], rows[:, 1:]
@@ -153,7 +164,9 @@ def main() -> None:
         plain_loss = float(plain(ids, labels))
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     if abs(ours_loss - plain_loss) > tol * abs(plain_loss):
-        raise SystemExit(f"models differ: ours {ours_loss} vs plain {plain_loss}: the ratio would be meaningless")
+        raise SystemExit(
+            f"models differ: ours {ours_loss} vs plain {plain_loss}: the ratio would be meaningless"
+        )
 
     def plain_step():
         opt.zero_grad(set_to_none=True)
@@ -186,9 +199,31 @@ def main() -> None:
     tokens = spec.training.global_batch_size * cfg.seq_length
     base = {"bench": "engine_step", "precision": args.precision, "model": "llama-4L-h512-s256-b4"}
     print(json.dumps({**base, "figure": "first_loss_abs_diff", "value": abs(ours_loss - plain_loss)}))
-    print(json.dumps({**base, "figure": "plain_step_s", "value": round(plain_s, 4), "tokens_per_s": round(tokens / plain_s)}))
-    print(json.dumps({**base, "figure": "ours_step_s", "value": round(ours_s, 4), "tokens_per_s": round(tokens / ours_s)}))
-    print(json.dumps({**base, "figure": "ratio_ours_over_plain", "value": round(ours_s / plain_s, 3), "target": 1.05}))
+    print(
+        json.dumps(
+            {
+                **base,
+                "figure": "plain_step_s",
+                "value": round(plain_s, 4),
+                "tokens_per_s": round(tokens / plain_s),
+            }
+        )
+    )
+    print(
+        json.dumps(
+            {
+                **base,
+                "figure": "ours_step_s",
+                "value": round(ours_s, 4),
+                "tokens_per_s": round(tokens / ours_s),
+            }
+        )
+    )
+    print(
+        json.dumps(
+            {**base, "figure": "ratio_ours_over_plain", "value": round(ours_s / plain_s, 3), "target": 1.05}
+        )
+    )
     dist.destroy_process_group()
 
 

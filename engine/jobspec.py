@@ -9,6 +9,7 @@ the engine.
 
 from __future__ import annotations
 
+import difflib
 import json
 import math
 from pathlib import Path
@@ -16,7 +17,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-PositiveInt = Annotated[int, Field(ge=1)]
+# Strict: YAML's `true` or `yes` in an integer field is an error, not a silent 1.
+PositiveInt = Annotated[int, Field(ge=1, strict=True)]
+NonNegativeInt = Annotated[int, Field(ge=0, strict=True)]
 
 
 class _Section(BaseModel):
@@ -43,7 +46,8 @@ class ModelSpec(_Section):
     )
     vocab_size: PositiveInt | None = Field(None, description="Default: the tokenizer's vocabulary size.")
     make_vocab_size_divisible_by: PositiveInt = Field(
-        128, description="Pad the embedding table to a multiple of this (must be divisible by parallel.tensor)."
+        128,
+        description="Pad the embedding table to a multiple of this (must be divisible by parallel.tensor).",
     )
     seq_length: PositiveInt = 128
     tie_embeddings: bool | None = Field(None, description="Default: true for gpt2, false for llama.")
@@ -101,9 +105,12 @@ class ParallelSpec(_Section):
 
 class DataSpec(_Section):
     source: Literal["text", "synthetic"] = Field(
-        "text", description="text: a UTF-8 file tokenised at start; synthetic: seeded random tokens (benchmarks)."
+        "text",
+        description="text: a UTF-8 file tokenised at start; synthetic: seeded random tokens (benchmarks).",
     )
-    path: str | None = Field(None, description="Text file for source=text; default: the corpus shipped with elastron.")
+    path: str | None = Field(
+        None, description="Text file for source=text; default: the corpus shipped with elastron."
+    )
     tokenizer: Literal["byte"] = "byte"
 
 
@@ -114,7 +121,8 @@ class TrainingSpec(_Section):
     seed: int = 1234
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     rampup_batch_size: tuple[PositiveInt, PositiveInt, PositiveInt] | None = Field(
-        None, description="[start, increment, ramp_samples]: grow the global batch step-wise (Megatron-Core's rampup)."
+        None,
+        description="[start, increment, ramp_samples]: grow the global batch step-wise (Megatron-Core's rampup).",
     )
     log_interval: PositiveInt = 1
 
@@ -132,11 +140,13 @@ class OptimizerSpec(_Section):
     adam_eps: float = Field(1e-8, gt=0.0)
     clip_grad: float = Field(1.0, ge=0.0, description="Global grad-norm clip; 0 disables clipping.")
     lr_decay_style: Literal["constant", "linear", "cosine", "inverse-square-root", "WSD"] = "cosine"
-    lr_warmup_iters: int = Field(0, ge=0)
+    lr_warmup_iters: NonNegativeInt = 0
     lr_warmup_init: float = Field(0.0, ge=0.0)
     lr_decay_iters: PositiveInt | None = Field(None, description="Default: training.train_iters.")
     lr_wsd_decay_style: Literal["linear", "cosine", "exponential", "minus_sqrt"] = "exponential"
-    lr_wsd_decay_iters: int | None = Field(None, ge=0, description="Anneal length for WSD (required for WSD).")
+    lr_wsd_decay_iters: NonNegativeInt | None = Field(
+        None, description="Anneal length for WSD (required for WSD)."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> OptimizerSpec:
@@ -144,21 +154,39 @@ class OptimizerSpec(_Section):
             raise ValueError(f"optimizer.min_lr ({self.min_lr}) must not exceed optimizer.lr ({self.lr})")
         if self.lr_decay_style == "WSD" and self.lr_wsd_decay_iters is None:
             raise ValueError("optimizer.lr_wsd_decay_iters is required when optimizer.lr_decay_style is WSD")
+        if self.lr_warmup_init > self.lr:
+            raise ValueError(
+                f"optimizer.lr_warmup_init ({self.lr_warmup_init}) must not exceed optimizer.lr ({self.lr})"
+            )
         if (self.start_weight_decay is None) != (self.end_weight_decay is None):
             raise ValueError(
                 "optimizer.start_weight_decay and optimizer.end_weight_decay go together: set both or neither"
             )
+        if self.start_weight_decay is not None:
+            start, end = self.start_weight_decay, self.end_weight_decay
+            if end < start:
+                raise ValueError(
+                    f"optimizer.end_weight_decay ({end}) is below optimizer.start_weight_decay ({start}): "
+                    "weight decay can only increase over the run"
+                )
+            if start != end and self.weight_decay_incr_style == "constant":
+                raise ValueError(
+                    "optimizer.start_weight_decay and optimizer.end_weight_decay differ but "
+                    "optimizer.weight_decay_incr_style is constant: set it to linear or cosine"
+                )
         return self
 
 
 class CheckpointSpec(_Section):
-    path: str | None = Field(None, description="Local directory or s3://bucket/prefix for sharded checkpoints.")
+    path: str | None = Field(
+        None, description="Local directory or s3://bucket/prefix for sharded checkpoints."
+    )
     interval: PositiveInt | None = Field(None, description="Save every N iterations.")
     resume: Literal["auto", "never"] = "auto"
 
 
 class ResilienceSpec(_Section):
-    max_restarts: int = Field(0, ge=0, description="Worker-group restarts allowed before the job fails.")
+    max_restarts: NonNegativeInt = Field(0, description="Worker-group restarts allowed before the job fails.")
 
 
 class ResourcesSpec(_Section):
@@ -230,7 +258,9 @@ class JobSpec(_Section):
             )
         if p.virtual_pipeline is not None:
             if p.pipeline == 1:
-                raise ValueError("parallel.virtual_pipeline needs parallel.pipeline > 1: remove it or raise pipeline")
+                raise ValueError(
+                    "parallel.virtual_pipeline needs parallel.pipeline > 1: remove it or raise pipeline"
+                )
             if m.num_layers % (p.pipeline * p.virtual_pipeline):
                 raise ValueError(
                     f"model.num_layers ({m.num_layers}) must be divisible by parallel.pipeline x "
@@ -255,7 +285,14 @@ class JobSpec(_Section):
                     f"training.rampup_batch_size: global_batch_size ({t.global_batch_size}) - start ({start}) "
                     f"must be a non-negative multiple of the increment ({incr})"
                 )
-        if self.optimizer.lr_warmup_iters > (self.optimizer.lr_decay_iters or t.train_iters):
+        decay_iters = self.optimizer.lr_decay_iters or t.train_iters
+        wsd = self.optimizer.lr_wsd_decay_iters
+        if self.optimizer.lr_decay_style == "WSD" and wsd is not None and wsd > decay_iters:
+            raise ValueError(
+                f"optimizer.lr_wsd_decay_iters ({wsd}) exceeds the decay length ({decay_iters}, "
+                "optimizer.lr_decay_iters or training.train_iters): the anneal is the end of the decay"
+            )
+        if self.optimizer.lr_warmup_iters > decay_iters:
             raise ValueError(
                 f"optimizer.lr_warmup_iters ({self.optimizer.lr_warmup_iters}) exceeds the decay length "
                 f"(optimizer.lr_decay_iters or training.train_iters)"
@@ -267,11 +304,30 @@ class JobSpecError(ValueError):
     """A job file that cannot run: the message lists each bad field and the fix, one per line."""
 
 
+def _known_keys(loc: tuple) -> list[str]:
+    """Field names of the section that holds the key at `loc` (for 'did you mean' messages)."""
+    model: type[BaseModel] = JobSpec
+    for part in loc[:-1]:
+        annotation = model.model_fields[str(part)].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
 def format_validation_error(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
         loc = ".".join(str(x) for x in e["loc"])
         msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            known, key = _known_keys(e["loc"]), str(e["loc"][-1])
+            # Megatron-style long names (tensor_model_parallel_size) and suffix typos
+            # (tensor_paralel) start with the key meant; otherwise the closest spelling.
+            head = key.split("_")[0]
+            close = [head] if head in known else difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            msg = f"unknown key: {hint}known keys here: {', '.join(known)}"
         lines.append(f"{loc}: {msg}" if loc and not msg.startswith(loc) else msg)
     return "\n".join(lines)
 
@@ -291,7 +347,10 @@ def load_job(path: str | Path) -> JobSpec:
     except OSError as err:
         raise JobSpecError(f"cannot read job file {path}: {err.strerror}") from None
     if path.suffix == ".json":
-        data = json.loads(text)
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise JobSpecError(f"{path} is not valid JSON: {err}") from None
     else:
         import yaml
 

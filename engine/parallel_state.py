@@ -65,16 +65,22 @@ class RankGrid:
         for name in ("world_size", "tp", "pp", "cp", "ep"):
             if getattr(self, name) < 1:
                 raise LayoutError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("etp", "vpp"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise LayoutError(f"{name} must be >= 1 (or unset), got {value}")
         if sorted(self.order) != sorted(DEFAULT_ORDER):
-            raise LayoutError(f"order must be a permutation of {'-'.join(DEFAULT_ORDER)}, got {'-'.join(self.order)}")
+            raise LayoutError(
+                f"order must be a permutation of {'-'.join(DEFAULT_ORDER)}, got {'-'.join(self.order)}"
+            )
         mp = self.tp * self.pp * self.cp
         if self.world_size % mp:
             raise LayoutError(
                 f"tensor ({self.tp}) x pipeline ({self.pp}) x context ({self.cp}) = {mp} does not divide "
                 f"the {self.world_size} ranks"
             )
-        if (self.dp * self.cp) % self.ep:
-            raise LayoutError(f"expert ({self.ep}) must divide data x context ({self.dp * self.cp})")
+        # Experts fold onto the ranks of one pipeline stage however attention is laid out there
+        # (Megatron-Core's rule): only expert-TP x EP x PP has to divide the world.
         etp = self.expert_tp
         if self.world_size % (etp * self.ep * self.pp):
             raise LayoutError(
@@ -83,6 +89,11 @@ class RankGrid:
             )
         if self.vpp is not None and self.pp == 1:
             raise LayoutError("virtual pipeline needs pipeline > 1")
+        if self.groups("pp") != self.expert_groups("pp"):
+            raise LayoutError(
+                f"order {'-'.join(self.order)} puts experts of one group on different pipeline stages "
+                "(the expert grid's pipeline groups differ from the dense grid's): keep pp outermost"
+            )
 
     @property
     def dp(self) -> int:
@@ -118,6 +129,8 @@ class RankGrid:
 
     def coords(self, rank: int) -> dict[str, int]:
         """This rank's position along each dense dimension."""
+        if not 0 <= rank < self.world_size:
+            raise LayoutError(f"rank {rank} is outside [0, {self.world_size})")
         out, rest = {}, rank
         for name, size in self._dense_sizes().items():
             out[name], rest = rest % size, rest // size
@@ -163,7 +176,9 @@ def initialize_model_parallel(
     """Create every process group of the layout on an initialised default group."""
     global _STATE
     if not dist.is_initialized():
-        raise RuntimeError("torch.distributed is not initialised: start ranks through engine.launcher or Ray Train")
+        raise RuntimeError(
+            "torch.distributed is not initialised: start ranks through engine.launcher or Ray Train"
+        )
     grid = RankGrid(
         world_size=dist.get_world_size(),
         tp=tensor,
@@ -200,7 +215,9 @@ def model_parallel_is_initialized() -> bool:
 
 def _state() -> _State:
     if _STATE is None:
-        raise RuntimeError("parallel state is not initialised: call engine.parallel_state.initialize_model_parallel")
+        raise RuntimeError(
+            "parallel state is not initialised: call engine.parallel_state.initialize_model_parallel"
+        )
     return _STATE
 
 

@@ -60,8 +60,6 @@ class _NoopTimer:
 NOOP_TIMER = _NoopTimer()
 
 
-
-
 def _barrier() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()

@@ -86,7 +86,10 @@ class Trainer:
         self.spec = spec
         p, t = spec.parallel, spec.training
         ps.initialize_model_parallel(
-            tensor=p.tensor, pipeline=p.pipeline, context=p.context, expert=p.expert,
+            tensor=p.tensor,
+            pipeline=p.pipeline,
+            context=p.context,
+            expert=p.expert,
             virtual_pipeline=p.virtual_pipeline,
         )
         model_parallel_manual_seed(t.seed)
@@ -99,8 +102,9 @@ class Trainer:
         self.scheduler = OptimizerParamScheduler.from_spec(self.optimizer, spec.optimizer, t.train_iters)
         self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.microbatches = MicrobatchCalculator.from_spec(t, self.dp_size)
-        self.source = build_source(spec, self.config.padded_vocab_size if spec.data.source == "synthetic"
-                                   else tokenizer.vocab_size)
+        self.source = build_source(
+            spec, self.config.padded_vocab_size if spec.data.source == "synthetic" else tokenizer.vocab_size
+        )
         self.timers = Timers(log_level=timer_level)
         self.iteration = 0
         self.consumed_samples = 0

@@ -28,7 +28,9 @@ def _fail(message: str, code: int = 2) -> None:
 @app.command()
 def train(
     job: Annotated[Path, typer.Argument(help="Job file (YAML or JSON).")],
-    ranks: Annotated[int | None, typer.Option(help="Number of local ranks; overrides resources.ranks.")] = None,
+    ranks: Annotated[
+        int | None, typer.Option(help="Number of local ranks; overrides resources.ranks.")
+    ] = None,
     metrics_out: Annotated[
         Path | None, typer.Option("--metrics-out", help="Write one JSON line per iteration here.")
     ] = None,

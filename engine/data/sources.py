@@ -33,7 +33,9 @@ class TextSource:
         self.seq_length, self.seed = seq_length, seed
         self.num_windows = (len(self.tokens) - 1) // seq_length
         if self.num_windows < 1:
-            raise ValueError(f"data.path {path} has {len(self.tokens)} tokens: fewer than model.seq_length + 1")
+            raise ValueError(
+                f"data.path {path} has {len(self.tokens)} tokens: fewer than model.seq_length + 1"
+            )
         self._perm_epoch, self._perm = -1, torch.arange(0)
 
     def __getitem__(self, index: int) -> torch.Tensor:

@@ -65,7 +65,9 @@ class TrainingOptimizer:
             for p, m in zip(self.model_params, self.main_params, strict=True):
                 m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
         grads = [m.grad for m in self.main_params if m.grad is not None]
-        norm = global_grad_norm([m.grad for m in self.main_params if m.grad is not None and counts_in_norm(m)])
+        norm = global_grad_norm(
+            [m.grad for m in self.main_params if m.grad is not None and counts_in_norm(m)]
+        )
         clip_grads_(grads, self.spec.clip_grad, norm)
         self.inner.step()
         if self.use_master:

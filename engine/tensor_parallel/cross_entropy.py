@@ -53,7 +53,9 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, gro
     """Per-token loss [...] for logits [..., vocab/tp] and integer targets [...] (global ids)."""
     tp = ps.get_tensor_model_parallel_world_size() if group is None else dist.get_world_size(group)
     if tp == 1:
-        flat = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction="none")
+        flat = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction="none"
+        )
         return flat.view(target.shape)
     group = group if group is not None else ps.get_tensor_model_parallel_group()
     return _VocabParallelCrossEntropy.apply(logits, target, group)

@@ -53,7 +53,9 @@ class TransformerConfig:
         m = spec.model
         vocab = m.vocab_size or vocab_size
         if vocab < vocab_size:
-            raise ValueError(f"model.vocab_size ({vocab}) is smaller than the tokenizer's vocabulary ({vocab_size})")
+            raise ValueError(
+                f"model.vocab_size ({vocab}) is smaller than the tokenizer's vocabulary ({vocab_size})"
+            )
         multiple = m.make_vocab_size_divisible_by
         llama = m.arch == "llama"
         return cls(

@@ -34,5 +34,7 @@ def initialize_weights(model: nn.Module, seed: int) -> None:
             full = torch.zeros(shape)
         else:
             full = torch.empty(shape).normal_(0.0, std, generator=_generator(seed, name))
-        local = shard_of(full, getattr(param, "partition_dim", None), getattr(param, "partition_stride", 1), rank, world)
+        local = shard_of(
+            full, getattr(param, "partition_dim", None), getattr(param, "partition_stride", 1), rank, world
+        )
         param.copy_(local.to(param.dtype))

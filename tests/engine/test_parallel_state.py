@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch.distributed as dist
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from engine import parallel_state as ps
@@ -135,11 +135,6 @@ def test_expert_grid_shares_pipeline_groups():
     assert grid.expert_groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: with an order that does not end in pp the expert grid's pipeline groups differ from the "
-    "dense ones and RankGrid accepts it (Megatron-Core asserts they are equal)",
-)
 def test_order_whose_expert_pipeline_groups_differ_is_refused():
     # order tp-pp-cp-ep-dp, tp 2, expert tp 1: dense pp groups [0,2],[1,3],... but expert pp
     # groups [0,1],[2,3],...: an expert group would span two pipeline stages.
@@ -147,11 +142,6 @@ def test_order_whose_expert_pipeline_groups_differ_is_refused():
         RankGrid(world_size=8, tp=2, pp=2, etp=1, order=("tp", "pp", "cp", "ep", "dp"))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="divergence from Megatron-Core: (dp*cp) % ep refuses folded layouts where expert parallel spans "
-    "dense tensor-parallel ranks; Megatron-Core only needs world % (etp*ep*pp) == 0",
-)
 def test_parallel_folding_expert_across_tensor_ranks():
     # attention TP 4, experts EP 8 with expert TP 1 on 8 ranks
     grid = RankGrid(world_size=8, tp=4, ep=8, etp=1)
@@ -181,6 +171,10 @@ def layouts(draw):
     ep = draw(st.sampled_from([e for e in range(1, dp * cp + 1) if (dp * cp) % e == 0]))
     etp = draw(st.sampled_from([None] + [t for t in (1, 2, 4) if world % (t * ep * pp) == 0]))
     order = draw(st.sampled_from([("tp", "cp", "ep", "dp", "pp"), ("tp", "cp", "ep", "pp", "dp")]))
+    # With pp before dp, dense rank = tp-cp block + (tp*cp) * pp + ..., expert rank = etp-ep block
+    # + (etp*ep) * pp + ...: the two grids share pipeline groups only if those blocks are equal.
+    if order[3] == "pp" and pp > 1:
+        assume((etp or tp) * ep == tp * cp)
     return RankGrid(world_size=world, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, order=order)
 
 
@@ -245,8 +239,14 @@ def test_unknown_dimension_is_a_key_error():
             {"world_size": 12, "tp": 2, "pp": 2, "cp": 2},
             r"^tensor \(2\) x pipeline \(2\) x context \(2\) = 8 does not divide the 12 ranks$",
         ),
-        ({"world_size": 4, "ep": 3}, r"^expert \(3\) must divide data x context \(4\)$"),
-        ({"world_size": 8, "tp": 2, "ep": 8}, r"^expert \(8\) must divide data x context \(4\)$"),
+        (
+            {"world_size": 4, "ep": 3},
+            r"^expert tensor \(1\) x expert \(3\) x pipeline \(1\) does not divide the 4 ranks$",
+        ),
+        (
+            {"world_size": 8, "tp": 2, "ep": 8},
+            r"^expert tensor \(2\) x expert \(8\) x pipeline \(1\) does not divide the 8 ranks$",
+        ),
         (
             {"world_size": 8, "etp": 3},
             r"^expert tensor \(3\) x expert \(1\) x pipeline \(1\) does not divide the 8 ranks$",
@@ -276,7 +276,6 @@ def test_layout_error_is_a_value_error():
     assert issubclass(LayoutError, ValueError)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: etp and vpp are not range-checked (etp=0: ZeroDivisionError)")
 @pytest.mark.parametrize(
     "kwargs", [{"etp": 0}, {"etp": -1}, {"pp": 2, "vpp": 0}], ids=["etp-0", "etp-negative", "vpp-0"]
 )
@@ -285,10 +284,8 @@ def test_expert_tensor_and_virtual_pipeline_sizes_are_checked(kwargs):
         RankGrid(world_size=8, **kwargs)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: coords() accepts ranks outside [0, world_size)")
 @pytest.mark.parametrize("rank", [16, -1])
 def test_coords_of_a_rank_outside_the_world(tp2_pp4, rank):
-    # coords(16) currently returns rank 0's coordinates and coords(-1) rank 15's.
     with pytest.raises((LayoutError, ValueError, IndexError)):
         tp2_pp4.coords(rank)
 

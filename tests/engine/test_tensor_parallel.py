@@ -120,7 +120,9 @@ def _rng_case() -> dict:
 
 def test_rng_tracker_same_where_replicated_different_where_sharded():
     r0, r1 = spawn(_rng_case, 2)
-    assert torch.equal(r0["replicated"], r1["replicated"]), "replicated activations need one mask on all TP ranks"
+    assert torch.equal(r0["replicated"], r1["replicated"]), (
+        "replicated activations need one mask on all TP ranks"
+    )
     assert not torch.equal(r0["sharded"], r1["sharded"]), "TP-sharded activations need a mask per TP rank"
     for r in (r0, r1):
         assert torch.equal(r["after_fork"], r["no_fork"]), "fork() must restore the default stream"
