@@ -20,7 +20,7 @@ import torch.distributed as dist
 from engine import device
 from engine import parallel_state as ps
 from engine.data.sources import SyntheticSource, TextSource, micro_batch
-from engine.data.tokenizer import build_tokenizer
+from engine.data.tokenizer import ByteTokenizer, build_tokenizer
 from engine.distributed.finalize_grads import finalize_model_grads
 from engine.jobspec import JobSpec, JobSpecError
 from engine.microbatches import MicrobatchCalculator
@@ -71,10 +71,10 @@ class StepMetrics:
     timers: dict[str, list[float]] = field(default_factory=dict)
 
 
-def build_source(spec: JobSpec, vocab_size: int):
+def build_source(spec: JobSpec, tokenizer: ByteTokenizer, config: TransformerConfig):
+    """Synthetic tokens span the model's (padded) vocabulary; text goes through the tokenizer."""
     if spec.data.source == "synthetic":
-        return SyntheticSource(vocab_size, spec.model.seq_length, spec.training.seed)
-    tokenizer = build_tokenizer(spec.data.tokenizer)
+        return SyntheticSource(config.padded_vocab_size, spec.model.seq_length, spec.training.seed)
     return TextSource(spec.data.path, tokenizer, spec.model.seq_length, spec.training.seed)
 
 
@@ -102,9 +102,7 @@ class Trainer:
         self.scheduler = OptimizerParamScheduler.from_spec(self.optimizer, spec.optimizer, t.train_iters)
         self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.microbatches = MicrobatchCalculator.from_spec(t, self.dp_size)
-        self.source = build_source(
-            spec, self.config.padded_vocab_size if spec.data.source == "synthetic" else tokenizer.vocab_size
-        )
+        self.source = build_source(spec, tokenizer, self.config)
         self.timers = Timers(log_level=timer_level)
         self.iteration = 0
         self.consumed_samples = 0
