@@ -101,6 +101,24 @@ class ParallelSpec(_Section):
     sequence_parallel: bool = Field(
         False, description="Shard activations along the sequence between TP regions (no-op when tensor=1)."
     )
+    pipeline_layers: list[PositiveInt] | None = Field(
+        None,
+        description="Layers per (virtual) pipeline stage, in stage order; default: an even split. "
+        "Length pipeline x virtual_pipeline, sum model.num_layers.",
+    )
+    distributed_optimizer: bool = Field(
+        False,
+        description="ZeRO-1: each data-parallel rank keeps optimizer state for its slice of the params.",
+    )
+    grad_reduce_in_fp32: bool = Field(
+        True, description="Accumulate and reduce gradients in fp32 even when params are bf16/fp16."
+    )
+    overlap_grad_reduce: bool = Field(
+        True, description="Launch each gradient bucket's reduction during backward."
+    )
+    grad_bucket_size: PositiveInt = Field(
+        40_000_000, description="Gradient elements per data-parallel communication bucket."
+    )
 
 
 class DataSpec(_Section):
@@ -125,6 +143,17 @@ class TrainingSpec(_Section):
         description="[start, increment, ramp_samples]: grow the global batch step-wise (Megatron-Core's rampup).",
     )
     log_interval: PositiveInt = 1
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none", description="Activation recomputation: selective = attention core only; full = whole layers."
+    )
+    initial_loss_scale: float = Field(2.0**16, gt=0.0, description="fp16: starting dynamic loss scale.")
+    min_loss_scale: float = Field(1.0, gt=0.0, description="fp16: the scale never drops below this.")
+    loss_scale_window: PositiveInt = Field(
+        1000, description="fp16: raise the scale after this many good steps."
+    )
+    hysteresis: PositiveInt = Field(
+        2, description="fp16: overflowing steps tolerated before lowering the scale."
+    )
 
 
 class OptimizerSpec(_Section):
@@ -251,27 +280,39 @@ class JobSpec(_Section):
                 f"model.seq_length ({m.seq_length}) must be divisible by parallel.tensor ({tp}) with "
                 "parallel.sequence_parallel: true"
             )
-        if m.num_layers % p.pipeline:
+        if p.virtual_pipeline is not None and p.pipeline == 1:
+            raise ValueError(
+                "parallel.virtual_pipeline needs parallel.pipeline > 1: remove it or raise pipeline"
+            )
+        stages = p.pipeline * (p.virtual_pipeline or 1)
+        if p.pipeline_layers is not None:
+            if len(p.pipeline_layers) != stages or sum(p.pipeline_layers) != m.num_layers:
+                raise ValueError(
+                    f"parallel.pipeline_layers {p.pipeline_layers} must list {stages} stages (pipeline x "
+                    f"virtual_pipeline) adding up to model.num_layers ({m.num_layers})"
+                )
+        elif m.num_layers % p.pipeline:
             raise ValueError(
                 f"model.num_layers ({m.num_layers}) is not divisible by parallel.pipeline ({p.pipeline}): "
                 f"choose parallel.pipeline from {_divisors(m.num_layers)}"
             )
-        if p.virtual_pipeline is not None:
-            if p.pipeline == 1:
-                raise ValueError(
-                    "parallel.virtual_pipeline needs parallel.pipeline > 1: remove it or raise pipeline"
-                )
-            if m.num_layers % (p.pipeline * p.virtual_pipeline):
-                raise ValueError(
-                    f"model.num_layers ({m.num_layers}) must be divisible by parallel.pipeline x "
-                    f"parallel.virtual_pipeline ({p.pipeline * p.virtual_pipeline})"
-                )
+        elif m.num_layers % stages:
+            raise ValueError(
+                f"model.num_layers ({m.num_layers}) must be divisible by parallel.pipeline x "
+                f"parallel.virtual_pipeline ({stages})"
+            )
         per_step = t.micro_batch_size * dp
         if t.global_batch_size % per_step:
             raise ValueError(
                 f"training.global_batch_size ({t.global_batch_size}) is not divisible by "
                 f"training.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp}) = {per_step}: "
                 f"use a multiple of {per_step}"
+            )
+        if p.virtual_pipeline is not None and (t.global_batch_size // per_step) % p.pipeline:
+            raise ValueError(
+                f"the interleaved schedule needs the number of microbatches (training.global_batch_size / "
+                f"(micro_batch_size x data-parallel size) = {t.global_batch_size // per_step}) to be a multiple "
+                f"of parallel.pipeline ({p.pipeline})"
             )
         if t.rampup_batch_size is not None:
             start, incr, _ = t.rampup_batch_size

@@ -255,6 +255,45 @@ def test_num_layers_not_divisible_by_pipeline_times_virtual():
     )
 
 
+def test_uneven_pipeline_split_is_accepted_when_it_adds_up():
+    spec = parse_job(
+        job(
+            model={"num_layers": 3},
+            parallel={"pipeline": 2, "pipeline_layers": [1, 2]},
+            resources={"ranks": 2},
+        )
+    )
+    assert spec.parallel.pipeline_layers == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "layers", [[1, 1], [1, 1, 1], [3, 0]], ids=["short-sum", "too-many-stages", "empty-stage"]
+)
+def test_pipeline_layers_must_list_every_stage_and_add_up(layers):
+    with pytest.raises(JobSpecError, match=r"parallel\.pipeline_layers"):
+        parse_job(
+            job(
+                model={"num_layers": 3},
+                parallel={"pipeline": 2, "pipeline_layers": layers},
+                resources={"ranks": 2},
+            )
+        )
+
+
+def test_interleaved_schedule_needs_microbatches_multiple_of_pipeline():
+    # 3 microbatches (global 3, micro 1, dp 1) over pipeline 2 with virtual stages
+    refused(
+        job(
+            model={"num_layers": 4},
+            parallel={"pipeline": 2, "virtual_pipeline": 2},
+            training={"global_batch_size": 3},
+            resources={"ranks": 2},
+        ),
+        r"^the interleaved schedule needs the number of microbatches .* = 3\) to be a multiple of "
+        r"parallel\.pipeline \(2\)$",
+    )
+
+
 def test_virtual_pipeline_accepted_when_layers_split():
     spec = parse_job(
         job(model={"num_layers": 8}, parallel={"pipeline": 2, "virtual_pipeline": 2}, resources={"ranks": 2})
@@ -430,7 +469,8 @@ def test_misspelt_key_inside_a_section():
     refused(
         job(parallel={"tensor_paralel": 2}, resources={"ranks": 2}),
         r"^parallel\.tensor_paralel: unknown key: did you mean 'tensor'\? known keys here: tensor, pipeline, "
-        r"virtual_pipeline, context, expert, sequence_parallel$",
+        r"virtual_pipeline, context, expert, sequence_parallel, pipeline_layers, distributed_optimizer, "
+        r"grad_reduce_in_fp32, overlap_grad_reduce, grad_bucket_size$",
     )
     refused(
         job(optimizer={"learning_rate": 0.1}),
