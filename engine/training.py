@@ -21,13 +21,16 @@ from engine import device
 from engine import parallel_state as ps
 from engine.data.sources import SyntheticSource, TextSource, micro_batch
 from engine.data.tokenizer import ByteTokenizer, build_tokenizer
+from engine.distributed.data_parallel import DataParallel
 from engine.distributed.finalize_grads import finalize_model_grads
 from engine.jobspec import JobSpec, JobSpecError
 from engine.microbatches import MicrobatchCalculator
 from engine.models import GPTModel
+from engine.optimizer.grad_scaler import DynamicGradScaler
 from engine.optimizer.optimizer import TrainingOptimizer
 from engine.optimizer.scheduler import OptimizerParamScheduler
-from engine.tensor_parallel import model_parallel_manual_seed
+from engine.pipeline_parallel import PipelineRunner, stage_layer_ranges, virtual_stages_of
+from engine.tensor_parallel import model_parallel_manual_seed, vocab_parallel_cross_entropy
 from engine.timers import Timers
 from engine.transformer.config import TransformerConfig
 from engine.transformer.initialization import initialize_weights
@@ -38,14 +41,10 @@ STEP_TIMERS = ["forward-backward", "grads-finalize", "optimizer"]
 def unsupported_features(spec: JobSpec) -> list[str]:
     """Valid job settings this engine version cannot run yet, each with what to use instead."""
     p, out = spec.parallel, []
-    if p.pipeline > 1 or p.virtual_pipeline:
-        out.append("parallel.pipeline / virtual_pipeline: pipeline parallelism is not available yet; use 1")
     if p.context > 1:
         out.append("parallel.context: context parallelism is not available yet; use 1")
     if p.expert > 1:
         out.append("parallel.expert: expert parallelism needs an MoE model, not available yet; use 1")
-    if spec.training.precision == "fp16":
-        out.append("training.precision: fp16 (loss scaling) is not available yet; use bf16 or fp32")
     if spec.checkpoint.path:
         out.append("checkpoint.path: checkpointing is not available yet; remove it")
     return out
@@ -68,6 +67,8 @@ class StepMetrics:
     tokens_per_s: float
     global_batch_size: int
     consumed_samples: int
+    loss_scale: float = 1.0
+    skipped: bool = False
     timers: dict[str, list[float]] = field(default_factory=dict)
 
 
@@ -96,10 +97,37 @@ class Trainer:
         tokenizer = build_tokenizer(spec.data.tokenizer)
         self.config = TransformerConfig.from_job(spec, tokenizer.vocab_size)
         self.device = device.current_device()
-        self.model = GPTModel(self.config).to(self.device)
-        initialize_weights(self.model, t.seed)
-        self.optimizer = TrainingOptimizer(self.model, spec.optimizer)
+        self.model_chunks = self._build_model_chunks()
+        grad_dtype = torch.float32 if p.grad_reduce_in_fp32 else self.config.params_dtype
+        self.ddp_chunks = [
+            DataParallel(
+                chunk,
+                ps.get_group("dp"),
+                grad_dtype=grad_dtype,
+                bucket_size=p.grad_bucket_size,
+                overlap=p.overlap_grad_reduce,
+                shard=p.distributed_optimizer,
+            )
+            for chunk in self.model_chunks
+        ]
+        self.grad_scaler = None
+        if t.precision == "fp16":
+            self.grad_scaler = DynamicGradScaler(
+                t.initial_loss_scale, t.min_loss_scale, growth_interval=t.loss_scale_window, hysteresis=t.hysteresis
+            )
+        self.optimizer = TrainingOptimizer(
+            self.ddp_chunks,
+            spec.optimizer,
+            # Replicas over DP hold the same grads unless the distributed optimizer split them.
+            norm_group=None if p.distributed_optimizer else ps.get_group("mp"),
+            grad_scaler=self.grad_scaler,
+        )
         self.scheduler = OptimizerParamScheduler.from_spec(self.optimizer, spec.optimizer, t.train_iters)
+        self.pipeline = None
+        if p.pipeline > 1:
+            self.pipeline = PipelineRunner(
+                self.ddp_chunks, self.stage_indices, self.num_stages, ps.get_group("pp"), self.device
+            )
         self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.microbatches = MicrobatchCalculator.from_spec(t, self.dp_size)
         self.source = build_source(spec, tokenizer, self.config)
@@ -107,38 +135,87 @@ class Trainer:
         self.iteration = 0
         self.consumed_samples = 0
 
-    def forward_backward(self, num_microbatches: int) -> torch.Tensor:
-        """Accumulate grads of the mean token loss over this rank's microbatches; returns that loss."""
+    def _build_model_chunks(self) -> list[GPTModel]:
+        """This rank's model chunks: one per virtual pipeline stage it holds (one without PP)."""
+        p = self.spec.parallel
+        vp = p.virtual_pipeline or 1
+        self.num_stages = p.pipeline * vp
+        self.stage_indices = virtual_stages_of(ps.get_pipeline_model_parallel_rank(), p.pipeline, vp)
+        ranges = stage_layer_ranges(self.config.num_layers, self.num_stages, p.pipeline_layers)
+        chunks = []
+        for idx in self.stage_indices:
+            offset, count = ranges[idx]
+            chunk = GPTModel(
+                self.config,
+                pre_process=idx == 0,
+                post_process=idx == self.num_stages - 1,
+                layer_offset=offset,
+                num_layers=count,
+            ).to(self.device)
+            initialize_weights(chunk, self.spec.training.seed)
+            chunks.append(chunk)
+        return chunks
+
+    @property
+    def model(self) -> GPTModel:
+        """The whole model when there is no pipeline parallelism."""
+        if len(self.model_chunks) != 1 or self.pipeline is not None:
+            raise AttributeError("this rank holds pipeline stages: use model_chunks")
+        return self.model_chunks[0]
+
+    def _microbatch(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.spec.training
-        total = torch.zeros((), device=self.device)
-        for m in range(num_microbatches):
-            tokens, labels = micro_batch(
-                self.source, self.consumed_samples, m, t.micro_batch_size, self.dp_size, self.dp_rank
-            )
-            losses = self.model(tokens.to(self.device), labels.to(self.device))
-            loss = losses.float().mean()
-            (loss / num_microbatches).backward()
-            total += loss.detach()
-        return total / num_microbatches
+        tokens, labels = micro_batch(self.source, self.consumed_samples, m, t.micro_batch_size, self.dp_size, self.dp_rank)
+        return tokens.to(self.device), labels.to(self.device)
+
+    def forward_backward(self, num_microbatches: int) -> torch.Tensor:
+        """Accumulate grads of the mean token loss over this rank's microbatches into the DP
+        buffers; returns that loss (on every pipeline stage)."""
+        scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+        per_microbatch: list[torch.Tensor] = []
+        for ddp in self.ddp_chunks:
+            ddp.start_step(num_microbatches)
+
+        def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            loss = vocab_parallel_cross_entropy(logits, labels).float().mean()
+            per_microbatch.append(loss.detach())
+            return loss * (scale / num_microbatches)
+
+        if self.pipeline is None:
+            model = self.ddp_chunks[0]
+            for m in range(num_microbatches):
+                tokens, labels = self._microbatch(m)
+                loss_fn(model(tokens), labels).backward()
+        else:
+            batches = [self._microbatch(m) for m in range(num_microbatches)]
+            tokens = torch.cat([b[0] for b in batches]) if self.pipeline.has_first else None
+            labels = torch.cat([b[1] for b in batches]) if self.pipeline.has_last else None
+            self.pipeline.run(num_microbatches, tokens, labels, loss_fn)
+        total = torch.stack(per_microbatch).sum() if per_microbatch else torch.zeros((), device=self.device)
+        if self.pipeline is not None:  # only the last stage computed the loss
+            total = total.reshape(1)
+            dist.all_reduce(total, group=ps.get_group("pp"))
+        return total.reshape(()) / num_microbatches
 
     def train_step(self) -> StepMetrics:
-        self.model.train()
+        for chunk in self.model_chunks:
+            chunk.train()
         device.synchronize()
         start = time.perf_counter()
         self.microbatches.update(self.consumed_samples)
         n, gbs = self.microbatches.num_microbatches, self.microbatches.current_global_batch_size
         lr = self.optimizer.param_groups[0]["lr"]
 
-        self.optimizer.zero_grad()
         self.timers("forward-backward", 1).start()
         loss = self.forward_backward(n)
         self.timers("forward-backward", 1).stop()
         self.timers("grads-finalize", 1).start()
-        finalize_model_grads(self.model)
+        finalize_model_grads(self.ddp_chunks)
         self.timers("grads-finalize", 1).stop()
         self.timers("optimizer", 1).start()
-        grad_norm = self.optimizer.step()
-        self.scheduler.step()
+        result = self.optimizer.step()
+        if not result.skipped:  # a skipped (overflowing) step does not advance the schedule
+            self.scheduler.step()
         self.timers("optimizer", 1).stop()
 
         if self.dp_size > 1:
@@ -156,12 +233,14 @@ class Trainer:
             iteration=self.iteration,
             loss=float(loss),
             lr=lr,
-            grad_norm=grad_norm,
+            grad_norm=result.grad_norm,
             tokens=tokens,
             step_time_s=elapsed,
             tokens_per_s=tokens / elapsed,
             global_batch_size=gbs,
             consumed_samples=self.consumed_samples,
+            loss_scale=result.loss_scale,
+            skipped=result.skipped,
             timers=timers,
         )
 
@@ -186,7 +265,7 @@ def train_rank(spec_dict: dict[str, Any], metrics_out: str | None = None, quiet:
     try:
         if is_logger and not quiet:
             c, g = trainer.config, ps.get_grid()
-            n_params = sum(p.numel() for p in trainer.model.parameters())
+            n_params = sum(p.numel() for chunk in trainer.model_chunks for p in chunk.parameters())
             print(
                 f"[elastron] {spec.name}: {spec.model.arch} {c.num_layers}L h{c.hidden_size} on "
                 f"{g.world_size} ranks (tp={g.tp} pp={g.pp} cp={g.cp} dp={g.dp}), "

@@ -1,44 +1,49 @@
 """Make every rank's gradients final before the optimizer step.
 
-1. Sequence-parallel params (norm weights, row-parallel biases, position embeddings under SP)
+1. Data parallel: wait for every bucket's reduction (most were launched during backward).
+2. Sequence-parallel params (norm weights, row-parallel biases, position embeddings under SP)
    saw only one sequence chunk per TP rank: sum their grads over TP.
-2. Data parallel: average grads over DP replicas.
+3. A tied embedding split across pipeline stages: sum the first stage's embedding grad and the
+   last stage's output-weight grad over the embedding group, so both copies take the same step.
 
-Each is one coalesced all-reduce over a flat buffer. This is the simple, non-overlapped form:
-bucketed reduction launched during backward replaces step 2 for data parallelism at scale.
+All sums are linear, so their order does not matter. With the distributed optimizer only this
+rank's shard of `main_grad` is meaningful after step 1; steps 2 and 3 still reduce the whole
+tensor, which is right because the ranks they reduce with hold the same bucket layout (TP peers
+build the same model; a tied embedding has a bucket of its own on both stages).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from engine import parallel_state as ps
+from engine.distributed.data_parallel import DataParallel
 
 
-def _all_reduce_coalesced(grads: list[torch.Tensor], group, scale: float = 1.0) -> None:
-    if not grads:
-        return
+def all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
+    """Sum each tensor over `group` in place, one collective per dtype."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for g in grads:
-        by_dtype.setdefault(g.dtype, []).append(g)
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
     for same in by_dtype.values():
         flat = _flatten_dense_tensors(same)
         dist.all_reduce(flat, group=group)
-        if scale != 1.0:
-            flat.mul_(scale)
-        for g, reduced in zip(same, _unflatten_dense_tensors(flat, same), strict=True):
-            g.copy_(reduced)
+        for t, reduced in zip(same, _unflatten_dense_tensors(flat, same), strict=True):
+            t.copy_(reduced)
 
 
 @torch.no_grad()
-def finalize_model_grads(model: nn.Module) -> None:
-    params = [p for p in model.parameters() if p.grad is not None]
+def finalize_model_grads(chunks: list[DataParallel]) -> None:
+    for chunk in chunks:
+        chunk.finish_grad_sync()
+    params = [p for chunk in chunks for p in chunk.module.parameters() if p.requires_grad]
     if ps.get_tensor_model_parallel_world_size() > 1:
-        sp = [p.grad for p in params if getattr(p, "sequence_parallel", False)]
-        _all_reduce_coalesced(sp, ps.get_tensor_model_parallel_group())
-    dp = ps.get_data_parallel_world_size()
-    if dp > 1:
-        _all_reduce_coalesced([p.grad for p in params], ps.get_group("dp"), scale=1.0 / dp)
+        sp = [p.main_grad for p in params if getattr(p, "sequence_parallel", False)]
+        if sp:
+            all_reduce_coalesced(sp, ps.get_tensor_model_parallel_group())
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        tied = [p.main_grad for p in params if getattr(p, "shared_embedding", False)]
+        if tied:
+            all_reduce_coalesced(tied, ps.get_group("embd"))

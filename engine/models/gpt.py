@@ -4,9 +4,18 @@ and Llama style (RMSNorm, RoPE, SwiGLU, grouped-query attention, no biases) from
 The model holds no parallelism logic: tensor and sequence parallelism come from the parallel
 layers it is built from, so this file reads like a single-device model. Activations inside are
 [sequence, batch, hidden]; inputs and outputs are [batch, sequence] like any PyTorch model.
+
+A pipeline stage is the same class with a slice of the layers (Megatron-Core's names):
+`pre_process` holds the embeddings and takes token ids, `post_process` holds the final norm and
+output layer, and a stage in between maps hidden states to hidden states. With tied embeddings
+split over stages, the last stage keeps its own copy of the embedding weight (marked
+`embedding_copy`, initialised from the same name) whose gradient is summed with the first
+stage's after backward, so the two stay equal.
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
@@ -24,40 +33,67 @@ from engine.transformer.dropout import dropout
 from engine.transformer.rope import RotaryEmbedding
 from engine.transformer.transformer_layer import TransformerBlock
 
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
 
 class GPTModel(nn.Module):
-    def __init__(self, config: TransformerConfig):
+    def __init__(
+        self,
+        config: TransformerConfig,
+        *,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layer_offset: int = 0,
+        num_layers: int | None = None,
+    ):
         super().__init__()
         self.config = config
+        self.pre_process, self.post_process, self.layer_offset = pre_process, post_process, layer_offset
         c = config
-        self.embedding = VocabParallelEmbedding(
-            c.padded_vocab_size,
-            c.hidden_size,
-            sequence_parallel=c.sequence_parallel,
-            params_dtype=c.params_dtype,
-            init_std=c.init_method_std,
-        )
-        if c.position_embedding == "learned_absolute":
-            self.position_embeddings = nn.Embedding(c.seq_length, c.hidden_size, dtype=c.params_dtype)
-            set_partition(self.position_embeddings.weight, (c.seq_length, c.hidden_size), None)
-            self.position_embeddings.weight.init_std = c.init_method_std
-            # Under SP each rank adds only its chunk's positions: the grad is a partial sum over TP.
-            mark_sequence_parallel(self.position_embeddings, c.sequence_parallel)
-            self.rotary = None
-        else:
-            self.position_embeddings = None
-            self.rotary = RotaryEmbedding(c.head_dim, c.rotary_base)
-        self.decoder = TransformerBlock(c)
-        # Tied: the embedding's vocabulary shard is also the output layer's weight shard.
-        self.output_layer = ColumnParallelLinear(
-            c.hidden_size,
-            c.padded_vocab_size,
-            bias=False,
-            sequence_parallel=c.sequence_parallel,
-            params_dtype=c.params_dtype,
-            init_std=c.init_method_std,
-            skip_weight_param_allocation=c.tie_embeddings,
-        )
+        tie_across_stages = c.tie_embeddings and not (pre_process and post_process)
+        self.embedding = self.position_embeddings = None
+        if pre_process:
+            self.embedding = VocabParallelEmbedding(
+                c.padded_vocab_size,
+                c.hidden_size,
+                sequence_parallel=c.sequence_parallel,
+                params_dtype=c.params_dtype,
+                init_std=c.init_method_std,
+            )
+            self.embedding.weight.shared_embedding = tie_across_stages
+            if c.position_embedding == "learned_absolute":
+                self.position_embeddings = nn.Embedding(c.seq_length, c.hidden_size, dtype=c.params_dtype)
+                set_partition(self.position_embeddings.weight, (c.seq_length, c.hidden_size), None)
+                self.position_embeddings.weight.init_std = c.init_method_std
+                # Under SP each rank adds only its chunk's positions: the grad is a partial sum over TP.
+                mark_sequence_parallel(self.position_embeddings, c.sequence_parallel)
+        self.rotary = RotaryEmbedding(c.head_dim, c.rotary_base) if c.position_embedding == "rope" else None
+        self.decoder = TransformerBlock(c, num_layers=num_layers, post_layer_norm=post_process)
+        self.output_layer = None
+        if post_process:
+            # Tied on one stage: the embedding's vocabulary shard is also the output weight shard.
+            self.output_layer = ColumnParallelLinear(
+                c.hidden_size,
+                c.padded_vocab_size,
+                bias=False,
+                sequence_parallel=c.sequence_parallel,
+                params_dtype=c.params_dtype,
+                init_std=c.init_method_std,
+                skip_weight_param_allocation=c.tie_embeddings and pre_process,
+            )
+            if tie_across_stages:
+                self.output_layer.weight.shared_embedding = True
+                self.output_layer.weight.embedding_copy = True
+
+    def global_param_name(self, name: str) -> str:
+        """The parameter's name in the whole (unsplit) model: layer numbers are global, and the
+        last stage's tied output weight is the embedding."""
+        m = _LAYER.match(name)
+        if m:
+            return f"decoder.layers.{int(m.group(1)) + self.layer_offset}.{name[m.end() :]}"
+        if name == "output_layer.weight" and self.config.tie_embeddings:
+            return "embedding.weight"
+        return name
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [s, b] -> [s, b, h], or this rank's sequence chunk [s/tp, b, h] under SP."""
@@ -72,14 +108,19 @@ class GPTModel(nn.Module):
             x = x + self.position_embeddings(positions).unsqueeze(1)
         return dropout(x, self.config.hidden_dropout, self.training, self.config.sequence_parallel)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [b, s] -> per-token loss [b, s] when labels are given, else this rank's
-        vocabulary slice of the logits [b, s, vocab/tp]."""
-        ids = input_ids.t()
-        x = self._embed(ids)
-        rotary = self.rotary(ids.shape[0], x.dtype) if self.rotary is not None else None
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """First stage: token ids [b, s]; later stages: hidden states [s, b, h] (a sequence chunk
+        under SP). Last stage: per-token loss [b, s] when labels are given, else this rank's
+        vocabulary slice of the logits [b, s, vocab/tp]. Other stages return hidden states."""
+        if self.pre_process:
+            x = self._embed(x.t())
+        seq = x.shape[0] * (ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1)
+        rotary = self.rotary(seq, x.dtype) if self.rotary is not None else None
         x = self.decoder(x, rotary)
-        logits = self.output_layer(x, weight=self.embedding.weight if self.config.tie_embeddings else None)
+        if not self.post_process:
+            return x
+        tied_here = self.config.tie_embeddings and self.pre_process
+        logits = self.output_layer(x, weight=self.embedding.weight if tied_here else None)
         if labels is None:
             return logits.transpose(0, 1)
         return vocab_parallel_cross_entropy(logits, labels.t()).t()

@@ -1,45 +1,63 @@
-"""The training optimizer: AdamW over fp32 master weights, with global grad-norm clipping.
+"""The training optimizer: AdamW over fp32 master weights, with loss scaling and global clipping.
 
-With bf16 model parameters the optimizer keeps an fp32 master copy of each parameter and steps
-that, then copies the result back into the bf16 model: small updates are not rounded away.
-Weight decay applies to matrices only (not to biases and norm weights), as in Megatron-Core;
-the scheduler sets the decay per group through `wd_mult`.
+It steps whatever slice of the model this rank owns, as (param, lo, hi) segments handed out by
+the data-parallel buffers: whole parameters normally, this rank's 1/dp of every bucket with the
+distributed optimizer (ZeRO-1). Each segment has an fp32 master: a view of the parameter itself
+when the model is fp32 (nothing copied), an fp32 clone for bf16/fp16 models (small updates are
+not rounded away; the result is copied back). Gradients come from `param.main_grad`, already
+reduced over data parallel. Weight decay applies to matrices only, as in Megatron-Core; the
+scheduler sets it per group through `wd_mult`.
+
+The step, in order: fp16 unscale + overflow check (skip the step and lower the scale on inf/nan,
+agreed by every rank), global grad norm, clip, AdamW, copy back, all-gather of the updated
+shards (distributed optimizer).
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
-from torch import nn
+import torch.distributed as dist
 
+from engine.distributed.data_parallel import DataParallel
 from engine.jobspec import OptimizerSpec
-from engine.optimizer.clip_grads import clip_grads_, counts_in_norm, global_grad_norm
+from engine.optimizer.clip_grads import clip_grads_, counts_in_norm
+from engine.optimizer.grad_scaler import DynamicGradScaler
 
-_SHARD_ATTRS = ("tensor_model_parallel", "partition_dim", "partition_stride", "global_shape")
+
+@dataclass
+class StepResult:
+    grad_norm: float
+    skipped: bool = False
+    loss_scale: float = 1.0
 
 
 class TrainingOptimizer:
-    def __init__(self, model: nn.Module, spec: OptimizerSpec):
-        self.spec = spec
-        self.model_params = [p for p in model.parameters() if p.requires_grad]
-        self.use_master = any(p.dtype != torch.float32 for p in self.model_params)
-        if self.use_master:
-            self.main_params = []
-            for p in self.model_params:
-                main = nn.Parameter(p.detach().float().clone())
-                for attr in _SHARD_ATTRS:
-                    if hasattr(p, attr):
-                        setattr(main, attr, getattr(p, attr))
-                self.main_params.append(main)
-        else:
-            self.main_params = self.model_params
-        decay = [m for m in self.main_params if m.dim() > 1]
-        no_decay = [m for m in self.main_params if m.dim() <= 1]
-        groups = [
-            {"params": decay, "wd_mult": 1.0},
-            {"params": no_decay, "wd_mult": 0.0, "weight_decay": 0.0},
-        ]
+    def __init__(
+        self,
+        chunks: list[DataParallel],
+        spec: OptimizerSpec,
+        *,
+        norm_group: dist.ProcessGroup | None,
+        grad_scaler: DynamicGradScaler | None = None,
+    ):
+        self.spec, self.chunks, self.norm_group, self.grad_scaler = spec, chunks, norm_group, grad_scaler
+        self.segments = [seg for c in chunks for seg in c.param_shard_ranges()]
+        self.main_params: list[torch.Tensor] = []
+        self.needs_copy_back: list[bool] = []
+        for p, lo, hi in self.segments:
+            view = p.detach().view(-1)[lo:hi]
+            fp32 = p.dtype == torch.float32
+            self.main_params.append(view if fp32 else view.float().clone())
+            self.needs_copy_back.append(not fp32)
+        self.counts = [counts_in_norm(p) and not getattr(p, "embedding_copy", False) for p, _, _ in self.segments]
+        decay = [m for m, (p, _, _) in zip(self.main_params, self.segments, strict=True) if p.dim() > 1]
+        no_decay = [m for m, (p, _, _) in zip(self.main_params, self.segments, strict=True) if p.dim() <= 1]
+        groups = [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0, "weight_decay": 0.0}]
         self.inner = torch.optim.AdamW(
-            [g for g in groups if g["params"]],
+            [g for g in groups if g["params"]] or [{"params": [torch.zeros(0)]}],
             lr=spec.lr,
             betas=(spec.adam_beta1, spec.adam_beta2),
             eps=spec.adam_eps,
@@ -51,28 +69,65 @@ class TrainingOptimizer:
     def param_groups(self) -> list[dict]:
         return self.inner.param_groups
 
-    def zero_grad(self) -> None:
-        for p in self.model_params:
-            p.grad = None
-        if self.use_master:
-            for m in self.main_params:
-                m.grad = None
+    def _grads(self) -> list[torch.Tensor]:
+        out = []
+        for p, lo, hi in self.segments:
+            g = p.main_grad.view(-1)[lo:hi]
+            out.append(g if g.dtype == torch.float32 else g.float())
+        return out
+
+    def _all_reduce(self, value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        if dist.is_initialized() and dist.get_world_size(self.norm_group) > 1:
+            dist.all_reduce(value, op=op, group=self.norm_group)
+        return value
 
     @torch.no_grad()
-    def step(self) -> float:
-        """Clip and apply the accumulated (already reduced) gradients; returns the pre-clip norm."""
-        if self.use_master:
-            for p, m in zip(self.model_params, self.main_params, strict=True):
-                m.grad = p.grad.float() if p.grad is not None else torch.zeros_like(m)
-        grads = [m.grad for m in self.main_params if m.grad is not None]
-        norm = global_grad_norm(
-            [m.grad for m in self.main_params if m.grad is not None and counts_in_norm(m)]
-        )
+    def step(self) -> StepResult:
+        grads = self._grads()
+        scale = 1.0
+        if self.grad_scaler is not None:
+            scale = self.grad_scaler.scale
+            if grads:
+                torch._foreach_mul_(grads, 1.0 / scale)
+                finite = torch.stack([g.isfinite().all() for g in grads]).all()
+            else:
+                finite = torch.tensor(True)
+            # Every rank must skip together: any rank's overflow counts.
+            found_inf = self._all_reduce((~finite).float().reshape(1), op=dist.ReduceOp.MAX)
+            overflow = bool(found_inf.item() > 0)
+            self.grad_scaler.update(overflow)
+            if overflow:
+                return StepResult(grad_norm=float("nan"), skipped=True, loss_scale=scale)
+        counted = [g for g, c in zip(grads, self.counts, strict=True) if c]
+        if counted:
+            sq = torch.stack(torch._foreach_norm(counted)).square().sum().reshape(1)
+        else:
+            sq = torch.zeros(1)
+        norm = math.sqrt(float(self._all_reduce(sq)))
         clip_grads_(grads, self.spec.clip_grad, norm)
+        for m, g in zip(self.main_params, grads, strict=True):
+            m.grad = g
         self.inner.step()
-        if self.use_master:
-            torch._foreach_copy_(self.model_params, self.main_params)
-        return norm
+        for (p, lo, hi), m, copy in zip(self.segments, self.main_params, self.needs_copy_back, strict=True):
+            m.grad = None
+            if copy:
+                p.detach().view(-1)[lo:hi].copy_(m)
+        for chunk in self.chunks:
+            chunk.gather_params()
+        return StepResult(grad_norm=norm, loss_scale=scale)
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds for optimizer state: fp32 masters that are copies, Adam moments."""
+        masters = sum(m.numel() * 4 for m, c in zip(self.main_params, self.needs_copy_back, strict=True) if c)
+        moments = sum(
+            t.numel() * t.element_size()
+            for state in self.inner.state.values()
+            for k, t in state.items()
+            if k in ("exp_avg", "exp_avg_sq")
+        )
+        grads = sum(c.grad_buffer.numel() * c.grad_buffer.element_size() for c in self.chunks)
+        params = sum(p.numel() * p.element_size() for c in self.chunks for p in c.module.parameters())
+        return {"master_params": masters, "adam_moments": moments, "grad_buffer": grads, "model_params": params}
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()

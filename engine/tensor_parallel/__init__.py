@@ -1,4 +1,5 @@
-"""Tensor and sequence parallelism: communication regions, parallel layers, vocab-parallel loss, RNG."""
+"""Tensor and sequence parallelism: communication regions, parallel layers, vocab-parallel loss, RNG
+and activation recomputation that restores it."""
 
 from engine.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from engine.tensor_parallel.layers import (
@@ -18,12 +19,13 @@ from engine.tensor_parallel.mappings import (
     scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
-from engine.tensor_parallel.random import get_rng_tracker, model_parallel_manual_seed
+from engine.tensor_parallel.random import checkpoint, get_rng_tracker, model_parallel_manual_seed
 
 __all__ = [
     "ColumnParallelLinear",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "checkpoint",
     "copy_to_tensor_model_parallel_region",
     "gather_from_sequence_parallel_region",
     "gather_from_tensor_model_parallel_region",

@@ -7,14 +7,20 @@ masks per rank, so they run inside `get_rng_tracker().fork()`, a stream seeded p
 Seeds follow Megatron-Core: default = seed + 100 * pp_rank, TP stream = that + 2718 + tp_rank,
 expert stream = that + 1024 + 100 * ep_rank + etp_rank. State swapping goes through
 engine.device so CPU and CUDA behave the same.
+
+`checkpoint` (activation recomputation) lives here because recomputing a block is only right if
+it draws the same dropout masks as its forward did, on the default stream and on every tracker
+stream alike.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 from engine import device
 from engine import parallel_state as ps
@@ -82,3 +88,55 @@ def model_parallel_manual_seed(seed: int) -> None:
     else:
         expert_seed = seed + 1024
     _TRACKER.add(EXPERT_PARALLEL_RNG, expert_seed)
+
+
+class _ForwardRNG:
+    """Recompute context: run on the RNG states captured at forward time, then put back the
+    states found on entry (the live, post-forward ones) so the rest of backward and later steps
+    draw exactly what they would have drawn without recomputation. Re-enterable: a
+    retain_graph backward recomputes again with the same states."""
+
+    def __init__(self) -> None:
+        self._default = device.get_rng_state()
+        self._tracker = _TRACKER.get_states()
+        self._saved: list[tuple[torch.Tensor, dict[str, torch.Tensor]]] = []
+
+    def __enter__(self) -> None:
+        self._saved.append((device.get_rng_state(), _TRACKER.get_states()))
+        device.set_rng_state(self._default)
+        _TRACKER.set_states(self._tracker)
+
+    def __exit__(self, *exc: object) -> None:
+        default, tracker = self._saved.pop()
+        device.set_rng_state(default)
+        _TRACKER.set_states(tracker)
+
+
+def _forward_rng_contexts() -> tuple[contextlib.AbstractContextManager, _ForwardRNG]:
+    """`context_fn` for torch.utils.checkpoint, called as the checkpointed forward starts."""
+    return contextlib.nullcontext(), _ForwardRNG()
+
+
+def checkpoint(function: Callable[..., Any], *args: Any) -> Any:
+    """`function(*args)` without keeping its activations; backward recomputes it.
+
+    Built on torch.utils.checkpoint (non-reentrant) rather than a hand-written autograd.Function
+    (Megatron-Core's CheckpointFunction, the same design as torch's reentrant variant). That
+    design detaches the inputs and runs a nested backward over the recomputed graph, so it needs
+    special handling for non-tensor and structured arguments (the rotary (cos, sin) tuple, None),
+    does not work with torch.autograd.grad, and always recomputes the whole function. The
+    non-reentrant form takes any arguments, hooks in through saved-tensor hooks so the outer
+    backward (and the parameter-gradient hooks the data-parallel reduction relies on) runs as
+    usual, and stops recomputing once the tensors backward needs are back. The one thing it
+    cannot know about is this module's tracker, and `context_fn` is the hook for that:
+    `_forward_rng_contexts` snapshots the device default state (through engine.device) and every
+    tracker stream as the forward starts; the recompute runs inside a context that restores
+    them and afterwards puts back the states it found. torch's own `preserve_rng_state` stays
+    on, so the CPU generator and the generators of the arguments' devices are covered by torch
+    as well (on CPU that is the same state, set twice).
+
+    Under grad-disabled execution (evaluation) this is a plain call.
+    """
+    return torch.utils.checkpoint.checkpoint(
+        function, *args, use_reentrant=False, preserve_rng_state=True, context_fn=_forward_rng_contexts
+    )

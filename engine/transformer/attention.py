@@ -3,7 +3,9 @@
 The fused QKV weight is laid out per query group, [groups x (q_per_group + 2) x head_dim, hidden]
 (Megatron-Core's layout), so a contiguous split over TP hands each rank whole groups with their
 own queries, key and value: no communication inside attention. The core is torch's
-scaled_dot_product_attention (flash/fused kernels where the device has them).
+scaled_dot_product_attention (flash/fused kernels where the device has them); with
+`recompute == "selective"` only the core is recomputed in backward (its [b, heads, s, s]
+intermediates are the largest activations and the cheapest to redo), with the same dropout mask.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import parallel_state as ps
-from engine.tensor_parallel import ColumnParallelLinear, RowParallelLinear, get_rng_tracker
+from engine.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_rng_tracker
 from engine.transformer.config import TransformerConfig
 from engine.transformer.rope import apply_rotary
 
@@ -58,11 +60,18 @@ class SelfAttention(nn.Module):
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, head_dim]
+        if self.config.recompute == "selective":
+            out = checkpoint(self.core_attention, q, k, v)
+        else:
+            out = self.core_attention(q, k, v)
+        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * hd)
+        return self.linear_proj(out)
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d), causal) v with attention dropout; [b, heads, s, head_dim]."""
         p = self.config.attention_dropout if self.training else 0.0
         # Heads are split over TP, so their dropout masks must differ per rank.
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
-            out = F.scaled_dot_product_attention(
+            return F.scaled_dot_product_attention(
                 q, k, v, dropout_p=p, is_causal=True, enable_gqa=self.q_per_group > 1
             )
-        out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * hd)
-        return self.linear_proj(out)

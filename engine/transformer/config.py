@@ -38,6 +38,7 @@ class TransformerConfig:
     init_method_std: float = 0.02
     params_dtype: torch.dtype = torch.float32
     sequence_parallel: bool = False
+    recompute: str = "none"  # "none" | "selective" (attention core) | "full" (whole layers)
 
     @property
     def head_dim(self) -> int:
@@ -78,4 +79,5 @@ class TransformerConfig:
             init_method_std=m.init_method_std,
             params_dtype=DTYPES[spec.training.precision],
             sequence_parallel=spec.parallel.sequence_parallel and spec.parallel.tensor > 1,
+            recompute=spec.training.recompute,
         )

@@ -1,8 +1,9 @@
 """Layout-independent weight initialisation.
 
-Each parameter is drawn whole (its `global_shape`) from a generator seeded by (seed, parameter
-name), then this rank keeps its shard. The same seed therefore gives the same model on one rank
-and on any tensor-parallel layout, which is what lets every parallel run be checked against the
+Each parameter is drawn whole (its `global_shape`) from a generator seeded by (seed, the
+parameter's name in the whole model: global layer numbers on every pipeline stage), then this
+rank keeps its shard. The same seed therefore gives the same model on one rank
+and on any tensor/pipeline-parallel layout, which is what lets every parallel run be checked against the
 single-rank run. The cost is one transient full-size tensor per parameter at start-up.
 """
 
@@ -25,7 +26,9 @@ def _generator(seed: int, name: str) -> torch.Generator:
 def initialize_weights(model: nn.Module, seed: int) -> None:
     """Weights: normal(0, param.init_std); norm weights: 1; biases and std-0 params: 0."""
     world, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
+    global_name = getattr(model, "global_param_name", lambda n: n)
     for name, param in model.named_parameters():
+        name = global_name(name)
         shape = getattr(param, "global_shape", tuple(param.shape))
         std = getattr(param, "init_std", None)
         if std is None:  # norms: scale 1, shift 0

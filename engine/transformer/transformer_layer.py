@@ -1,11 +1,15 @@
-"""Pre-norm transformer layer and the block (stack of layers + final norm)."""
+"""Pre-norm transformer layer and the block (stack of layers + final norm).
+
+With `recompute == "full"` the block keeps only each layer's input and recomputes the layer in
+backward (tensor_parallel.checkpoint, which replays the forward's dropout masks).
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from engine.tensor_parallel import mark_sequence_parallel
+from engine.tensor_parallel import checkpoint, mark_sequence_parallel
 from engine.transformer.attention import SelfAttention
 from engine.transformer.config import TransformerConfig
 from engine.transformer.dropout import dropout
@@ -40,12 +44,20 @@ class TransformerLayer(nn.Module):
 
 
 class TransformerBlock(nn.Module):
-    def __init__(self, config: TransformerConfig):
+    """`num_layers` consecutive layers (a pipeline stage's share; default all); the final norm
+    only where the stack ends (`post_layer_norm`, the last pipeline stage)."""
+
+    def __init__(
+        self, config: TransformerConfig, num_layers: int | None = None, post_layer_norm: bool = True
+    ):
         super().__init__()
-        self.layers = nn.ModuleList(TransformerLayer(config) for _ in range(config.num_layers))
-        self.final_layernorm = build_norm(config)
+        self.config = config
+        count = config.num_layers if num_layers is None else num_layers
+        self.layers = nn.ModuleList(TransformerLayer(config) for _ in range(count))
+        self.final_layernorm = build_norm(config) if post_layer_norm else None
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        recompute = self.config.recompute == "full"
         for layer in self.layers:
-            x = layer(x, rotary)
-        return self.final_layernorm(x)
+            x = checkpoint(layer, x, rotary) if recompute else layer(x, rotary)
+        return self.final_layernorm(x) if self.final_layernorm is not None else x

@@ -62,16 +62,35 @@ def _full(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 def _train_and_collect(spec_dict: dict) -> dict:
     trainer = Trainer(JobSpec.model_validate(spec_dict))
     steps = [trainer.train_step() for _ in range(spec_dict["training"]["train_iters"])]
-    grads, params = {}, {}
-    for name, p in trainer.model.named_parameters():
-        grads[name] = _full(p.grad, p)
-        params[name] = _full(p, p)
+    sharded_grads = trainer.spec.parallel.distributed_optimizer  # main_grad is valid in this rank's shard only
+    grads, params, copies = {}, {}, {}
+    for chunk in trainer.model_chunks:
+        for name, p in chunk.named_parameters():
+            key = chunk.global_param_name(name)
+            if getattr(p, "embedding_copy", False):
+                copies[key] = _full(p, p)
+                continue
+            params[key] = _full(p, p)
+            if not sharded_grads:
+                grads[key] = _full(p.main_grad, p)
+    if ps.get_pipeline_model_parallel_world_size() > 1:
+        stages = [None] * ps.get_pipeline_model_parallel_world_size()
+        dist.all_gather_object(stages, (grads, params, copies), group=ps.get_group("pp"))
+        grads, params, copies = {}, {}, {}
+        for g, p, c in stages:
+            grads.update(g)
+            params.update(p)
+            copies.update(c)
+    tied_copy_diff = max((float((t - params[k]).abs().max()) for k, t in copies.items()), default=None)
     ps.destroy_model_parallel()
     result = {
         "losses": [m.loss for m in steps],
         "grad_norms": [m.grad_norm for m in steps],
-        "grads": grads,
+        "skipped": [m.skipped for m in steps],
+        "loss_scales": [m.loss_scale for m in steps],
+        "grads": grads if not sharded_grads else None,
         "params": params,
+        "tied_copy_diff": tied_copy_diff,
     }
     return result if dist.get_rank() == 0 else {}
 
