@@ -113,7 +113,10 @@ class Trainer:
         self.grad_scaler = None
         if t.precision == "fp16":
             self.grad_scaler = DynamicGradScaler(
-                t.initial_loss_scale, t.min_loss_scale, growth_interval=t.loss_scale_window, hysteresis=t.hysteresis
+                t.initial_loss_scale,
+                t.min_loss_scale,
+                growth_interval=t.loss_scale_window,
+                hysteresis=t.hysteresis,
             )
         self.optimizer = TrainingOptimizer(
             self.ddp_chunks,
@@ -165,37 +168,40 @@ class Trainer:
 
     def _microbatch(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.spec.training
-        tokens, labels = micro_batch(self.source, self.consumed_samples, m, t.micro_batch_size, self.dp_size, self.dp_rank)
+        tokens, labels = micro_batch(
+            self.source, self.consumed_samples, m, t.micro_batch_size, self.dp_size, self.dp_rank
+        )
         return tokens.to(self.device), labels.to(self.device)
 
     def forward_backward(self, num_microbatches: int) -> torch.Tensor:
         """Accumulate grads of the mean token loss over this rank's microbatches into the DP
         buffers; returns that loss (on every pipeline stage)."""
         scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
-        per_microbatch: list[torch.Tensor] = []
         for ddp in self.ddp_chunks:
             ddp.start_step(num_microbatches)
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            loss = vocab_parallel_cross_entropy(logits, labels).float().mean()
-            per_microbatch.append(loss.detach())
-            return loss * (scale / num_microbatches)
+            """The microbatch's share of the step's loss, times the fp16 loss scale."""
+            return vocab_parallel_cross_entropy(logits, labels).float().mean() * (scale / num_microbatches)
 
         if self.pipeline is None:
+            scaled: list[torch.Tensor] = []
             model = self.ddp_chunks[0]
             for m in range(num_microbatches):
                 tokens, labels = self._microbatch(m)
-                loss_fn(model(tokens), labels).backward()
+                loss = loss_fn(model(tokens), labels)
+                loss.backward()
+                scaled.append(loss.detach())
         else:
             batches = [self._microbatch(m) for m in range(num_microbatches)]
             tokens = torch.cat([b[0] for b in batches]) if self.pipeline.has_first else None
             labels = torch.cat([b[1] for b in batches]) if self.pipeline.has_last else None
-            self.pipeline.run(num_microbatches, tokens, labels, loss_fn)
-        total = torch.stack(per_microbatch).sum() if per_microbatch else torch.zeros((), device=self.device)
+            scaled = self.pipeline.run(num_microbatches, tokens, labels, loss_fn)
+        total = torch.stack(scaled).sum() if scaled else torch.zeros((), device=self.device)
         if self.pipeline is not None:  # only the last stage computed the loss
             total = total.reshape(1)
             dist.all_reduce(total, group=ps.get_group("pp"))
-        return total.reshape(()) / num_microbatches
+        return total.reshape(()) / scale
 
     def train_step(self) -> StepMetrics:
         for chunk in self.model_chunks:

@@ -149,7 +149,9 @@ class DataParallel(nn.Module):
             return
         bucket.grad.mul_(1.0 / self.dp)
         if self.shard:
-            bucket.shard_out = torch.empty(bucket.numel // self.dp, dtype=bucket.grad.dtype, device=bucket.grad.device)
+            bucket.shard_out = torch.empty(
+                bucket.numel // self.dp, dtype=bucket.grad.dtype, device=bucket.grad.device
+            )
             bucket.work = reduce_scatter_into(bucket.shard_out, bucket.grad, group=self.group, async_op=True)
         else:
             bucket.work = dist.all_reduce(bucket.grad, group=self.group, async_op=True)

@@ -41,7 +41,11 @@ class DynamicGradScaler:
                 self.scale *= self.growth_factor
 
     def state_dict(self) -> dict:
-        return {"scale": self.scale, "growth_tracker": self._growth_tracker, "hysteresis_tracker": self._hysteresis_tracker}
+        return {
+            "scale": self.scale,
+            "growth_tracker": self._growth_tracker,
+            "hysteresis_tracker": self._hysteresis_tracker,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.scale = float(state["scale"])

@@ -52,10 +52,15 @@ class TrainingOptimizer:
             fp32 = p.dtype == torch.float32
             self.main_params.append(view if fp32 else view.float().clone())
             self.needs_copy_back.append(not fp32)
-        self.counts = [counts_in_norm(p) and not getattr(p, "embedding_copy", False) for p, _, _ in self.segments]
+        self.counts = [
+            counts_in_norm(p) and not getattr(p, "embedding_copy", False) for p, _, _ in self.segments
+        ]
         decay = [m for m, (p, _, _) in zip(self.main_params, self.segments, strict=True) if p.dim() > 1]
         no_decay = [m for m, (p, _, _) in zip(self.main_params, self.segments, strict=True) if p.dim() <= 1]
-        groups = [{"params": decay, "wd_mult": 1.0}, {"params": no_decay, "wd_mult": 0.0, "weight_decay": 0.0}]
+        groups = [
+            {"params": decay, "wd_mult": 1.0},
+            {"params": no_decay, "wd_mult": 0.0, "weight_decay": 0.0},
+        ]
         self.inner = torch.optim.AdamW(
             [g for g in groups if g["params"]] or [{"params": [torch.zeros(0)]}],
             lr=spec.lr,
@@ -127,7 +132,12 @@ class TrainingOptimizer:
         )
         grads = sum(c.grad_buffer.numel() * c.grad_buffer.element_size() for c in self.chunks)
         params = sum(p.numel() * p.element_size() for c in self.chunks for p in c.module.parameters())
-        return {"master_params": masters, "adam_moments": moments, "grad_buffer": grads, "model_params": params}
+        return {
+            "master_params": masters,
+            "adam_moments": moments,
+            "grad_buffer": grads,
+            "model_params": params,
+        }
 
     def state_dict(self) -> dict:
         return self.inner.state_dict()

@@ -24,7 +24,9 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
 
 
-def stage_layer_ranges(num_layers: int, stages: int, pipeline_layers: list[int] | None) -> list[tuple[int, int]]:
+def stage_layer_ranges(
+    num_layers: int, stages: int, pipeline_layers: list[int] | None
+) -> list[tuple[int, int]]:
     """(first layer, layer count) of every virtual stage, in stage order."""
     counts = list(pipeline_layers) if pipeline_layers else [num_layers // stages] * stages
     if len(counts) != stages or sum(counts) != num_layers:
@@ -63,7 +65,9 @@ class PipelineRunner:
         if num_microbatches not in self._schedules:
             loss_fn = lambda out, target: self._loss_fn(out, target)  # noqa: E731 - set per step
             if self.interleaved:
-                sched = ScheduleInterleaved1F1B(self.stages, num_microbatches, loss_fn=loss_fn, scale_grads=False)
+                sched = ScheduleInterleaved1F1B(
+                    self.stages, num_microbatches, loss_fn=loss_fn, scale_grads=False
+                )
             else:
                 sched = Schedule1F1B(self.stages[0], num_microbatches, loss_fn=loss_fn, scale_grads=False)
             self._schedules[num_microbatches] = sched
@@ -75,11 +79,18 @@ class PipelineRunner:
         tokens: torch.Tensor | None,
         labels: torch.Tensor | None,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    ) -> None:
+    ) -> list[torch.Tensor]:
         """`tokens` [M * mbs, s] on the rank holding the first stage, `labels` on the last.
-        `loss_fn(logits, labels)` returns the microbatch's loss to backpropagate."""
+        `loss_fn(logits, labels)` returns the microbatch's loss to backpropagate. Returns those
+        losses (detached) on the last stage, [] elsewhere.
+
+        Count losses from the schedule, not from calls to loss_fn: on its first step torch calls
+        loss_fn once more to infer backward metadata (autograd.grad on the stage inputs only, so
+        parameters and the data-parallel buffers see nothing)."""
         self._loss_fn = loss_fn
         sched = self._schedule(num_microbatches)
+        losses: list[torch.Tensor] = []
         args = (tokens,) if self.has_first else ()
-        kwargs = {"target": labels, "losses": []} if self.has_last else {}
+        kwargs = {"target": labels, "losses": losses} if self.has_last else {}
         sched.step(*args, **kwargs)
+        return [loss.detach() for loss in losses]

@@ -62,7 +62,9 @@ def _full(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 def _train_and_collect(spec_dict: dict) -> dict:
     trainer = Trainer(JobSpec.model_validate(spec_dict))
     steps = [trainer.train_step() for _ in range(spec_dict["training"]["train_iters"])]
-    sharded_grads = trainer.spec.parallel.distributed_optimizer  # main_grad is valid in this rank's shard only
+    sharded_grads = (
+        trainer.spec.parallel.distributed_optimizer
+    )  # main_grad is valid in this rank's shard only
     grads, params, copies = {}, {}, {}
     for chunk in trainer.model_chunks:
         for name, p in chunk.named_parameters():

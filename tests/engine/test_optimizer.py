@@ -57,7 +57,9 @@ def test_bf16_master_weights_keep_updates_bf16_would_round_away():
         plain.zero_grad()
         naive(torch.ones(2, 8, dtype=torch.bfloat16)).float().pow(2).sum().backward()
         plain.step()
-    assert float((1.0 - naive[0].weight.detach().float()).abs().mean()) < moved / 2, "control: bf16-only loses"
+    assert float((1.0 - naive[0].weight.detach().float()).abs().mean()) < moved / 2, (
+        "control: bf16-only loses"
+    )
 
 
 def test_clipping_scales_grads_to_the_limit_and_reports_the_unclipped_norm():
