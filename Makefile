@@ -27,6 +27,8 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/engine_step.py
+	$(PY) bench/parallel_layouts.py
+	$(PY) bench/optimizer_memory.py
 
 clean:
 	rm -rf $(VENV) runs
