@@ -182,7 +182,10 @@ class Trainer:
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             """The microbatch's share of the step's loss, times the fp16 loss scale."""
-            return vocab_parallel_cross_entropy(logits, labels).float().mean() * (scale / num_microbatches)
+            # The model returns [b, s, vocab] as a view of its contiguous [s, b, vocab] logits:
+            # undo the view instead of letting the loss copy them.
+            loss = vocab_parallel_cross_entropy(logits.transpose(0, 1), labels.t())
+            return loss.float().mean() * (scale / num_microbatches)
 
         if self.pipeline is None:
             scaled: list[torch.Tensor] = []

@@ -2,8 +2,9 @@
 
 Every parameter's gradient lives in one flat buffer (`param.main_grad` is a view into it), in
 fp32 when `grad_reduce_in_fp32` even for bf16/fp16 params, so microbatches accumulate without
-rounding. A post-accumulate-grad hook adds each microbatch's grad into `main_grad` and frees the
-autograd grad. A bucket is reduced (averaged over the data-parallel group) the moment every
+rounding. When the param has the buffer's dtype, `param.grad` is that same view and autograd
+accumulates into the buffer in place (torch DDP's gradient_as_bucket_view); otherwise a
+post-accumulate-grad hook adds each microbatch's grad into `main_grad` and frees it. A bucket is reduced (averaged over the data-parallel group) the moment every
 parameter in it has seen its last backward of the step, while backward carries on with earlier
 layers. "Last" is counted, not signalled: the step announces how many backward passes each
 parameter will see (one per microbatch), so the same mechanism works for the plain loop and for
@@ -81,6 +82,9 @@ class DataParallel(nn.Module):
             for p in bucket.params:
                 n = p.numel()
                 p.main_grad = self.grad_buffer[start : start + n].view_as(p)
+                if p.dtype == grad_dtype:
+                    # autograd accumulates straight into the buffer: no copy per microbatch
+                    p.grad = p.main_grad
                 if shard:
                     view = self.param_buffer[start : start + n].view_as(p)
                     view.copy_(p.data)
@@ -133,8 +137,9 @@ class DataParallel(nn.Module):
 
     @torch.no_grad()
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        param.main_grad.add_(param.grad)
-        param.grad = None
+        if param.grad is not None and param.grad.data_ptr() != param.main_grad.data_ptr():
+            param.main_grad.add_(param.grad)  # other dtype, or someone reset .grad
+            param.grad = param.main_grad if param.dtype == param.main_grad.dtype else None
         key = id(param)
         self._seen[key] = self._seen.get(key, 0) + 1
         if self._seen[key] == self.expected_backwards:
