@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -111,3 +112,21 @@ def max_rel_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> tupl
         if d > worst:
             worst, where = d, k
     return worst, where
+
+
+LOSS_RTOL = 1e-5  # per-iteration loss and global grad norm, relative
+TENSOR_RTOL = 1e-4  # last-step gradients and final parameters, relative to each tensor's largest value
+
+
+def assert_same_training(got: dict, ref: dict) -> None:
+    """Same losses and grad norms every iteration, same gradients (where each rank holds them
+    whole) and parameters at the end, within the fp32 tolerances above."""
+    assert len(got["losses"]) == len(ref["losses"]) > 0
+    for name in ("losses", "grad_norms"):
+        for it, (a, b) in enumerate(zip(got[name], ref[name], strict=True)):
+            assert a == pytest.approx(b, rel=LOSS_RTOL), f"iteration {it + 1}: {name} {a} vs reference {b}"
+    if got["grads"] is not None:
+        diff, where = max_rel_diff(got["grads"], ref["grads"])
+        assert diff < TENSOR_RTOL, f"gradient of {where} differs by {diff:.2e} (relative)"
+    diff, where = max_rel_diff(got["params"], ref["params"])
+    assert diff < TENSOR_RTOL, f"parameter {where} differs by {diff:.2e} (relative) at the end"

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine.parallel_harness import job, max_rel_diff, run_job
+from tests.engine.parallel_harness import assert_same_training, job, run_job
 
-LOSS_RTOL = 1e-5
-TENSOR_RTOL = 1e-4
 LLAMA = {"num_layers": 4}
 GPT2 = {"arch": "gpt2", "num_layers": 4, "num_query_groups": None}
 TRAINING = {"global_batch_size": 8, "micro_batch_size": 1}
@@ -27,17 +25,6 @@ def llama_reference():
 @pytest.fixture(scope="module")
 def gpt2_reference():
     return run_job(job(1, model=GPT2, training=TRAINING))
-
-
-def assert_same_training(got: dict, ref: dict) -> None:
-    for name in ("losses", "grad_norms"):
-        for it, (a, b) in enumerate(zip(got[name], ref[name], strict=True)):
-            assert a == pytest.approx(b, rel=LOSS_RTOL), f"iteration {it + 1}: {name} {a} vs reference {b}"
-    if got["grads"] is not None:
-        diff, where = max_rel_diff(got["grads"], ref["grads"])
-        assert diff < TENSOR_RTOL, f"gradient of {where} differs by {diff:.2e} (relative)"
-    diff, where = max_rel_diff(got["params"], ref["params"])
-    assert diff < TENSOR_RTOL, f"parameter {where} differs by {diff:.2e} (relative) after 5 steps"
 
 
 LAYOUTS = {
