@@ -90,6 +90,7 @@ def _train_and_collect(spec_dict: dict) -> dict:
         "losses": [m.loss for m in steps],
         "grad_norms": [m.grad_norm for m in steps],
         "skipped": [m.skipped for m in steps],
+        "global_batch_sizes": [m.global_batch_size for m in steps],
         "loss_scales": [m.loss_scale for m in steps],
         "grads": grads if not sharded_grads else None,
         "params": params,

@@ -82,3 +82,13 @@ def test_fp16_with_loss_scaling_trains_on_dp2(llama_reference):
     assert got["loss_scales"][0] == 2.0**16
     for it, (a, b) in enumerate(zip(got["losses"], llama_reference["losses"], strict=True)):
         assert a == pytest.approx(b, rel=2e-2), f"iteration {it + 1}: fp16 {a} vs fp32 {b}"
+
+
+def test_batch_size_rampup_changes_microbatches_mid_run_on_pp2_dp2():
+    """Global batch 4, 4, then 8 (Megatron's rampup [start 4, +4, over 8 samples]): the pipeline
+    schedule and the DP buffers' backward count follow the number of microbatches (2 -> 4)."""
+    training = {**TRAINING, "rampup_batch_size": [4, 4, 8]}
+    ref = run_job(job(1, model=LLAMA, training=training))
+    got = run_job(job(4, model=LLAMA, training=training, parallel={"pipeline": 2}))
+    assert got["global_batch_sizes"] == [4, 4, 8, 8, 8]
+    assert_same_training(got, ref)
