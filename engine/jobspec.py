@@ -208,10 +208,27 @@ class OptimizerSpec(_Section):
 
 class CheckpointSpec(_Section):
     path: str | None = Field(
-        None, description="Local directory or s3://bucket/prefix for sharded checkpoints."
+        None,
+        description="Checkpoint root: a local path, file://path or s3://bucket/prefix. Jobs write <root>/<name>/.",
     )
-    interval: PositiveInt | None = Field(None, description="Save every N iterations.")
-    resume: Literal["auto", "never"] = "auto"
+    interval: PositiveInt | None = Field(
+        None, description="Save every N iterations (and at the end of training)."
+    )
+    resume: Literal["auto", "never"] = Field(
+        "auto", description="auto: continue from the newest committed checkpoint under path, if any."
+    )
+    resume_from: str | None = Field(
+        None,
+        description="Load another job's checkpoint instead: its root (newest) or one iter_NNNNNNN folder.",
+    )
+    keep: PositiveInt = Field(
+        3, description="Committed checkpoints kept; older ones are deleted after a newer commits."
+    )
+    async_save: bool = Field(False, description="Write shards in the background while training continues.")
+    endpoint_url: str | None = Field(
+        None, description="S3 endpoint (default: the boto3 chain, e.g. AWS_ENDPOINT_URL)."
+    )
+    region: str | None = Field(None, description="S3 region (default: the boto3 chain).")
 
 
 class ResilienceSpec(_Section):
@@ -333,6 +350,8 @@ class JobSpec(_Section):
                 f"optimizer.lr_wsd_decay_iters ({wsd}) exceeds the decay length ({decay_iters}, "
                 "optimizer.lr_decay_iters or training.train_iters): the anneal is the end of the decay"
             )
+        if self.checkpoint.interval is not None and self.checkpoint.path is None:
+            raise ValueError("checkpoint.interval needs checkpoint.path: say where to write checkpoints")
         if self.optimizer.lr_warmup_iters > decay_iters:
             raise ValueError(
                 f"optimizer.lr_warmup_iters ({self.optimizer.lr_warmup_iters}) exceeds the decay length "

@@ -1,0 +1,1 @@
+"""Distributed checkpointing: sharded state, resharding load, storage backends, commit protocol."""
