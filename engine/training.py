@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from engine import device
 from engine import parallel_state as ps
+from engine.checkpointing.checkpointer import Checkpointer
 from engine.data.sources import SyntheticSource, TextSource, micro_batch
 from engine.data.tokenizer import ByteTokenizer, build_tokenizer
 from engine.distributed.data_parallel import DataParallel
@@ -45,8 +46,6 @@ def unsupported_features(spec: JobSpec) -> list[str]:
         out.append("parallel.context: context parallelism is not available yet; use 1")
     if p.expert > 1:
         out.append("parallel.expert: expert parallelism needs an MoE model, not available yet; use 1")
-    if spec.checkpoint.path:
-        out.append("checkpoint.path: checkpointing is not available yet; remove it")
     return out
 
 
@@ -137,6 +136,22 @@ class Trainer:
         self.timers = Timers(log_level=timer_level)
         self.iteration = 0
         self.consumed_samples = 0
+        # Last: a resume overwrites the counters, weights, optimizer and schedule set above.
+        self.checkpointer = None
+        if spec.checkpoint.path or spec.checkpoint.resume_from:
+            self.checkpointer = Checkpointer(self)
+            self.checkpointer.maybe_resume()
+
+    def save_checkpoint_if_due(self) -> bool:
+        """Save after iterations that are a multiple of checkpoint.interval, and after the last."""
+        c = self.spec.checkpoint
+        if self.checkpointer is None or c.path is None:
+            return False
+        last = self.iteration == self.spec.training.train_iters
+        if last or (c.interval is not None and self.iteration % c.interval == 0):
+            self.checkpointer.save()
+            return True
+        return False
 
     def _build_model_chunks(self) -> list[GPTModel]:
         """This rank's model chunks: one per virtual pipeline stage it holds (one without PP)."""
@@ -270,7 +285,8 @@ def train_rank(spec_dict: dict[str, Any], metrics_out: str | None = None, quiet:
     sink = None
     if is_logger and metrics_out:
         Path(metrics_out).parent.mkdir(parents=True, exist_ok=True)
-        sink = open(metrics_out, "w")  # noqa: SIM115 - closed below, kept open across steps
+        # A resumed job appends to the metrics it already wrote.
+        sink = open(metrics_out, "a" if trainer.iteration else "w")  # noqa: SIM115 - closed below
     try:
         if is_logger and not quiet:
             c, g = trainer.config, ps.get_grid()
@@ -281,8 +297,11 @@ def train_rank(spec_dict: dict[str, Any], metrics_out: str | None = None, quiet:
                 f"{n_params:,} params per rank, {spec.training.precision}",
                 flush=True,
             )
-        for _ in range(spec.training.train_iters):
+        if is_logger and not quiet and trainer.iteration:
+            print(f"[elastron] resumed at iteration {trainer.iteration}", flush=True)
+        while trainer.iteration < spec.training.train_iters:
             m = trainer.train_step()
+            trainer.save_checkpoint_if_due()
             if is_logger:
                 rec = asdict(m)
                 records.append(rec)

@@ -1,0 +1,201 @@
+"""Save and resume a Trainer's checkpoint: DCP shards + the commit protocol + storage.
+
+A save: every rank writes its DCP shard files (straight into the checkpoint folder on local
+storage, into a staging folder that is then uploaded on S3), reports (name, size, sha256) to
+rank 0, and rank 0 commits: manifest last, then `latest`, then retention. A checkpoint without a
+manifest never loads, so a crash at any point leaves the previous one as the newest.
+
+The manifest's `meta` holds the non-tensor state in plain JSON (iteration, consumed samples, LR
+schedule, loss scaler, Adam's step, the layout, the job spec), readable without torch.
+
+A resume: pick the checkpoint (newest under this job's root with `resume: auto`, or
+`resume_from`), have one process per machine fetch and verify every shard's checksum (falling
+back to the previous committed checkpoint when the newest is corrupt, for `auto`), then DCP
+loads exactly the slices this layout needs. RNG states come back only when the layout is the
+one that saved them; on any other layout each rank reseeds from (seed, iteration).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from engine import parallel_state as ps
+from engine.checkpointing import state as ckpt_state
+from engine.checkpointing.commit import (
+    CheckpointCorruptError,
+    FileEntry,
+    commit_checkpoint,
+    committed_iterations,
+    fetch_checkpoint,
+    iteration_key,
+    latest_checkpoint,
+    read_manifest,
+    resolve_checkpoint,
+    sha256_file,
+)
+from engine.checkpointing.storage import Storage, open_storage
+from engine.tensor_parallel import model_parallel_manual_seed
+
+log = logging.getLogger(__name__)
+_ITER = re.compile(r"^(.*?)/?(iter_\d{7})/?$")
+
+
+def layout_signature(trainer) -> str:
+    g = ps.get_grid()
+    p = trainer.spec.parallel
+    return f"tp{g.tp}-pp{g.pp}-vp{p.virtual_pipeline or 1}-cp{g.cp}-dp{g.dp}-layers{p.pipeline_layers}"
+
+
+def _broadcast(obj):
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+class Checkpointer:
+    def __init__(self, trainer):
+        self.trainer = trainer
+        self.spec = trainer.spec.checkpoint
+        self.job_root = trainer.spec.name
+        self.storage: Storage | None = None
+        if self.spec.path:
+            self.storage = open_storage(
+                self.spec.path, endpoint_url=self.spec.endpoint_url, region=self.spec.region
+            )
+
+    # ---------------------------------------------------------------- save
+    def save(self) -> None:
+        trainer = self.trainer
+        if self.storage is None:
+            raise RuntimeError("checkpoint.path is not set: nowhere to save")
+        iteration = trainer.iteration
+        key = iteration_key(self.job_root, iteration)
+        local = self.storage.local_path(key)
+        staging = Path(local) if local is not None else Path(tempfile.mkdtemp(prefix="elastron-ckpt-"))
+        if dist.get_rank() == 0:
+            staging.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        before = set(os.listdir(staging))
+        dcp.save(ckpt_state.build_state_dict(trainer), checkpoint_id=str(staging))
+        mine = [
+            name for name in sorted(os.listdir(staging)) if name not in before and self._written_by_me(name)
+        ]
+        entries = []
+        for name in mine:
+            path = staging / name
+            entries.append(FileEntry(name=name, size=path.stat().st_size, sha256=sha256_file(path)))
+            if local is None:
+                self.storage.put_file(path, f"{key}/{name}")
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, entries)
+        if dist.get_rank() == 0:
+            files = [e for per_rank in gathered for e in per_rank]
+            commit_checkpoint(self.storage, self.job_root, iteration, files, self._meta())
+        dist.barrier()
+        if local is None:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    @staticmethod
+    def _written_by_me(name: str) -> bool:
+        """DCP names shard files __<rank>_<n>.distcp; rank 0 also writes .metadata."""
+        if name == ".metadata":
+            return dist.get_rank() == 0
+        m = re.match(r"^__(\d+)_\d+\.distcp$", name)
+        return m is not None and int(m.group(1)) == dist.get_rank()
+
+    def _meta(self) -> dict:
+        t = self.trainer
+        opt = t.optimizer
+        adam_steps = [int(s["step"]) for s in opt.inner.state.values() if "step" in s]
+        return {
+            "iteration": t.iteration,
+            "consumed_samples": t.consumed_samples,
+            "adam_step": max(adam_steps, default=0),
+            "has_master": any(opt.needs_copy_back),
+            "layout": layout_signature(t),
+            "scheduler": t.scheduler.state_dict(),
+            "grad_scaler": t.grad_scaler.state_dict() if t.grad_scaler is not None else None,
+            "job": t.spec.model_dump(mode="json"),
+        }
+
+    # ---------------------------------------------------------------- resume
+    def _open(self, uri: str) -> Storage:
+        return open_storage(uri, endpoint_url=self.spec.endpoint_url, region=self.spec.region)
+
+    def _candidates(self) -> tuple[str, str, list[int]] | str | None:
+        """(storage uri, job root, iterations newest first) to resume from; None to start
+        fresh; an error message when resume_from names nothing loadable."""
+        # A job's own checkpoints win: a restarted job continues where it was, not from the
+        # checkpoint it was started from.
+        if self.storage is not None and self.spec.resume == "auto":
+            newest = latest_checkpoint(self.storage, self.job_root)
+            if newest is not None:
+                older = [i for i in reversed(committed_iterations(self.storage, self.job_root)) if i < newest]
+                return self.spec.path, self.job_root, [newest, *older]
+        if self.spec.resume_from:
+            uri = self.spec.resume_from.rstrip("/")
+            m = _ITER.match(uri)
+            root_uri, key = (m.group(1) or ".", m.group(2)) if m else (uri, "")
+            found = resolve_checkpoint(self._open(root_uri), key)
+            if found is None:
+                return f"checkpoint.resume_from: no committed checkpoint at {self.spec.resume_from}"
+            return root_uri, found[0], [found[1]]
+        return None
+
+    def maybe_resume(self) -> int | None:
+        """Load the checkpoint this job should continue from; returns its iteration, or None."""
+        choice = _broadcast(self._candidates() if dist.get_rank() == 0 else None)
+        if choice is None:
+            return None
+        if isinstance(choice, str):
+            raise FileNotFoundError(choice)
+        uri, job_root, iterations = choice
+        storage = self._open(uri)
+        cache = Path(tempfile.gettempdir()) / "elastron-ckpt-cache" / f"{self.trainer.spec.name}"
+        fetcher = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
+        for iteration in iterations:
+            outcome = None
+            if fetcher:
+                try:
+                    outcome = str(
+                        fetch_checkpoint(storage, job_root, iteration, cache / f"iter_{iteration:07d}")
+                    )
+                except CheckpointCorruptError as err:
+                    outcome = err
+            results = [None] * dist.get_world_size()
+            dist.all_gather_object(results, outcome)
+            errors = [r for r in results if isinstance(r, CheckpointCorruptError)]
+            if errors:
+                if self.spec.resume_from or iteration == iterations[-1]:
+                    raise errors[0]
+                log.warning("%s; falling back to the previous committed checkpoint", errors[0])
+                continue
+            local_dir = next(r for r in results if isinstance(r, str))
+            manifest = read_manifest(storage, job_root, iteration)
+            self._load(Path(local_dir), manifest["meta"])
+            return iteration
+        return None
+
+    def _load(self, local_dir: Path, meta: dict) -> None:
+        t = self.trainer
+        same_layout = meta["layout"] == layout_signature(t)
+        with_master = bool(meta["has_master"]) and any(t.optimizer.needs_copy_back)
+        target = ckpt_state.empty_state_dict(t, with_master=with_master, with_rng=same_layout)
+        dcp.load(target, checkpoint_id=str(local_dir))
+        ckpt_state.apply_state_dict(t, target, meta["adam_step"], with_master, with_rng=same_layout)
+        t.iteration = meta["iteration"]
+        t.consumed_samples = meta["consumed_samples"]
+        t.scheduler.load_state_dict(meta["scheduler"])
+        if t.grad_scaler is not None and meta["grad_scaler"] is not None:
+            t.grad_scaler.load_state_dict(meta["grad_scaler"])
+        if not same_layout:
+            # A new layout has new RNG positions: seed them from (seed, iteration), deterministically.
+            model_parallel_manual_seed(t.spec.training.seed + t.iteration)

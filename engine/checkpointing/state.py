@@ -1,0 +1,190 @@
+"""The sharded state of a rank, in global coordinates, and putting a loaded one back.
+
+Every tensor is keyed by its name in the whole model (global layer numbers on every pipeline
+stage; the last stage's tied output weight is `embedding.weight`, so it deduplicates with the
+first stage's) and described by its global shape and this rank's place in it:
+- a TP-sharded parameter becomes a DTensor sharded on a mesh over its TP group, so
+  torch.distributed.checkpoint (DCP) records each piece's global offset and a different layout
+  reads exactly the slices it needs;
+- a parameter made of `partition_stride` independently split chunks (SwiGLU's gate|up) is
+  stored as one key per chunk (`name#k`), because a single DTensor cannot express a strided
+  split; the keys do not depend on the layout;
+- replicated tensors (norms, DP replicas) are plain tensors; DCP writes one replica.
+
+Optimizer state (fp32 master weights when they are copies, Adam's two moments) is stored with
+the parameter's own shape and sharding, whatever the data-parallel size. Under the distributed
+optimizer each DP rank owns arbitrary flat ranges of each parameter, which DCP cannot describe,
+so those ranges are assembled to parameter shape over DP before saving (a sum of disjoint
+pieces) and cut back to the new layout's ranges after loading. That costs one transient
+parameter-sized copy per state during a save; writing the flat ranges directly is the next step
+when checkpoint memory matters.
+
+Non-tensor state goes into the manifest (see checkpointer.py), and RNG states are per rank.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
+
+from engine import parallel_state as ps
+from engine.tensor_parallel.random import get_rng_tracker
+
+STATE_NAMES = ("exp_avg", "exp_avg_sq", "master")
+
+
+def _tp_mesh() -> DeviceMesh | None:
+    if ps.get_tensor_model_parallel_world_size() == 1:
+        return None
+    return DeviceMesh.from_group(ps.get_tensor_model_parallel_group(), "cpu")
+
+
+def _pieces(key: str, local: torch.Tensor, param: nn.Parameter, mesh: DeviceMesh | None) -> dict:
+    """{key(#k): tensor or DTensor} for one parameter-shaped local tensor."""
+    dim = getattr(param, "partition_dim", None)
+    stride = getattr(param, "partition_stride", 1)
+    chunks = local.chunk(stride, dim=dim) if dim is not None and stride > 1 else [local]
+    out = {}
+    for k, chunk in enumerate(chunks):
+        name = f"{key}#{k}" if len(chunks) > 1 else key
+        if dim is not None and mesh is not None:
+            out[name] = DTensor.from_local(chunk.contiguous(), mesh, [Shard(dim)], run_check=False)
+        else:
+            out[name] = chunk
+    return out
+
+
+def _unpieces(pieces: list[torch.Tensor], param: nn.Parameter) -> torch.Tensor:
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in pieces]
+    return local[0] if len(local) == 1 else torch.cat(local, dim=param.partition_dim)
+
+
+def named_params(trainer) -> list[tuple[str, nn.Parameter, object]]:
+    """(global name, param, owning DataParallel chunk) for every parameter on this rank."""
+    out = []
+    for model, ddp in zip(trainer.model_chunks, trainer.ddp_chunks, strict=True):
+        for name, p in model.named_parameters():
+            out.append((model.global_param_name(name), p, ddp))
+    return out
+
+
+@torch.no_grad()
+def optimizer_state_by_param(trainer) -> dict[int, dict[str, torch.Tensor]]:
+    """id(param) -> {state name: parameter-shaped fp32 tensor}, assembled over DP for ZeRO-1."""
+    opt = trainer.optimizer
+    segments = {id(p): [] for _, p, _ in named_params(trainer)}
+    for i, (p, lo, hi) in enumerate(opt.segments):
+        segments[id(p)].append((i, lo, hi))
+    sharded = trainer.spec.parallel.distributed_optimizer and trainer.dp_size > 1
+    out = {}
+    for _, p, _ in named_params(trainer):
+        states = {}
+        for name in STATE_NAMES:
+            if name == "master" and not any(opt.needs_copy_back):
+                continue
+            flat = torch.zeros(p.numel(), dtype=torch.float32)
+            for i, lo, hi in segments[id(p)]:
+                m = opt.main_params[i]
+                src = m if name == "master" else opt.inner.state[m][name]
+                flat[lo:hi] = src
+            if sharded:
+                dist.all_reduce(flat, group=ps.get_group("dp"))
+            states[name] = flat.view(p.shape)
+        out[id(p)] = states
+    return out
+
+
+def rng_key() -> str:
+    g = ps.get_grid()
+    c = g.coords(dist.get_rank())
+    return f"rng/pp{c['pp']}-tp{c['tp']}-cp{c['cp']}-dp{c['dp']}"
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    from engine import device
+
+    states = {"default": device.get_rng_state()}
+    states.update({f"tracker.{k}": v for k, v in get_rng_tracker().get_states().items()})
+    return states
+
+
+def build_state_dict(trainer) -> dict[str, object]:
+    """Everything tensor-valued a checkpoint holds for this rank, DCP-ready."""
+    mesh = _tp_mesh()
+    state: dict[str, object] = {}
+    opt_states = optimizer_state_by_param(trainer)
+    for gname, p, _ in named_params(trainer):
+        state.update(_pieces(f"model/{gname}", p.detach(), p, mesh))
+        for name, tensor in opt_states[id(p)].items():
+            state.update(_pieces(f"optim/{gname}/{name}", tensor, p, mesh))
+    for name, tensor in _rng_state().items():
+        state[f"{rng_key()}/{name}"] = tensor
+    return state
+
+
+def empty_state_dict(trainer, with_master: bool, with_rng: bool) -> dict[str, object]:
+    """The same keys with this layout's shapes, for DCP to load into."""
+    mesh = _tp_mesh()
+    state: dict[str, object] = {}
+    for gname, p, _ in named_params(trainer):
+        state.update(_pieces(f"model/{gname}", torch.empty_like(p.detach()), p, mesh))
+        for name in STATE_NAMES:
+            if name == "master" and not with_master:
+                continue
+            state.update(_pieces(f"optim/{gname}/{name}", torch.empty(p.shape, dtype=torch.float32), p, mesh))
+    if with_rng:
+        for name, tensor in _rng_state().items():
+            state[f"{rng_key()}/{name}"] = torch.empty_like(tensor)
+    return state
+
+
+@torch.no_grad()
+def apply_state_dict(
+    trainer, state: dict[str, object], adam_step: int, with_master: bool, with_rng: bool
+) -> None:
+    """Put a loaded state into the model, the optimizer (this layout's ranges) and the RNGs."""
+    opt = trainer.optimizer
+
+    def gather(prefix: str, p: nn.Parameter) -> torch.Tensor:
+        keys = [
+            k
+            for k in (prefix, *(f"{prefix}#{i}" for i in range(getattr(p, "partition_stride", 1))))
+            if k in state
+        ]
+        return _unpieces([state[k] for k in keys], p)
+
+    full: dict[int, dict[str, torch.Tensor]] = {}
+    for gname, p, _ in named_params(trainer):
+        p.copy_(gather(f"model/{gname}", p))
+        full[id(p)] = {
+            name: gather(f"optim/{gname}/{name}", p)
+            for name in STATE_NAMES
+            if name != "master" or with_master
+        }
+    for i, (p, lo, hi) in enumerate(opt.segments):
+        m = opt.main_params[i]
+        states = full[id(p)]
+        if opt.needs_copy_back[i]:
+            source = states["master"] if with_master else p.detach().float()
+            m.copy_(source.reshape(-1)[lo:hi])
+        opt.inner.state[m] = {
+            "step": torch.tensor(float(adam_step)),
+            "exp_avg": states["exp_avg"].reshape(-1)[lo:hi].clone(),
+            "exp_avg_sq": states["exp_avg_sq"].reshape(-1)[lo:hi].clone(),
+        }
+    for ddp in trainer.ddp_chunks:
+        ddp.gather_params()
+    if with_rng:
+        from engine import device
+
+        prefix = rng_key()
+        device.set_rng_state(state[f"{prefix}/default"])
+        tracker = {
+            k.removeprefix(f"{prefix}/tracker."): v
+            for k, v in state.items()
+            if k.startswith(f"{prefix}/tracker.")
+        }
+        get_rng_tracker().set_states(tracker)
