@@ -29,15 +29,20 @@ PROCESS_GROUP_TIMEOUT_S = 1800.0
 class RankFailure(RuntimeError):
     """One or more ranks raised or died; `failures` maps rank -> traceback or exit description.
 
-    `failures` is in the order the parent learned of them: the first one is the likely cause,
-    later ones are usually peers that lost their connection to it.
+    The likely cause comes first: a rank that died without reporting (killed, os._exit), else
+    the first rank that raised. The others are usually peers that lost their connection to it.
     """
 
     def __init__(self, failures: dict[int, str]):
-        self.failures = failures
-        first = next(iter(failures))
+        died = [r for r, msg in failures.items() if msg.startswith(DIED)]
+        order = died + [r for r in failures if r not in died]
+        self.failures = {r: failures[r] for r in order}
+        first = order[0]
         others = f" (then ranks {sorted(set(failures) - {first})})" if len(failures) > 1 else ""
         super().__init__(f"rank {first} failed{others}:\n{failures[first]}")
+
+
+DIED = "process exited with code"
 
 
 def free_port() -> int:
@@ -55,6 +60,7 @@ def _rank_main(
     args: Sequence[Any],
     results: mp.Queue,
     timeout_s: float,
+    env: dict[str, str],
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -69,6 +75,7 @@ def _rank_main(
         LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    os.environ.update(env)
     torch.set_num_threads(device.cpu_threads_per_rank(world_size))
     try:
         device.set_device(device_type, rank)
@@ -101,11 +108,14 @@ def spawn(
     device_type: str = "cpu",
     timeout_s: float = 300.0,
     grace_s: float = 5.0,
+    env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run `fn(*args)` on ranks 0..world_size-1; return the per-rank results in rank order.
 
-    `fn` must be importable by name (a module-level function). Raises RankFailure naming every
-    rank that raised, died, or did not finish within `timeout_s`.
+    `fn` must be importable by name (a module-level function). `env` is set in every rank (ranks
+    fork from a server started with the environment of the first spawn, so later changes to this
+    process's environment do not reach them). Raises RankFailure naming every rank that raised,
+    died, or did not finish within `timeout_s`.
     """
     ctx = _context()
     results: mp.Queue = ctx.Queue()
@@ -113,7 +123,7 @@ def spawn(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, world_size, port, device_type, fn, tuple(args), results, timeout_s),
+            args=(rank, world_size, port, device_type, fn, tuple(args), results, timeout_s, dict(env or {})),
             name=f"elastron-rank-{rank}",
         )
         for rank in range(world_size)
@@ -145,7 +155,7 @@ def spawn(
                         # Exited without reporting: killed by a signal or os._exit. Drain first.
                         time.sleep(0.2)
                         if results.empty():
-                            failures[r] = f"process exited with code {p.exitcode} without a result"
+                            failures[r] = f"{DIED} {p.exitcode} without a result"
                             first_failure_at = first_failure_at or time.monotonic()
                 continue
             if ok:

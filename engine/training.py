@@ -310,6 +310,8 @@ def train_rank(spec_dict: dict[str, Any], metrics_out: str | None = None, quiet:
                     sink.flush()
                 if not quiet and m.iteration % spec.training.log_interval == 0:
                     print(_progress_line(m, spec.training.train_iters), flush=True)
+        if trainer.checkpointer is not None:
+            trainer.checkpointer.wait()  # the last save is committed before the job reports done
     finally:
         if sink:
             sink.close()

@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from pathlib import Path
 
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from engine.checkpointing.commit import (
     FileEntry,
     commit_checkpoint,
     committed_iterations,
+    delete_iteration,
     fetch_checkpoint,
     iteration_key,
     latest_checkpoint,
@@ -46,6 +48,10 @@ from engine.tensor_parallel import model_parallel_manual_seed
 
 log = logging.getLogger(__name__)
 _ITER = re.compile(r"^(.*?)/?(iter_\d{7})/?$")
+
+# Test seam for crash drills: called on every rank after its shards are written, before the
+# commit (a test sets it inside a rank process to kill that rank mid-save).
+_FAULT_HOOK = None
 
 
 def layout_signature(trainer) -> str:
@@ -66,6 +72,9 @@ class Checkpointer:
         self.spec = trainer.spec.checkpoint
         self.job_root = trainer.spec.name
         self.storage: Storage | None = None
+        self._pending: threading.Thread | None = None
+        self._pending_error: BaseException | None = None
+        self._group = None
         if self.spec.path:
             self.storage = open_storage(
                 self.spec.path, endpoint_url=self.spec.endpoint_url, region=self.spec.region
@@ -73,33 +82,69 @@ class Checkpointer:
 
     # ---------------------------------------------------------------- save
     def save(self) -> None:
+        """Checkpoint the current iteration. With checkpoint.async_save the call returns once the
+        state is copied to host memory and the writing goes on in the background; either way a
+        previous save still in flight is finished first."""
         trainer = self.trainer
         if self.storage is None:
             raise RuntimeError("checkpoint.path is not set: nowhere to save")
-        iteration = trainer.iteration
+        self.wait()
+        state = ckpt_state.build_state_dict(trainer)
+        meta = self._meta()
+        if not self.spec.async_save:
+            self._write(state, trainer.iteration, meta, group=None)
+            return
+        if self._group is None:  # its own group: background collectives never meet training's
+            self._group = dist.new_group(backend="gloo")
+        snapshot = ckpt_state.snapshot(state)
+        self._pending = threading.Thread(
+            target=self._write_in_background, args=(snapshot, trainer.iteration, meta), daemon=True
+        )
+        self._pending.start()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is committed; re-raise its failure."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        if self._pending_error is not None:
+            err, self._pending_error = self._pending_error, None
+            raise RuntimeError("the background checkpoint save failed") from err
+
+    def _write_in_background(self, state: dict, iteration: int, meta: dict) -> None:
+        try:
+            self._write(state, iteration, meta, group=self._group)
+        except BaseException as err:  # noqa: BLE001 - handed to the training thread by wait()
+            log.exception("background checkpoint save of iteration %d failed", iteration)
+            self._pending_error = err
+
+    def _write(self, state: dict, iteration: int, meta: dict, group) -> None:
         key = iteration_key(self.job_root, iteration)
         local = self.storage.local_path(key)
         staging = Path(local) if local is not None else Path(tempfile.mkdtemp(prefix="elastron-ckpt-"))
-        if dist.get_rank() == 0:
+        rank = dist.get_rank()
+        if rank == 0:
+            # Debris of a crashed save of this iteration, or a committed one being redone after a
+            # fall-back resume: clear it (manifest first, so a crash here is still safe).
+            delete_iteration(self.storage, self.job_root, iteration)
             staging.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
-        before = set(os.listdir(staging))
-        dcp.save(ckpt_state.build_state_dict(trainer), checkpoint_id=str(staging))
-        mine = [
-            name for name in sorted(os.listdir(staging)) if name not in before and self._written_by_me(name)
-        ]
+        dist.barrier(group=group)
+        dcp.save(state, checkpoint_id=str(staging), process_group=group)
+        mine = [name for name in sorted(os.listdir(staging)) if self._written_by_me(name)]
         entries = []
         for name in mine:
             path = staging / name
             entries.append(FileEntry(name=name, size=path.stat().st_size, sha256=sha256_file(path)))
             if local is None:
                 self.storage.put_file(path, f"{key}/{name}")
+        if _FAULT_HOOK is not None:
+            _FAULT_HOOK(iteration)
         gathered = [None] * dist.get_world_size()
-        dist.all_gather_object(gathered, entries)
-        if dist.get_rank() == 0:
+        dist.all_gather_object(gathered, entries, group=group)
+        if rank == 0:
             files = [e for per_rank in gathered for e in per_rank]
-            commit_checkpoint(self.storage, self.job_root, iteration, files, self._meta())
-        dist.barrier()
+            commit_checkpoint(self.storage, self.job_root, iteration, files, meta, keep=self.spec.keep)
+        dist.barrier(group=group)
         if local is None:
             shutil.rmtree(staging, ignore_errors=True)
 
@@ -193,7 +238,12 @@ class Checkpointer:
         ckpt_state.apply_state_dict(t, target, meta["adam_step"], with_master, with_rng=same_layout)
         t.iteration = meta["iteration"]
         t.consumed_samples = meta["consumed_samples"]
-        t.scheduler.load_state_dict(meta["scheduler"])
+        changed = t.scheduler.load_state_dict(meta["scheduler"], strict=False)
+        if changed and dist.get_rank() == 0:
+            log.warning(
+                "resumed with this job's lr / weight-decay schedule, not the checkpoint's: %s",
+                "; ".join(changed),
+            )
         if t.grad_scaler is not None and meta["grad_scaler"] is not None:
             t.grad_scaler.load_state_dict(meta["grad_scaler"])
         if not same_layout:

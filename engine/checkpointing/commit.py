@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.checkpointing.storage import Storage, _check_key
+from engine.checkpointing.storage import Storage, check_key
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +56,14 @@ class CheckpointCorruptError(RuntimeError):
         self.iteration = iteration
         self.files = files
         self.previous = previous
+
+    def __reduce__(self):
+        """Picklable, so one rank's verdict can be shared with every rank."""
+        return _rebuild_corrupt_error, (str(self), self.iteration, self.files, self.previous)
+
+
+def _rebuild_corrupt_error(message: str, iteration: int, files: list[str], previous: int | None):
+    return CheckpointCorruptError(message, iteration=iteration, files=files, previous=previous)
 
 
 @dataclass(frozen=True)
@@ -93,7 +101,7 @@ def iteration_key(job_root: str, iteration: int) -> str:
     """Key of one checkpoint's folder: f"{job_root}/iter_{iteration:07d}" ("" job_root = storage root)."""
     if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
         raise ValueError(f"checkpoint iteration must be a non-negative int, got {iteration!r}")
-    return _join(_check_key(job_root, allow_empty=True), f"iter_{iteration:07d}")
+    return _join(check_key(job_root, allow_empty=True), f"iter_{iteration:07d}")
 
 
 def _where(storage: Storage, job_root: str) -> str:
@@ -102,7 +110,7 @@ def _where(storage: Storage, job_root: str) -> str:
 
 def _iter_folders(storage: Storage, job_root: str) -> dict[int, bool]:
     """iteration -> whether its folder has a manifest, for every iter_ folder directly under job_root."""
-    root = _check_key(job_root, allow_empty=True)
+    root = check_key(job_root, allow_empty=True)
     cut = len(root) + 1 if root else 0
     found: dict[int, bool] = {}
     for key in storage.list(root):
@@ -122,7 +130,7 @@ def committed_iterations(storage: Storage, job_root: str) -> list[int]:
 
 def _latest_pointer(storage: Storage, job_root: str) -> int | None:
     try:
-        text = storage.get_bytes(_join(_check_key(job_root, allow_empty=True), LATEST)).decode().strip()
+        text = storage.get_bytes(_join(check_key(job_root, allow_empty=True), LATEST)).decode().strip()
         return int(text)
     except (FileNotFoundError, ValueError, UnicodeDecodeError):
         return None
@@ -159,7 +167,7 @@ def commit_checkpoint(
     `keep`: apply retention with this many committed checkpoints kept (None: keep all).
     """
     folder = iteration_key(job_root, iteration)
-    names = [_check_key(f.name) for f in files]
+    names = [check_key(f.name) for f in files]
     if not names:
         raise ValueError(f"checkpoint iteration {iteration}: no files to commit")
     if len(set(names)) != len(names):
@@ -188,13 +196,14 @@ def commit_checkpoint(
         )
 
     storage.put_bytes(_join(folder, MANIFEST), data)
-    storage.put_bytes(_join(_check_key(job_root, allow_empty=True), LATEST), f"{iteration}\n".encode())
+    storage.put_bytes(_join(check_key(job_root, allow_empty=True), LATEST), f"{iteration}\n".encode())
     logger.info("committed checkpoint iteration %d in %s", iteration, _where(storage, job_root))
     if keep is not None:
         apply_retention(storage, job_root, keep)
 
 
-def _delete_iteration(storage: Storage, job_root: str, iteration: int) -> None:
+def delete_iteration(storage: Storage, job_root: str, iteration: int) -> None:
+    """Remove one iteration's folder, committed or not: manifest first."""
     folder = iteration_key(job_root, iteration)
     storage.delete(_join(folder, MANIFEST))  # uncommit first: a crash below leaves only debris
     storage.delete_prefix(folder)
@@ -210,7 +219,7 @@ def apply_retention(storage: Storage, job_root: str, keep: int) -> None:
     latest = latest_checkpoint(storage, job_root)
     if latest is None:
         return  # nothing committed: every folder may still be a save in progress
-    kept = set(committed[-keep:])
+    kept = set(committed[-keep:]) | {latest}
     doomed = [it for it in committed if it not in kept]
     debris = [it for it, ok in folders.items() if not ok and it < latest]
     for it in sorted(doomed + debris):
@@ -220,7 +229,7 @@ def apply_retention(storage: Storage, job_root: str, keep: int) -> None:
             it,
             _where(storage, job_root),
         )
-        _delete_iteration(storage, job_root, it)
+        delete_iteration(storage, job_root, it)
 
 
 def read_manifest(storage: Storage, job_root: str, iteration: int) -> dict[str, Any]:
@@ -267,7 +276,7 @@ def fetch_checkpoint(storage: Storage, job_root: str, iteration: int, cache_dir:
     folder = iteration_key(job_root, iteration)
     entries = manifest["files"]
     for entry in entries:
-        _check_key(entry["name"])  # a manifest must not send files outside the folder
+        check_key(entry["name"])  # a manifest must not send files outside the folder
 
     in_place = storage.local_path(folder)
     target = in_place if in_place is not None else Path(cache_dir) / folder
@@ -316,7 +325,7 @@ def resolve_checkpoint(storage: Storage, key: str) -> tuple[str, int] | None:
 
     None if a job root has nothing committed; ValueError if an iter_ folder has no manifest.
     """
-    key = _check_key(key, allow_empty=True)
+    key = check_key(key, allow_empty=True)
     parent, _, last = key.rpartition("/")
     m = _ITER_DIR.match(last)
     if m is not None:

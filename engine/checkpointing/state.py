@@ -125,6 +125,18 @@ def build_state_dict(trainer) -> dict[str, object]:
     return state
 
 
+def snapshot(state: dict[str, object]) -> dict[str, object]:
+    """A copy in host memory that training can no longer change (for a background save)."""
+    out: dict[str, object] = {}
+    for key, value in state.items():
+        if isinstance(value, DTensor):
+            local = value.to_local().detach().to("cpu", copy=True)
+            out[key] = DTensor.from_local(local, value.device_mesh, value.placements, run_check=False)
+        else:
+            out[key] = value.detach().to("cpu", copy=True)
+    return out
+
+
 def empty_state_dict(trainer, with_master: bool, with_rng: bool) -> dict[str, object]:
     """The same keys with this layout's shapes, for DCP to load into."""
     mesh = _tp_mesh()

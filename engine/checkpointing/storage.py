@@ -43,7 +43,7 @@ _S3_MIN_PART = 5 * MiB  # S3 rejects non-final multipart parts below this
 _S3_MAX_PARTS = 10_000
 
 
-def _check_key(key: str, *, allow_empty: bool = False) -> str:
+def check_key(key: str, *, allow_empty: bool = False) -> str:
     """Normalise a key ('/'-separated, relative); refuse ones that could escape the root."""
     if not isinstance(key, str):
         raise TypeError(f"storage key must be a str, got {type(key).__name__}")
@@ -162,7 +162,7 @@ class LocalStorage(Storage):
         self.uri = self.root.as_uri()
 
     def _path(self, key: str, *, allow_empty: bool = False) -> Path:
-        key = _check_key(key, allow_empty=allow_empty)
+        key = check_key(key, allow_empty=allow_empty)
         return self.root / key if key else self.root
 
     def local_path(self, key: str) -> Path | None:
@@ -275,7 +275,7 @@ class S3Storage(Storage):
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
         self.bucket = bucket
-        self.prefix = _check_key(prefix, allow_empty=True)
+        self.prefix = check_key(prefix, allow_empty=True)
         self.endpoint_url = endpoint_url
         self.region = region
         self.part_size = part_size
@@ -315,7 +315,7 @@ class S3Storage(Storage):
         return self._client
 
     def _key(self, key: str, *, allow_empty: bool = False) -> str:
-        key = _check_key(key, allow_empty=allow_empty)
+        key = check_key(key, allow_empty=allow_empty)
         if self.prefix:
             return f"{self.prefix}/{key}" if key else self.prefix
         return key
@@ -328,7 +328,7 @@ class S3Storage(Storage):
         return full_key[len(self.prefix) + 1 :] if self.prefix else full_key
 
     def local_path(self, key: str) -> Path | None:
-        _check_key(key)
+        check_key(key)
         return None
 
     # ---- writes ----------------------------------------------------------------------------------

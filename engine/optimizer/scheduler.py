@@ -269,8 +269,10 @@ class OptimizerParamScheduler:
         state["num_steps"] = self.num_steps
         return state
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume at the saved step; the saved settings must equal this scheduler's."""
+    def load_state_dict(self, state_dict: dict[str, Any], strict: bool = True) -> list[str]:
+        """Resume at the saved step. strict: the saved settings must equal this scheduler's;
+        otherwise this job's settings win (a resumed job may train longer or change its
+        schedule) and the differences are returned for the caller to report."""
         missing = [k for k in (*_SETTINGS, "num_steps") if k not in state_dict]
         if missing:
             raise ValueError(f"scheduler state dict lacks {', '.join(missing)}: not saved by this scheduler")
@@ -279,10 +281,11 @@ class OptimizerParamScheduler:
             for name in _SETTINGS
             if state_dict[name] != getattr(self, name)
         ]
-        if mismatched:
+        if mismatched and strict:
             raise ValueError(
                 "the checkpoint's lr / weight-decay schedule differs from this job's; resume with the "
                 "job's original optimizer settings or start a new job. Differences: " + "; ".join(mismatched)
             )
         self.num_steps = _check_int("num_steps", state_dict["num_steps"], 0)
         self._apply()
+        return mismatched

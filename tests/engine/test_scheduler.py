@@ -404,3 +404,19 @@ def test_from_spec_ignores_wsd_fields_for_other_styles() -> None:
     sched = OptimizerParamScheduler.from_spec(make_optimizer(), job.optimizer, 20)
     assert sched.lr_decay_steps == 20
     assert sched.get_lr(5) == pytest.approx(0.75)
+
+
+def test_lenient_load_keeps_this_jobs_schedule_and_reports_the_differences() -> None:
+    """A resumed job that trains longer: the step comes from the checkpoint, the settings from
+    the job, and the caller learns what changed."""
+    first = make("cosine")
+    for _ in range(30):
+        first.step()
+    longer = make("cosine", lr_decay_steps=first.lr_decay_steps * 2)
+    changed = longer.load_state_dict(first.state_dict(), strict=False)
+    assert longer.num_steps == 30
+    assert changed and all("lr_decay_steps" in c for c in changed), changed
+    assert longer.get_lr() == pytest.approx(longer.get_lr(30))
+    assert longer.get_lr() != pytest.approx(first.get_lr())
+    with pytest.raises(ValueError, match="lr_decay_steps: checkpoint"):
+        make("cosine", lr_decay_steps=first.lr_decay_steps * 2).load_state_dict(first.state_dict())
