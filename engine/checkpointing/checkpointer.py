@@ -23,10 +23,12 @@ import re
 import shutil
 import tempfile
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 
 from engine import parallel_state as ps
 from engine.checkpointing import state as ckpt_state
@@ -48,6 +50,9 @@ from engine.tensor_parallel import model_parallel_manual_seed
 
 log = logging.getLogger(__name__)
 _ITER = re.compile(r"^(.*?)/?(iter_\d{7})/?$")
+
+# Files per rank DCP writes in parallel (and that are then hashed / uploaded in parallel).
+WRITER_THREADS = 4
 
 # Test seam for crash drills: called on every rank after its shards are written, before the
 # commit (a test sets it inside a rank process to kill that rank mid-save).
@@ -75,6 +80,7 @@ class Checkpointer:
         self._pending: threading.Thread | None = None
         self._pending_error: BaseException | None = None
         self._group = None
+        self._host_buffers: dict = {}
         if self.spec.path:
             self.storage = open_storage(
                 self.spec.path, endpoint_url=self.spec.endpoint_url, region=self.spec.region
@@ -96,7 +102,7 @@ class Checkpointer:
             return
         if self._group is None:  # its own group: background collectives never meet training's
             self._group = dist.new_group(backend="gloo")
-        snapshot = ckpt_state.snapshot(state)
+        snapshot = ckpt_state.snapshot(state, self._host_buffers)
         self._pending = threading.Thread(
             target=self._write_in_background, args=(snapshot, trainer.iteration, meta), daemon=True
         )
@@ -129,14 +135,17 @@ class Checkpointer:
             delete_iteration(self.storage, self.job_root, iteration)
             staging.mkdir(parents=True, exist_ok=True)
         dist.barrier(group=group)
-        dcp.save(state, checkpoint_id=str(staging), process_group=group)
-        mine = [name for name in sorted(os.listdir(staging)) if self._written_by_me(name)]
-        entries = []
-        for name in mine:
-            path = staging / name
-            entries.append(FileEntry(name=name, size=path.stat().st_size, sha256=sha256_file(path)))
+        writer = FileSystemWriter(str(staging), thread_count=WRITER_THREADS)
+        dcp.save(state, storage_writer=writer, process_group=group)
+        mine = [staging / name for name in sorted(os.listdir(staging)) if self._written_by_me(name)]
+        with ThreadPoolExecutor(max_workers=WRITER_THREADS) as pool:  # hashlib and boto3 release the GIL
+            digests = list(pool.map(sha256_file, mine))
+            entries = [
+                FileEntry(name=p.name, size=p.stat().st_size, sha256=d)
+                for p, d in zip(mine, digests, strict=True)
+            ]
             if local is None:
-                self.storage.put_file(path, f"{key}/{name}")
+                list(pool.map(lambda path: self.storage.put_file(path, f"{key}/{path.name}"), mine))
         if _FAULT_HOOK is not None:
             _FAULT_HOOK(iteration)
         gathered = [None] * dist.get_world_size()

@@ -85,11 +85,16 @@ def optimizer_state_by_param(trainer) -> dict[int, dict[str, torch.Tensor]]:
         for name in STATE_NAMES:
             if name == "master" and not any(opt.needs_copy_back):
                 continue
-            flat = torch.zeros(p.numel(), dtype=torch.float32)
-            for i, lo, hi in segments[id(p)]:
+            segs = segments[id(p)]
+            if not sharded and len(segs) == 1 and segs[0][1:] == (0, p.numel()):
+                i = segs[0][0]  # this rank holds the whole state: a view, no copy
                 m = opt.main_params[i]
-                src = m if name == "master" else opt.inner.state[m][name]
-                flat[lo:hi] = src
+                states[name] = (m if name == "master" else opt.inner.state[m][name]).view(p.shape)
+                continue
+            flat = torch.zeros(p.numel(), dtype=torch.float32)
+            for i, lo, hi in segs:
+                m = opt.main_params[i]
+                flat[lo:hi] = m if name == "master" else opt.inner.state[m][name]
             if sharded:
                 dist.all_reduce(flat, group=ps.get_group("dp"))
             states[name] = flat.view(p.shape)
@@ -125,15 +130,23 @@ def build_state_dict(trainer) -> dict[str, object]:
     return state
 
 
-def snapshot(state: dict[str, object]) -> dict[str, object]:
-    """A copy in host memory that training can no longer change (for a background save)."""
+def snapshot(state: dict[str, object], buffers: dict[str, torch.Tensor]) -> dict[str, object]:
+    """A copy in host memory that training can no longer change (for a background save).
+
+    `buffers` keeps the host tensors between saves: copying into memory already touched is
+    several times faster than into fresh pages, and a save only starts after the previous one
+    finished with them."""
     out: dict[str, object] = {}
     for key, value in state.items():
+        local = value.to_local() if isinstance(value, DTensor) else value
+        host = buffers.get(key)
+        if host is None or host.shape != local.shape or host.dtype != local.dtype:
+            host = buffers[key] = torch.empty(local.shape, dtype=local.dtype, device="cpu")
+        host.copy_(local.detach())
         if isinstance(value, DTensor):
-            local = value.to_local().detach().to("cpu", copy=True)
-            out[key] = DTensor.from_local(local, value.device_mesh, value.placements, run_check=False)
+            out[key] = DTensor.from_local(host, value.device_mesh, value.placements, run_check=False)
         else:
-            out[key] = value.detach().to("cpu", copy=True)
+            out[key] = host
     return out
 
 
@@ -182,11 +195,14 @@ def apply_state_dict(
         if opt.needs_copy_back[i]:
             source = states["master"] if with_master else p.detach().float()
             m.copy_(source.reshape(-1)[lo:hi])
-        opt.inner.state[m] = {
-            "step": torch.tensor(float(adam_step)),
-            "exp_avg": states["exp_avg"].reshape(-1)[lo:hi].clone(),
-            "exp_avg_sq": states["exp_avg_sq"].reshape(-1)[lo:hi].clone(),
+        # A whole parameter keeps the loaded tensor; a slice is copied, or its view would pin
+        # the whole parameter-sized tensor in memory.
+        whole = (lo, hi) == (0, p.numel())
+        moments = {
+            name: states[name].reshape(-1) if whole else states[name].reshape(-1)[lo:hi].clone()
+            for name in ("exp_avg", "exp_avg_sq")
         }
+        opt.inner.state[m] = {"step": torch.tensor(float(adam_step)), **moments}
     for ddp in trainer.ddp_chunks:
         ddp.gather_params()
     if with_rng:
