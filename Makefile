@@ -29,6 +29,7 @@ bench: $(STAMP)
 	$(PY) bench/engine_step.py
 	$(PY) bench/parallel_layouts.py
 	$(PY) bench/optimizer_memory.py
+	$(PY) bench/checkpoint_io.py
 
 clean:
 	rm -rf $(VENV) runs

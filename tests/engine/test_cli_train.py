@@ -95,3 +95,28 @@ def test_schema_prints_the_job_schema():
     proc = run("schema")
     assert proc.returncode == 0
     assert json.loads(proc.stdout) == json_schema()
+
+
+def test_train_again_resumes_from_the_newest_checkpoint_and_appends_metrics(tmp_path):
+    """`resume: auto` is the default: rerunning the job with more iterations continues it."""
+    spec = {
+        **TINY_JOB,
+        "training": {**TINY_JOB["training"], "train_iters": 4},
+        "checkpoint": {"path": str(tmp_path / "ckpt"), "interval": 2},
+    }
+    job = tmp_path / "job.yaml"
+    job.write_text(yaml.safe_dump(spec))
+    metrics = tmp_path / "metrics.jsonl"
+    assert run("train", str(job), "--metrics-out", str(metrics)).returncode == 0
+    assert sorted(p.name for p in (tmp_path / "ckpt" / "cli-tiny").iterdir()) == [
+        "iter_0000002",
+        "iter_0000004",
+        "latest",
+    ]
+    spec["training"]["train_iters"] = 6
+    job.write_text(yaml.safe_dump(spec))
+    proc = run("train", str(job), "--metrics-out", str(metrics))
+    assert proc.returncode == 0, proc.stderr
+    assert "resumed at iteration 4" in proc.stdout, proc.stdout
+    iterations = [json.loads(line)["iteration"] for line in metrics.read_text().splitlines()]
+    assert iterations == [1, 2, 3, 4, 5, 6]
