@@ -28,9 +28,9 @@ from pathlib import Path
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 
 from engine import parallel_state as ps
+from engine.checkpointing import raw_io
 from engine.checkpointing import state as ckpt_state
 from engine.checkpointing.commit import (
     CheckpointCorruptError,
@@ -45,6 +45,7 @@ from engine.checkpointing.commit import (
     resolve_checkpoint,
     sha256_file,
 )
+from engine.checkpointing.raw_io import RawFileSystemWriter
 from engine.checkpointing.storage import Storage, open_storage
 from engine.tensor_parallel import model_parallel_manual_seed
 
@@ -135,7 +136,7 @@ class Checkpointer:
             delete_iteration(self.storage, self.job_root, iteration)
             staging.mkdir(parents=True, exist_ok=True)
         dist.barrier(group=group)
-        writer = FileSystemWriter(str(staging), thread_count=WRITER_THREADS)
+        writer = RawFileSystemWriter(str(staging), thread_count=WRITER_THREADS)
         dcp.save(state, storage_writer=writer, process_group=group)
         mine = [staging / name for name in sorted(os.listdir(staging)) if self._written_by_me(name)]
         with ThreadPoolExecutor(max_workers=WRITER_THREADS) as pool:  # hashlib and boto3 release the GIL
@@ -170,6 +171,7 @@ class Checkpointer:
         opt = t.optimizer
         adam_steps = [int(s["step"]) for s in opt.inner.state.values() if "step" in s]
         return {
+            "shard_format": raw_io.FORMAT,
             "iteration": t.iteration,
             "consumed_samples": t.consumed_samples,
             "adam_step": max(adam_steps, default=0),
@@ -242,9 +244,11 @@ class Checkpointer:
         t = self.trainer
         same_layout = meta["layout"] == layout_signature(t)
         with_master = bool(meta["has_master"]) and any(t.optimizer.needs_copy_back)
-        target = ckpt_state.empty_state_dict(t, with_master=with_master, with_rng=same_layout)
-        dcp.load(target, checkpoint_id=str(local_dir))
-        ckpt_state.apply_state_dict(t, target, meta["adam_step"], with_master, with_rng=same_layout)
+        target, buffers = ckpt_state.empty_state_dict(t, with_master=with_master, with_rng=same_layout)
+        if meta.get("shard_format") != raw_io.FORMAT:
+            raise ValueError(f"checkpoint shard format {meta.get('shard_format')!r} is not {raw_io.FORMAT!r}")
+        dcp.load(target, storage_reader=raw_io.RawFileSystemReader(str(local_dir)))
+        ckpt_state.apply_state_dict(t, target, buffers, meta["adam_step"], with_master, with_rng=same_layout)
         t.iteration = meta["iteration"]
         t.consumed_samples = meta["consumed_samples"]
         changed = t.scheduler.load_state_dict(meta["scheduler"], strict=False)

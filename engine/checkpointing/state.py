@@ -57,11 +57,6 @@ def _pieces(key: str, local: torch.Tensor, param: nn.Parameter, mesh: DeviceMesh
     return out
 
 
-def _unpieces(pieces: list[torch.Tensor], param: nn.Parameter) -> torch.Tensor:
-    local = [p.to_local() if isinstance(p, DTensor) else p for p in pieces]
-    return local[0] if len(local) == 1 else torch.cat(local, dim=param.partition_dim)
-
-
 def named_params(trainer) -> list[tuple[str, nn.Parameter, object]]:
     """(global name, param, owning DataParallel chunk) for every parameter on this rank."""
     out = []
@@ -150,45 +145,46 @@ def snapshot(state: dict[str, object], buffers: dict[str, torch.Tensor]) -> dict
     return out
 
 
-def empty_state_dict(trainer, with_master: bool, with_rng: bool) -> dict[str, object]:
-    """The same keys with this layout's shapes, for DCP to load into."""
+def empty_state_dict(
+    trainer, with_master: bool, with_rng: bool
+) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
+    """The same keys with this layout's shapes for DCP to load into, and the parameter-shaped
+    local tensors behind them. Model weights load straight into the parameters; optimizer
+    state into fresh buffers; strided pieces are views of one buffer, so nothing is
+    concatenated or copied after the load."""
     mesh = _tp_mesh()
     state: dict[str, object] = {}
+    buffers: dict[str, torch.Tensor] = {}
     for gname, p, _ in named_params(trainer):
-        state.update(_pieces(f"model/{gname}", torch.empty_like(p.detach()), p, mesh))
+        mine = {f"model/{gname}": p.detach()}
         for name in STATE_NAMES:
-            if name == "master" and not with_master:
-                continue
-            state.update(_pieces(f"optim/{gname}/{name}", torch.empty(p.shape, dtype=torch.float32), p, mesh))
+            if name != "master" or with_master:
+                mine[f"optim/{gname}/{name}"] = torch.empty(p.shape, dtype=torch.float32)
+        for key, local in mine.items():
+            state.update(_pieces(key, local, p, mesh))
+        buffers.update(mine)
     if with_rng:
         for name, tensor in _rng_state().items():
             state[f"{rng_key()}/{name}"] = torch.empty_like(tensor)
-    return state
+    return state, buffers
 
 
 @torch.no_grad()
 def apply_state_dict(
-    trainer, state: dict[str, object], adam_step: int, with_master: bool, with_rng: bool
+    trainer,
+    state: dict[str, object],
+    buffers: dict[str, torch.Tensor],
+    adam_step: int,
+    with_master: bool,
+    with_rng: bool,
 ) -> None:
-    """Put a loaded state into the model, the optimizer (this layout's ranges) and the RNGs."""
+    """Put a loaded state into the optimizer (this layout's ranges) and the RNGs; the weights
+    are already in the parameters."""
     opt = trainer.optimizer
-
-    def gather(prefix: str, p: nn.Parameter) -> torch.Tensor:
-        keys = [
-            k
-            for k in (prefix, *(f"{prefix}#{i}" for i in range(getattr(p, "partition_stride", 1))))
-            if k in state
-        ]
-        return _unpieces([state[k] for k in keys], p)
-
-    full: dict[int, dict[str, torch.Tensor]] = {}
-    for gname, p, _ in named_params(trainer):
-        p.copy_(gather(f"model/{gname}", p))
-        full[id(p)] = {
-            name: gather(f"optim/{gname}/{name}", p)
-            for name in STATE_NAMES
-            if name != "master" or with_master
-        }
+    full = {
+        id(p): {n: buffers[f"optim/{gname}/{n}"] for n in STATE_NAMES if f"optim/{gname}/{n}" in buffers}
+        for gname, p, _ in named_params(trainer)
+    }
     for i, (p, lo, hi) in enumerate(opt.segments):
         m = opt.main_params[i]
         states = full[id(p)]
