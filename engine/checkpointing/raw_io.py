@@ -11,6 +11,10 @@ into one buffer that is narrowed and copied.
 Everything else (planning, deduplication, `.metadata`, the file naming __<rank>_<n>.distcp,
 several files per rank written by parallel threads) is FileSystemWriter's/Reader's. The format
 is named in the checkpoint manifest (`shard_format`), so a reader never guesses.
+
+It leans on three private DCP names (`_split_by_size_and_type`, `_StorageInfo`,
+`narrow_tensor_by_index`); the torch pin (< 2.14) keeps them stable, and the checkpoint tests
+(resharding matrix, resume, corruption) fail loudly if an upgrade moves them.
 """
 
 from __future__ import annotations
