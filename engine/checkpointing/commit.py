@@ -84,15 +84,6 @@ def sha256_file(path: Path | str, *, chunk_size: int = 4 * 1024 * 1024) -> str:
     return digest.hexdigest()
 
 
-def file_entries(directory: Path | str) -> list[FileEntry]:
-    """FileEntry for every file under `directory` (recursive), names relative to it."""
-    root = Path(directory)
-    entries = []
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
-        entries.append(FileEntry(path.relative_to(root).as_posix(), path.stat().st_size, sha256_file(path)))
-    return entries
-
-
 def _join(*parts: str) -> str:
     return "/".join(p for p in parts if p)
 

@@ -138,9 +138,3 @@ class TrainingOptimizer:
             "grad_buffer": grads,
             "model_params": params,
         }
-
-    def state_dict(self) -> dict:
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.inner.load_state_dict(state)
