@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from engine import device
 from engine import parallel_state as ps
 from engine.tensor_parallel.random import get_rng_tracker
 
@@ -39,7 +40,7 @@ STATE_NAMES = ("exp_avg", "exp_avg_sq", "master")
 def _tp_mesh() -> DeviceMesh | None:
     if ps.get_tensor_model_parallel_world_size() == 1:
         return None
-    return DeviceMesh.from_group(ps.get_tensor_model_parallel_group(), "cpu")
+    return DeviceMesh.from_group(ps.get_tensor_model_parallel_group(), device.current_device().type)
 
 
 def _pieces(key: str, local: torch.Tensor, param: nn.Parameter, mesh: DeviceMesh | None) -> dict:
@@ -86,7 +87,7 @@ def optimizer_state_by_param(trainer) -> dict[int, dict[str, torch.Tensor]]:
                 m = opt.main_params[i]
                 states[name] = (m if name == "master" else opt.inner.state[m][name]).view(p.shape)
                 continue
-            flat = torch.zeros(p.numel(), dtype=torch.float32)
+            flat = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)  # all-reduced: NCCL on GPU
             for i, lo, hi in segs:
                 m = opt.main_params[i]
                 flat[lo:hi] = m if name == "master" else opt.inner.state[m][name]
@@ -104,8 +105,6 @@ def rng_key() -> str:
 
 
 def _rng_state() -> dict[str, torch.Tensor]:
-    from engine import device
-
     states = {"default": device.get_rng_state()}
     states.update({f"tracker.{k}": v for k, v in get_rng_tracker().get_states().items()})
     return states
@@ -159,7 +158,8 @@ def empty_state_dict(
         mine = {f"model/{gname}": p.detach()}
         for name in STATE_NAMES:
             if name != "master" or with_master:
-                mine[f"optim/{gname}/{name}"] = torch.empty(p.shape, dtype=torch.float32)
+                # On the param's device: the optimizer keeps these as its state.
+                mine[f"optim/{gname}/{name}"] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
         for key, local in mine.items():
             state.update(_pieces(key, local, p, mesh))
         buffers.update(mine)
@@ -202,8 +202,6 @@ def apply_state_dict(
     for ddp in trainer.ddp_chunks:
         ddp.gather_params()
     if with_rng:
-        from engine import device
-
         prefix = rng_key()
         device.set_rng_state(state[f"{prefix}/default"])
         tracker = {

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from engine import device
 from engine.distributed.data_parallel import DataParallel
 from engine.jobspec import OptimizerSpec
 from engine.optimizer.clip_grads import clip_grads_, counts_in_norm
@@ -96,7 +97,7 @@ class TrainingOptimizer:
                 torch._foreach_mul_(grads, 1.0 / scale)
                 finite = torch.stack([g.isfinite().all() for g in grads]).all()
             else:
-                finite = torch.tensor(True)
+                finite = torch.tensor(True, device=device.current_device())
             # Every rank must skip together: any rank's overflow counts.
             found_inf = self._all_reduce((~finite).float().reshape(1), op=dist.ReduceOp.MAX)
             overflow = bool(found_inf.item() > 0)
@@ -107,7 +108,7 @@ class TrainingOptimizer:
         if counted:
             sq = torch.stack(torch._foreach_norm(counted)).square().sum().reshape(1)
         else:
-            sq = torch.zeros(1)
+            sq = torch.zeros(1, device=device.current_device())
         norm = math.sqrt(float(self._all_reduce(sq)))
         clip_grads_(grads, self.spec.clip_grad, norm)
         for m, g in zip(self.main_params, grads, strict=True):
