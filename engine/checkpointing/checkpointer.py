@@ -218,12 +218,13 @@ class Checkpointer:
         cache = Path(tempfile.gettempdir()) / "elastron-ckpt-cache" / f"{self.trainer.spec.name}"
         fetcher = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
         for iteration in iterations:
+            # One process per machine fetches, verifies and reads the manifest; the others get
+            # (folder, meta) from it, so storage sees one request per machine, not per rank.
             outcome = None
             if fetcher:
                 try:
-                    outcome = str(
-                        fetch_checkpoint(storage, job_root, iteration, cache / f"iter_{iteration:07d}")
-                    )
+                    folder = fetch_checkpoint(storage, job_root, iteration, cache)
+                    outcome = (str(folder), read_manifest(storage, job_root, iteration)["meta"])
                 except CheckpointCorruptError as err:
                     outcome = err
             results = [None] * dist.get_world_size()
@@ -234,9 +235,8 @@ class Checkpointer:
                     raise errors[0]
                 log.warning("%s; falling back to the previous committed checkpoint", errors[0])
                 continue
-            local_dir = next(r for r in results if isinstance(r, str))
-            manifest = read_manifest(storage, job_root, iteration)
-            self._load(Path(local_dir), manifest["meta"])
+            local_dir, meta = next(r for r in results if isinstance(r, tuple))
+            self._load(Path(local_dir), meta)
             return iteration
         return None
 
