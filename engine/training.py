@@ -31,7 +31,7 @@ from engine.optimizer.grad_scaler import DynamicGradScaler
 from engine.optimizer.optimizer import TrainingOptimizer
 from engine.optimizer.scheduler import OptimizerParamScheduler
 from engine.pipeline_parallel import PipelineRunner, stage_layer_ranges, virtual_stages_of
-from engine.tensor_parallel import model_parallel_manual_seed, vocab_parallel_cross_entropy
+from engine.tensor_parallel import model_parallel_manual_seed
 from engine.timers import Timers
 from engine.transformer.config import TransformerConfig
 from engine.transformer.initialization import initialize_weights
@@ -197,9 +197,7 @@ class Trainer:
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             """The microbatch's share of the step's loss, times the fp16 loss scale."""
-            # The model returns [b, s, vocab] as a view of its contiguous [s, b, vocab] logits:
-            # undo the view instead of letting the loss copy them.
-            loss = vocab_parallel_cross_entropy(logits.transpose(0, 1), labels.t())
+            loss = GPTModel.loss_from_logits(logits, labels)
             return loss.float().mean() * (scale / num_microbatches)
 
         if self.pipeline is None:
@@ -211,10 +209,16 @@ class Trainer:
                 loss.backward()
                 scaled.append(loss.detach())
         else:
-            batches = [self._microbatch(m) for m in range(num_microbatches)]
-            tokens = torch.cat([b[0] for b in batches]) if self.pipeline.has_first else None
-            labels = torch.cat([b[1] for b in batches]) if self.pipeline.has_last else None
-            scaled = self.pipeline.run(num_microbatches, tokens, labels, loss_fn)
+            # Only the first stage reads tokens and only the last reads labels.
+            runner = self.pipeline
+            batches = (
+                [self._microbatch(m) for m in range(num_microbatches)]
+                if runner.has_first or runner.has_last
+                else []
+            )
+            tokens = torch.cat([b[0] for b in batches]) if runner.has_first else None
+            labels = torch.cat([b[1] for b in batches]) if runner.has_last else None
+            scaled = runner.run(num_microbatches, tokens, labels, loss_fn)
         total = torch.stack(scaled).sum() if scaled else torch.zeros((), device=self.device)
         if self.pipeline is not None:  # only the last stage computed the loss
             total = total.reshape(1)

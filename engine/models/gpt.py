@@ -123,4 +123,11 @@ class GPTModel(nn.Module):
         logits = self.output_layer(x, weight=self.embedding.weight if tied_here else None)
         if labels is None:
             return logits.transpose(0, 1)
-        return vocab_parallel_cross_entropy(logits, labels.t()).t()
+        return self.loss_from_logits(logits.transpose(0, 1), labels)
+
+    @staticmethod
+    def loss_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Per-token loss [b, s] for the logits forward() returns. Those are a [b, s, vocab/tp]
+        view of the contiguous [s, b, vocab/tp] tensor the model computes; the loss works on the
+        contiguous one, so the (large) logits are never copied."""
+        return vocab_parallel_cross_entropy(logits.transpose(0, 1), labels.t()).t()
