@@ -11,12 +11,14 @@ orders. With 1e-6 such noise moves nothing; every real gradient here is far abov
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from engine import parallel_state as ps
+from engine.checkpointing import checkpointer as checkpointer_module
 from engine.jobspec import JobSpec
 from engine.launcher import spawn
 from engine.tensor_parallel import unshard
@@ -131,3 +133,36 @@ def assert_same_training(got: dict, ref: dict) -> None:
         assert diff < TENSOR_RTOL, f"gradient of {where} differs by {diff:.2e} (relative)"
     diff, where = max_rel_diff(got["params"], ref["params"])
     assert diff < TENSOR_RTOL, f"parameter {where} differs by {diff:.2e} (relative) at the end"
+
+
+def train_until(spec_dict: dict, stop_at: int, kill_rank_during_save_at: int | None = None) -> dict:
+    """Rank function: build the job (resuming as it says), train to iteration `stop_at` saving
+    as checkpoint.interval says, always commit a checkpoint at `stop_at`. Optionally rank 1 dies
+    (os._exit) in the middle of the save of iteration `kill_rank_during_save_at`."""
+    if kill_rank_during_save_at is not None:
+
+        def die(iteration: int) -> None:
+            if iteration == kill_rank_during_save_at and dist.get_rank() == 1:
+                os._exit(1)
+
+        checkpointer_module._FAULT_HOOK = die
+    trainer = Trainer(JobSpec.model_validate(spec_dict))
+    start = trainer.iteration
+    losses = []
+    while trainer.iteration < stop_at:
+        losses.append(trainer.train_step().loss)
+        if not trainer.save_checkpoint_if_due() and trainer.iteration == stop_at:
+            trainer.checkpointer.save()
+    trainer.checkpointer.wait()
+    ps.destroy_model_parallel()
+    return {"start": start, "losses": losses} if dist.get_rank() == 0 else {}
+
+
+def assert_continues(losses: list[float], reference: list[float], first_iteration: int = 0) -> None:
+    """`losses` are iterations first_iteration+1, ... of a run that resumed from a checkpoint:
+    each within LOSS_RTOL of the uninterrupted run's."""
+    assert len(losses) == len(reference) - first_iteration, (len(losses), len(reference), first_iteration)
+    for it, (a, b) in enumerate(zip(losses, reference[first_iteration:], strict=True)):
+        assert a == pytest.approx(b, rel=LOSS_RTOL), (
+            f"iteration {first_iteration + it + 1}: {a} vs uninterrupted {b}"
+        )

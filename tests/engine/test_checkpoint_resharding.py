@@ -2,7 +2,7 @@
 
 Reference: one rank trains 8 iterations. Each case trains iterations 1-4 on layout A, commits a
 checkpoint, and a new job on layout B resumes it (`checkpoint.resume_from`, or `resume: auto`
-for the same job) and trains 5-8. Tolerance: each of the 8 losses within 1e-5 relative of the
+for the same job) and trains 5-8. Tolerance: each of the 8 losses within the harness's LOSS_RTOL (1e-5) relative of the
 reference (fp32; the checkpoint carries params, Adam moments, schedule and data position
 exactly, so only reduction order differs).
 """
@@ -10,29 +10,12 @@ exactly, so only reduction order differs).
 from __future__ import annotations
 
 import pytest
-import torch.distributed as dist
 
-from engine import parallel_state as ps
-from engine.jobspec import JobSpec
 from engine.launcher import spawn
-from engine.training import Trainer
-from tests.engine.parallel_harness import job
+from tests.engine.parallel_harness import assert_continues, job, train_until
 
-LOSS_RTOL = 1e-5
 MODEL = {"num_layers": 4, "num_attention_heads": 4, "num_query_groups": 4}
 TRAINING = {"global_batch_size": 8, "micro_batch_size": 1, "train_iters": 8}
-
-
-def _segment(spec_dict: dict, stop_at: int) -> dict:
-    """Train (resuming if the job says so) up to iteration `stop_at`, commit a checkpoint there."""
-    trainer = Trainer(JobSpec.model_validate(spec_dict))
-    start = trainer.iteration
-    losses = []
-    while trainer.iteration < stop_at:
-        losses.append(trainer.train_step().loss)
-    trainer.checkpointer.save()
-    ps.destroy_model_parallel()
-    return {"start": start, "losses": losses} if dist.get_rank() == 0 else {}
 
 
 def run_segment(ranks: int, parallel: dict, stop_at: int, path, name: str, resume_from=None) -> dict:
@@ -40,7 +23,7 @@ def run_segment(ranks: int, parallel: dict, stop_at: int, path, name: str, resum
     if resume_from is not None:
         checkpoint["resume_from"] = str(resume_from)
     spec = job(ranks, name=name, model=MODEL, training=TRAINING, parallel=parallel, checkpoint=checkpoint)
-    return spawn(_segment, ranks, (spec, stop_at), timeout_s=240)[0]
+    return spawn(train_until, ranks, (spec, stop_at), timeout_s=240)[0]
 
 
 @pytest.fixture(scope="module")
@@ -52,9 +35,7 @@ def reference(tmp_path_factory):
 
 def _assert_continues(first: dict, second: dict, reference: list[float]) -> None:
     assert first["start"] == 0 and second["start"] == 4, (first["start"], second["start"])
-    losses = first["losses"] + second["losses"]
-    for it, (a, b) in enumerate(zip(losses, reference, strict=True)):
-        assert a == pytest.approx(b, rel=LOSS_RTOL), f"iteration {it + 1}: {a} vs uninterrupted {b}"
+    assert_continues(first["losses"] + second["losses"], reference)
 
 
 @pytest.fixture(scope="module")
@@ -101,5 +82,5 @@ def test_same_job_resumes_automatically_with_another_micro_batch(reference, tmp_
     first = run_segment(1, {}, 4, tmp_path, "same")
     spec_training = dict(TRAINING, micro_batch_size=2)
     spec = job(2, name="same", model=MODEL, training=spec_training, checkpoint={"path": str(tmp_path)})
-    second = spawn(_segment, 2, (spec, 8), timeout_s=240)[0]
+    second = spawn(train_until, 2, (spec, 8), timeout_s=240)[0]
     _assert_continues(first, second, reference)

@@ -1,7 +1,7 @@
 """Checkpoints as a job lives through them: async saves, a rank dying mid-save, a corrupted
 shard, and the same save/reshard/resume path on a real S3-compatible server.
 
-Loss tolerance as in test_checkpoint_resharding.py: 1e-5 relative to the uninterrupted run.
+Loss tolerance: the harness's LOSS_RTOL (1e-5) relative to the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -9,40 +9,14 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch.distributed as dist
 
-from engine import parallel_state as ps
-from engine.checkpointing import checkpointer as checkpointer_module
 from engine.checkpointing.commit import committed_iterations, latest_checkpoint
 from engine.checkpointing.storage import open_storage
-from engine.jobspec import JobSpec
 from engine.launcher import RankFailure, spawn
-from engine.training import Trainer
-from tests.engine.parallel_harness import job
+from tests.engine.parallel_harness import assert_continues, job, train_until
 
-LOSS_RTOL = 1e-5
 MODEL = {"num_layers": 2}
 TRAINING = {"global_batch_size": 4, "micro_batch_size": 1, "train_iters": 8}
-
-
-def _train(spec_dict: dict, stop_at: int, kill_rank_during_save_at: int | None = None) -> dict:
-    """Train to `stop_at` saving every checkpoint.interval; optionally a rank dies mid-save."""
-    if kill_rank_during_save_at is not None:
-
-        def die(iteration: int) -> None:
-            if iteration == kill_rank_during_save_at and dist.get_rank() == 1:
-                os._exit(1)
-
-        checkpointer_module._FAULT_HOOK = die
-    trainer = Trainer(JobSpec.model_validate(spec_dict))
-    start = trainer.iteration
-    losses = []
-    while trainer.iteration < stop_at:
-        losses.append(trainer.train_step().loss)
-        trainer.save_checkpoint_if_due()
-    trainer.checkpointer.wait()
-    ps.destroy_model_parallel()
-    return {"start": start, "losses": losses} if dist.get_rank() == 0 else {}
 
 
 def _spec(ranks: int, path: str, **checkpoint) -> dict:
@@ -57,32 +31,27 @@ def _spec(ranks: int, path: str, **checkpoint) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return spawn(_train, 1, (_spec(1, str(tmp_path_factory.mktemp("ref"))), 8))[0]["losses"]
-
-
-def _assert_continues(losses: list[float], reference: list[float], first_iteration: int) -> None:
-    for it, (a, b) in enumerate(zip(losses, reference[first_iteration:], strict=True)):
-        assert a == pytest.approx(b, rel=LOSS_RTOL), f"iteration {first_iteration + it + 1}: {a} vs {b}"
+    return spawn(train_until, 1, (_spec(1, str(tmp_path_factory.mktemp("ref"))), 8))[0]["losses"]
 
 
 def test_async_saves_commit_and_resume(reference, tmp_path):
-    first = spawn(_train, 2, (_spec(2, str(tmp_path), async_save=True), 6))[0]
+    first = spawn(train_until, 2, (_spec(2, str(tmp_path), async_save=True), 6))[0]
     storage = open_storage(str(tmp_path))
     assert committed_iterations(storage, "job") == [2, 4, 6]
-    second = spawn(_train, 2, (_spec(2, str(tmp_path), async_save=True), 8))[0]
+    second = spawn(train_until, 2, (_spec(2, str(tmp_path), async_save=True), 8))[0]
     assert second["start"] == 6
-    _assert_continues(first["losses"] + second["losses"], reference, 0)
+    assert_continues(first["losses"] + second["losses"], reference, 0)
 
 
 def test_rank_killed_during_async_save_leaves_the_previous_checkpoint(reference, tmp_path):
     with pytest.raises(RankFailure, match="rank 1"):
-        spawn(_train, 2, (_spec(2, str(tmp_path), async_save=True), 8, 6), timeout_s=120)
+        spawn(train_until, 2, (_spec(2, str(tmp_path), async_save=True), 8, 6), timeout_s=120)
     storage = open_storage(str(tmp_path))
     assert latest_checkpoint(storage, "job") == 4, "the interrupted save of iteration 6 must not be latest"
     assert 6 not in committed_iterations(storage, "job")
-    resumed = spawn(_train, 2, (_spec(2, str(tmp_path)), 8))[0]
+    resumed = spawn(train_until, 2, (_spec(2, str(tmp_path)), 8))[0]
     assert resumed["start"] == 4
-    _assert_continues(resumed["losses"], reference, 4)
+    assert_continues(resumed["losses"], reference, 4)
 
 
 def _flip_a_byte(path) -> None:
@@ -92,17 +61,17 @@ def _flip_a_byte(path) -> None:
 
 
 def test_corrupted_shard_names_the_shard_and_auto_resume_falls_back(reference, tmp_path):
-    spawn(_train, 2, (_spec(2, str(tmp_path)), 6))
+    spawn(train_until, 2, (_spec(2, str(tmp_path)), 6))
     shard = tmp_path / "job" / "iter_0000006" / "__1_0.distcp"
     _flip_a_byte(shard)
 
     explicit = _spec(1, str(tmp_path / "other"), resume_from=str(tmp_path / "job" / "iter_0000006"))
     with pytest.raises(RankFailure, match="__1_0.distcp"):
-        spawn(_train, 1, (explicit, 8))
+        spawn(train_until, 1, (explicit, 8))
 
-    resumed = spawn(_train, 2, (_spec(2, str(tmp_path)), 8))[0]
+    resumed = spawn(train_until, 2, (_spec(2, str(tmp_path)), 8))[0]
     assert resumed["start"] == 4, "auto resume falls back to the previous committed checkpoint"
-    _assert_continues(resumed["losses"], reference, 4)
+    assert_continues(resumed["losses"], reference, 4)
 
 
 def test_s3_save_on_tp2_resume_on_one_rank(reference, s3_bucket, s3_env):
@@ -116,15 +85,15 @@ def test_s3_save_on_tp2_resume_on_one_rank(reference, s3_bucket, s3_env):
     uri = f"s3://{s3_bucket}/runs"
     first_spec = _spec(2, uri, endpoint_url=s3_env)
     first_spec["parallel"] = {"tensor": 2}
-    first = spawn(_train, 2, (first_spec, 4), env=env)[0]
+    first = spawn(train_until, 2, (first_spec, 4), env=env)[0]
     storage = open_storage(uri, endpoint_url=s3_env)
     assert committed_iterations(storage, "job") == [2, 4]
     assert (
         storage.exists("job/iter_0000004/manifest.json") and storage.get_bytes("job/latest").strip() == b"4"
     )
-    second = spawn(_train, 1, (_spec(1, uri, endpoint_url=s3_env), 8), env=env)[0]
+    second = spawn(train_until, 1, (_spec(1, uri, endpoint_url=s3_env), 8), env=env)[0]
     assert second["start"] == 4
-    _assert_continues(first["losses"] + second["losses"], reference, 0)
+    assert_continues(first["losses"] + second["losses"], reference, 0)
 
 
 def test_rng_state_comes_back_on_the_same_layout(tmp_path):
@@ -141,9 +110,9 @@ def test_rng_state_comes_back_on_the_same_layout(tmp_path):
         return out
 
     tp2 = {"tensor": 2, "sequence_parallel": True}
-    uninterrupted = spawn(_train, 2, (spec(2, tmp_path / "a", tp2), 8))[0]["losses"]
-    spawn(_train, 2, (spec(2, tmp_path / "b", tp2), 4))
-    resumed = spawn(_train, 2, (spec(2, tmp_path / "b", tp2), 8))[0]
+    uninterrupted = spawn(train_until, 2, (spec(2, tmp_path / "a", tp2), 8))[0]["losses"]
+    spawn(train_until, 2, (spec(2, tmp_path / "b", tp2), 4))
+    resumed = spawn(train_until, 2, (spec(2, tmp_path / "b", tp2), 8))[0]
     assert resumed["start"] == 4
     assert resumed["losses"] == uninterrupted[4:], "same layout: bitwise the same dropout masks"
 
@@ -154,5 +123,5 @@ def test_rng_state_comes_back_on_the_same_layout(tmp_path):
         training=TRAINING,
         checkpoint={"path": str(tmp_path / "c"), "resume_from": str(tmp_path / "b" / "job" / "iter_0000004")},
     )
-    reseeded = spawn(_train, 2, (other_layout, 8))[0]
+    reseeded = spawn(train_until, 2, (other_layout, 8))[0]
     assert reseeded["start"] == 4 and reseeded["losses"] != uninterrupted[4:]
