@@ -134,6 +134,18 @@ def _line(**fields) -> None:
     print(json.dumps({"bench": "checkpoint_io", **fields}), flush=True)
 
 
+def _vs_raw(target: str, figure: str, ours_s: float, raw_s: float) -> None:
+    """Throughput ratio ours / raw on the same bytes = raw time / our time (target >= 0.8)."""
+    _line(
+        target=target,
+        figure=figure,
+        value=round(raw_s / ours_s, 3),
+        ours_s=round(ours_s, 2),
+        raw_s=round(raw_s, 2),
+        target_ratio=0.8,
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=8)
@@ -154,22 +166,8 @@ def main() -> None:
         size = sum(f.stat().st_size for f in files)
         raw_write, raw_read = _raw_local(files, scratch)
         _line(target="local", figure="checkpoint_bytes", value=size, gib=round(size / GiB, 2))
-        _line(
-            target="local",
-            figure="save_ratio_ours_over_raw",
-            value=round(raw_write / sync["save_2_s"], 3),
-            ours_s=round(sync["save_2_s"], 2),
-            raw_s=round(raw_write, 2),
-            target_ratio=0.8,
-        )
-        _line(
-            target="local",
-            figure="load_ratio_ours_over_raw",
-            value=round(raw_read / sync["load_s"], 3),
-            ours_s=round(sync["load_s"], 2),
-            raw_s=round(raw_read, 2),
-            target_ratio=0.8,
-        )
+        _vs_raw("local", "save_ratio_ours_over_raw", sync["save_2_s"], raw_write)
+        _vs_raw("local", "load_ratio_ours_over_raw", sync["load_s"], raw_read)
         kept = scratch / "shards"  # the same bytes, for the raw S3 reference below
         kept.mkdir()
         files = [Path(shutil.move(str(f), kept / f.name)) for f in files]
@@ -201,22 +199,8 @@ def main() -> None:
             },
         )[0]
         raw_up, raw_down = _raw_s3(files, endpoint, "bench", scratch)
-        _line(
-            target="s3",
-            figure="save_ratio_ours_over_raw_boto3",
-            value=round(raw_up / s3["save_2_s"], 3),
-            ours_s=round(s3["save_2_s"], 2),
-            raw_s=round(raw_up, 2),
-            target_ratio=0.8,
-        )
-        _line(
-            target="s3",
-            figure="load_ratio_ours_over_raw_boto3",
-            value=round(raw_down / s3["load_s"], 3),
-            ours_s=round(s3["load_s"], 2),
-            raw_s=round(raw_down, 2),
-            target_ratio=0.8,
-        )
+        _vs_raw("s3", "save_ratio_ours_over_raw_boto3", s3["save_2_s"], raw_up)
+        _vs_raw("s3", "load_ratio_ours_over_raw_boto3", s3["load_s"], raw_down)
     finally:
         moto.terminate()
         moto.wait(timeout=30)
