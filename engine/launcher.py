@@ -27,19 +27,26 @@ PROCESS_GROUP_TIMEOUT_S = 1800.0
 
 
 class RankFailure(RuntimeError):
-    """One or more ranks raised or died; `failures` maps rank -> traceback or exit description.
+    """One or more ranks raised or died; `failures` maps rank -> traceback or exit description, and
+    `exit_codes` rank -> the exit code its exception asked for (see `agreed_exit_code`).
 
     The likely cause comes first: a rank that died without reporting (killed, os._exit), else
     the first rank that raised. The others are usually peers that lost their connection to it.
     """
 
-    def __init__(self, failures: dict[int, str]):
+    def __init__(self, failures: dict[int, str], exit_codes: dict[int, int] | None = None):
+        self.exit_codes = dict(exit_codes or {})
         died = [r for r, msg in failures.items() if msg.startswith(DIED)]
         order = died + [r for r in failures if r not in died]
         self.failures = {r: failures[r] for r in order}
         first = order[0]
         others = f" (then ranks {sorted(set(failures) - {first})})" if len(failures) > 1 else ""
         super().__init__(f"rank {first} failed{others}:\n{failures[first]}")
+
+    def agreed_exit_code(self) -> int | None:
+        """The exit code every failed rank asked for, when they all asked for the same one."""
+        codes = {self.exit_codes.get(r) for r in self.failures}
+        return codes.pop() if len(codes) == 1 else None
 
 
 DIED = "process exited with code"
@@ -88,8 +95,9 @@ def _rank_main(
         )
         out = fn(*args)
         results.put((rank, True, pickle.dumps(out)))
-    except BaseException:  # noqa: BLE001 - everything a rank raises goes back to the parent
-        results.put((rank, False, traceback.format_exc()))
+    except BaseException as err:  # noqa: BLE001 - everything a rank raises goes back to the parent
+        # An exception carrying an exit code (the rerun state machine's 16/17) keeps it.
+        results.put((rank, False, (traceback.format_exc(), getattr(err, "exit_code", None))))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -132,6 +140,7 @@ def spawn(
         p.start()
     outputs: dict[int, Any] = {}
     failures: dict[int, str] = {}
+    exit_codes: dict[int, int] = {}
     deadline = time.monotonic() + timeout_s
     first_failure_at: float | None = None
     try:
@@ -161,7 +170,9 @@ def spawn(
             if ok:
                 outputs[rank] = pickle.loads(payload)
             else:
-                failures[rank] = payload
+                failures[rank], code = payload
+                if code is not None:
+                    exit_codes[rank] = code
                 first_failure_at = first_failure_at or time.monotonic()
     finally:
         for p in procs:
@@ -174,5 +185,5 @@ def spawn(
                 p.kill()
                 p.join()
     if failures:
-        raise RankFailure(failures)
+        raise RankFailure(failures, exit_codes)
     return [outputs[r] for r in range(world_size)]

@@ -24,6 +24,8 @@ from engine.data.sources import SyntheticSource, TextSource, micro_batch
 from engine.data.tokenizer import ByteTokenizer, build_tokenizer
 from engine.distributed.data_parallel import DataParallel
 from engine.distributed.finalize_grads import finalize_model_grads
+from engine.energy_monitor import EnergyMonitor
+from engine.flops import mfu, model_flops_per_iteration, peak_flops
 from engine.jobspec import JobSpec, JobSpecError
 from engine.microbatches import MicrobatchCalculator
 from engine.models import GPTModel
@@ -31,12 +33,32 @@ from engine.optimizer.grad_scaler import DynamicGradScaler
 from engine.optimizer.optimizer import TrainingOptimizer
 from engine.optimizer.scheduler import OptimizerParamScheduler
 from engine.pipeline_parallel import PipelineRunner, stage_layer_ranges, virtual_stages_of
+from engine.rerun_state_machine import (
+    EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+    EventLog,
+    RerunExit,
+    RerunState,
+    RerunStateMachine,
+    is_nan_or_inf,
+)
 from engine.tensor_parallel import model_parallel_manual_seed
 from engine.timers import Timers
 from engine.transformer.config import TransformerConfig
 from engine.transformer.initialization import initialize_weights
 
-STEP_TIMERS = ["forward-backward", "grads-finalize", "optimizer"]
+# Reported min/max over ranks every log interval. "data" is fetching batches, "forward" and
+# "backward" are per microbatch summed (without pipelining: the pipeline schedule interleaves
+# them with its own p2p, all inside "forward-backward"), "grads-finalize" is the DP gradient
+# reduction not hidden behind backward, "checkpoint-save" the time a save blocks training.
+STEP_TIMERS = [
+    "data",
+    "forward",
+    "backward",
+    "forward-backward",
+    "grads-finalize",
+    "optimizer",
+    "checkpoint-save",
+]
 
 
 def unsupported_features(spec: JobSpec) -> list[str]:
@@ -69,6 +91,13 @@ class StepMetrics:
     loss_scale: float = 1.0
     skipped: bool = False
     timers: dict[str, list[float]] = field(default_factory=dict)
+    rerun: dict[str, Any] = field(default_factory=dict)
+    model_flops: float = 0.0
+    mfu: float = 0.0
+    # Energy summed over the job's devices for this step; None where no counter is readable.
+    energy_j: float | None = None
+    power_w: float | None = None
+    energy_cumulative_j: float | None = None
 
 
 def build_source(spec: JobSpec, tokenizer: ByteTokenizer, config: TransformerConfig):
@@ -81,7 +110,7 @@ def build_source(spec: JobSpec, tokenizer: ByteTokenizer, config: TransformerCon
 class Trainer:
     """One rank's training state. Needs an initialised torch.distributed default group."""
 
-    def __init__(self, spec: JobSpec, timer_level: int = 1):
+    def __init__(self, spec: JobSpec, timer_level: int = 1, events_path: str | Path | None = None):
         check_supported(spec)
         self.spec = spec
         p, t = spec.parallel, spec.training
@@ -136,11 +165,28 @@ class Trainer:
         self.timers = Timers(log_level=timer_level)
         self.iteration = 0
         self.consumed_samples = 0
-        # Last: a resume overwrites the counters, weights, optimizer and schedule set above.
+        self.energy = EnergyMonitor(self.device.type)
+        self.energy.setup()
+        self.peak_flops_per_device = self._peak_flops()
+        self.events = EventLog(events_path, spec.name)
+        self.rerun = RerunStateMachine.from_spec(spec.resilience, t.seed, self.events)
+        # Last: a resume overwrites the counters, weights, optimizer, schedule and rerun state.
         self.checkpointer = None
         if spec.checkpoint.path or spec.checkpoint.resume_from:
             self.checkpointer = Checkpointer(self)
             self.checkpointer.maybe_resume()
+        if self.rerun.state == RerunState.NOT_RUNNING_YET:
+            self.rerun.current_iteration = self.iteration
+
+    def _peak_flops(self) -> float:
+        """Peak FLOP/s of one device, for MFU. Rank 0 looks it up (GPU table) or measures it once
+        (CPU, cached on disk) while the other ranks wait, so the measurement is not slowed by
+        ranks sharing its cores; every rank gets the same figure."""
+        box = [None]
+        if dist.get_rank() == 0:
+            box[0] = peak_flops(self.device.type, self.config.params_dtype).flops_per_s
+        dist.broadcast_object_list(box, src=0)
+        return float(box[0])
 
     def save_checkpoint_if_due(self) -> bool:
         """Save after iterations that are a multiple of checkpoint.interval, and after the last."""
@@ -149,7 +195,10 @@ class Trainer:
             return False
         last = self.iteration == self.spec.training.train_iters
         if last or (c.interval is not None and self.iteration % c.interval == 0):
-            self.checkpointer.save()
+            self.energy.pause()  # energy per step is training energy, as in Megatron-Core
+            with self.timers("checkpoint-save", 1):
+                self.checkpointer.save()  # with async_save: the time training is blocked
+            self.energy.resume()
             return True
         return False
 
@@ -204,18 +253,22 @@ class Trainer:
             scaled: list[torch.Tensor] = []
             model = self.ddp_chunks[0]
             for m in range(num_microbatches):
-                tokens, labels = self._microbatch(m)
-                loss = loss_fn(model(tokens), labels)
-                loss.backward()
+                with self.timers("data", 1):
+                    tokens, labels = self._microbatch(m)
+                with self.timers("forward", 1):
+                    loss = loss_fn(model(tokens), labels)
+                with self.timers("backward", 1):
+                    loss.backward()
                 scaled.append(loss.detach())
         else:
             # Only the first stage reads tokens and only the last reads labels.
             runner = self.pipeline
-            batches = (
-                [self._microbatch(m) for m in range(num_microbatches)]
-                if runner.has_first or runner.has_last
-                else []
-            )
+            with self.timers("data", 1):
+                batches = (
+                    [self._microbatch(m) for m in range(num_microbatches)]
+                    if runner.has_first or runner.has_last
+                    else []
+                )
             tokens = torch.cat([b[0] for b in batches]) if runner.has_first else None
             labels = torch.cat([b[1] for b in batches]) if runner.has_last else None
             scaled = runner.run(num_microbatches, tokens, labels, loss_fn)
@@ -225,7 +278,56 @@ class Trainer:
             dist.all_reduce(total, group=ps.get_group("pp"))
         return total.reshape(()) / scale
 
-    def train_step(self) -> StepMetrics:
+    def _validated_forward_backward(self, num_microbatches: int) -> torch.Tensor:
+        """forward-backward + grad reduction, re-run by the rerun state machine while it asks;
+        returns this DP rank's loss of the run that is kept."""
+        rsm, res = self.rerun, self.spec.resilience
+        loss = None
+        while rsm.should_run_forward_backward(None):
+            self.timers("forward-backward", 1).start()
+            loss = self.forward_backward(num_microbatches)
+            self.timers("forward-backward", 1).stop()
+            self.timers("grads-finalize", 1).start()
+            finalize_model_grads(self.ddp_chunks)
+            self.timers("grads-finalize", 1).stop()
+            rsm.validate_result(loss, is_nan_or_inf, "loss is NaN or Inf")
+            if res.spike_threshold is not None:
+                rsm.validate_result(
+                    loss,
+                    lambda v: rsm.is_unexpectedly_large(v, res.spike_threshold, "loss", res.spike_window),
+                    "loss spike",
+                    fatal=False,
+                )
+            prepared = self.optimizer.prepare()
+            # Under fp16 loss scaling an inf norm is the scaler's business (skip, lower the scale).
+            if self.grad_scaler is None:
+                rsm.validate_result(prepared.grad_norm, is_nan_or_inf, "grad norm is NaN or Inf")
+        return loss
+
+    def _act_on_rerun_decision(self, gbs: int) -> bool:
+        """Checkpoint / exit / skip as the rerun state machine decided; True when the batch is
+        skipped (no optimizer step, the samples count as consumed)."""
+        decision = self.rerun.should_checkpoint_and_exit()
+        if decision.checkpoint:
+            if self.checkpointer is None or self.spec.checkpoint.path is None:
+                raise RerunExit(
+                    EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
+                    f"{decision.message}; but checkpoint.path is not set, so it cannot be re-run elsewhere",
+                    decision.diagnosis.value if decision.diagnosis else None,
+                )
+            self.checkpointer.save()
+            self.checkpointer.wait()
+        if decision.exit_code:
+            raise RerunExit(
+                decision.exit_code, decision.message, decision.diagnosis.value if decision.diagnosis else None
+            )
+        if decision.skip_batch:
+            self.consumed_samples += gbs
+            return True
+        return False
+
+    def train_step(self) -> StepMetrics | None:
+        """One iteration; None when the rerun state machine skipped its batch instead."""
         for chunk in self.model_chunks:
             chunk.train()
         device.synchronize()
@@ -234,12 +336,9 @@ class Trainer:
         n, gbs = self.microbatches.num_microbatches, self.microbatches.current_global_batch_size
         lr = self.optimizer.param_groups[0]["lr"]
 
-        self.timers("forward-backward", 1).start()
-        loss = self.forward_backward(n)
-        self.timers("forward-backward", 1).stop()
-        self.timers("grads-finalize", 1).start()
-        finalize_model_grads(self.ddp_chunks)
-        self.timers("grads-finalize", 1).stop()
+        loss = self._validated_forward_backward(n)
+        if self._act_on_rerun_decision(gbs):
+            return None
         self.timers("optimizer", 1).start()
         result = self.optimizer.step()
         if not result.skipped:  # a skipped (overflowing) step does not advance the schedule
@@ -254,6 +353,8 @@ class Trainer:
         device.synchronize()
         elapsed = time.perf_counter() - start
         tokens = gbs * self.config.seq_length
+        flops = model_flops_per_iteration(self.config, gbs)
+        lap = self.energy.lap()
         timers = {}
         if self.iteration % self.spec.training.log_interval == 0:
             timers = {k: [lo, hi] for k, (lo, hi) in self.timers.aggregate(STEP_TIMERS).items()}
@@ -270,20 +371,35 @@ class Trainer:
             loss_scale=result.loss_scale,
             skipped=result.skipped,
             timers=timers,
+            rerun=self.rerun.summary(),
+            model_flops=flops,
+            mfu=mfu(flops, elapsed, dist.get_world_size(), self.peak_flops_per_device),
+            energy_j=lap.energy_j if lap else None,
+            power_w=lap.power_w if lap else None,
+            energy_cumulative_j=lap.cumulative_j if lap else None,
         )
 
 
 def _progress_line(m: StepMetrics, total: int) -> str:
     return (
         f"iter {m.iteration:>5}/{total} | loss {m.loss:.4f} | lr {m.lr:.3e} | grad_norm {m.grad_norm:.3f} "
-        f"| {m.tokens_per_s:,.0f} tok/s | {m.step_time_s * 1000:.0f} ms"
+        f"| {m.tokens_per_s:,.0f} tok/s | {m.step_time_s * 1000:.0f} ms | MFU {m.mfu:.1%}"
+        + (f" | {m.power_w:.0f} W" if m.power_w is not None else "")
     )
 
 
-def train_rank(spec_dict: dict[str, Any], metrics_out: str | None = None, quiet: bool = False) -> list[dict]:
-    """Per-rank entry point: train the whole job; rank 0 writes and returns the metrics records."""
+def train_rank(
+    spec_dict: dict[str, Any],
+    metrics_out: str | None = None,
+    quiet: bool = False,
+    events_out: str | None = None,
+) -> list[dict]:
+    """Per-rank entry point: train the whole job; rank 0 writes and returns the metrics records.
+
+    Every rank appends its events (rerun state machine) to `events_out`. A rerun verdict that
+    stops the job raises RerunExit on every rank, carrying exit code 16 or 17."""
     spec = JobSpec.model_validate(spec_dict)
-    trainer = Trainer(spec)
+    trainer = Trainer(spec, events_path=events_out)
     is_logger = dist.get_rank() == 0
     records: list[dict] = []
     sink = None
@@ -305,6 +421,8 @@ def train_rank(spec_dict: dict[str, Any], metrics_out: str | None = None, quiet:
             print(f"[elastron] resumed at iteration {trainer.iteration}", flush=True)
         while trainer.iteration < spec.training.train_iters:
             m = trainer.train_step()
+            if m is None:  # the rerun state machine skipped a bad batch
+                continue
             trainer.save_checkpoint_if_due()
             if is_logger:
                 rec = asdict(m)

@@ -2,7 +2,8 @@
 
 `train` is the engine's own launcher (the torchrun of this project): it runs a job on N local
 processes with no Ray and no service, the quickest way to debug a job. `schema` prints the job
-specification's JSON Schema. torch is imported only inside the commands that need it, so the
+specification's JSON Schema. `preprocess` tokenises text files into the indexed dataset a job
+reads with `data.source: indexed`. torch is imported only inside the commands that need it, so the
 CLI (and the service that shares this package) starts without it.
 """
 
@@ -35,8 +36,19 @@ def train(
         Path | None, typer.Option("--metrics-out", help="Write one JSON line per iteration here.")
     ] = None,
     quiet: Annotated[bool, typer.Option(help="No progress lines.")] = False,
+    events_out: Annotated[
+        Path | None,
+        typer.Option(
+            "--events-out",
+            help="Append the job's events (rerun diagnoses) here; default: events.jsonl beside --metrics-out.",
+        ),
+    ] = None,
 ) -> None:
-    """Run JOB locally on N processes (gloo on CPU, NCCL on CUDA), without Ray or the service."""
+    """Run JOB locally on N processes (gloo on CPU, NCCL on CUDA), without Ray or the service.
+
+    Exit codes: 0 done, 1 a rank failed, 2 bad input, 16 the rerun state machine needs the job
+    resumed on other hardware to diagnose a result, 17 a result failed validation (diagnosis in
+    the message and the event record)."""
     try:
         spec = load_job(job)
         if ranks is not None:
@@ -57,15 +69,26 @@ def train(
     except RuntimeError as err:
         _fail(str(err))
     n = spec.resources.ranks
+    if events_out is None and metrics_out is not None:
+        events_out = metrics_out.parent / "events.jsonl"
     try:
         records = spawn(
             train_rank,
             n,
-            (spec.model_dump(mode="json"), str(metrics_out) if metrics_out else None, quiet),
+            (
+                spec.model_dump(mode="json"),
+                str(metrics_out) if metrics_out else None,
+                quiet,
+                str(events_out) if events_out else None,
+            ),
             device_type=device_type,
             timeout_s=float("inf"),
         )[0]
     except RankFailure as err:
+        code = err.agreed_exit_code()
+        if code is not None:  # the rerun state machine's verdict, the same on every rank
+            last_line = next(iter(err.failures.values())).strip().splitlines()[-1]
+            _fail(f"rerun state machine: {last_line.split('RerunExit: ', 1)[-1]}", code=code)
         _fail(str(err), code=1)
     except KeyboardInterrupt:
         _fail("interrupted", code=130)
@@ -82,6 +105,63 @@ def schema() -> None:
     """Print the job specification's JSON Schema."""
     json.dump(json_schema(), sys.stdout, indent=2)
     sys.stdout.write("\n")
+
+
+@app.command()
+def preprocess(
+    inputs: Annotated[
+        list[str],
+        typer.Option(
+            "--input",
+            help="A file or glob pattern; repeat for more. *.jsonl/*.json/*.ndjson: one JSON object per "
+            "line (the --json-key field); anything else: UTF-8 text, one document per paragraph.",
+        ),
+    ],
+    output: Annotated[Path, typer.Option(help="PREFIX: writes PREFIX.bin and PREFIX.idx.")],
+    tokenizer: Annotated[
+        str, typer.Option(help="byte | hf:PATH | sentencepiece:PATH (the job's data.tokenizer).")
+    ] = "byte",
+    workers: Annotated[int, typer.Option(help="Tokenising processes.")] = 1,
+    json_key: Annotated[str, typer.Option("--json-key", help="The text field of JSON lines.")] = "text",
+    text_mode: Annotated[
+        str, typer.Option("--text-mode", help="Plain text: paragraph (a document per paragraph) or file.")
+    ] = "paragraph",
+    batch_bytes: Annotated[
+        int, typer.Option("--batch-bytes", help="Text per batch handed to a worker (bounds memory).")
+    ] = 1 << 20,
+    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+) -> None:
+    """Tokenise text files into an indexed dataset for `data.source: indexed` (or `data.blend`)."""
+    import glob
+
+    from engine.data.preprocess import preprocess as run_preprocess
+
+    files: list[str] = []
+    for pattern in inputs:
+        matches = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
+        if not matches:
+            _fail(f"--input: no file matches {pattern}")
+        files.extend(matches)
+    try:
+        stats = run_preprocess(
+            files,
+            tokenizer,
+            output,
+            workers=workers,
+            json_key=json_key,
+            text_mode=text_mode,
+            batch_bytes=batch_bytes,
+            progress=None if quiet else sys.stderr,
+        )
+    except (OSError, ValueError, ImportError) as err:  # bad input, unwritable output
+        _fail(str(err).replace("data.tokenizer", "--tokenizer (data.tokenizer)", 1))
+    except KeyboardInterrupt:
+        _fail("interrupted", code=130)
+    typer.echo(
+        f"[elastron] preprocess: {stats.documents:,} documents, {stats.tokens:,} tokens, "
+        f"{stats.bytes / 1e6:.1f} MB in {stats.seconds:.2f} s ({stats.tokens_per_s:,.0f} tokens/s, "
+        f"{stats.mb_per_s:.1f} MB/s) -> {output}.bin, {output}.idx"
+    )
 
 
 if __name__ == "__main__":

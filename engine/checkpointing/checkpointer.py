@@ -6,7 +6,8 @@ rank 0, and rank 0 commits: manifest last, then `latest`, then retention. A chec
 manifest never loads, so a crash at any point leaves the previous one as the newest.
 
 The manifest's `meta` holds the non-tensor state in plain JSON (iteration, consumed samples, LR
-schedule, loss scaler, Adam's step, the layout, the job spec), readable without torch.
+schedule, loss scaler, Adam's step, the layout, the job spec, the rerun state machine's state),
+readable without torch.
 
 A resume: pick the checkpoint (newest under this job's root with `resume: auto`, or
 `resume_from`), have one process per machine fetch and verify every shard's checksum (falling
@@ -180,7 +181,15 @@ class Checkpointer:
             "scheduler": t.scheduler.state_dict(),
             "grad_scaler": t.grad_scaler.state_dict() if t.grad_scaler is not None else None,
             "job": t.spec.model_dump(mode="json"),
+            "rerun": self._rerun_state(),
         }
+
+    def _rerun_state(self) -> dict:
+        """The rerun state machine's common state and every rank's own (gathered: it is small)."""
+        common, mine = self.trainer.rerun.state_dict()
+        ranks = [None] * dist.get_world_size()
+        dist.all_gather_object(ranks, mine)
+        return {"common": common, "ranks": ranks}
 
     # ---------------------------------------------------------------- resume
     def _open(self, uri: str) -> Storage:
@@ -259,6 +268,9 @@ class Checkpointer:
             )
         if t.grad_scaler is not None and meta["grad_scaler"] is not None:
             t.grad_scaler.load_state_dict(meta["grad_scaler"])
+        if meta.get("rerun"):
+            mine = meta["rerun"]["ranks"][dist.get_rank()] if same_layout else None
+            t.rerun.load_state_dict(meta["rerun"]["common"], mine)
         if not same_layout:
             # A new layout has new RNG positions: seed them from (seed, iteration), deterministically.
             model_parallel_manual_seed(t.spec.training.seed + t.iteration)

@@ -67,6 +67,13 @@ def named_params(trainer) -> list[tuple[str, nn.Parameter, object]]:
     return out
 
 
+def _adam_state(opt, main: torch.Tensor, name: str) -> torch.Tensor:
+    """Adam's moment for a master; zeros before the first step (Adam creates its state lazily),
+    which is exactly what a fresh Adam starts from, so a checkpoint of iteration 0 loads right."""
+    state = opt.inner.state.get(main)
+    return state[name] if state and name in state else torch.zeros_like(main)
+
+
 @torch.no_grad()
 def optimizer_state_by_param(trainer) -> dict[int, dict[str, torch.Tensor]]:
     """id(param) -> {state name: parameter-shaped fp32 tensor}, assembled over DP for ZeRO-1."""
@@ -85,12 +92,12 @@ def optimizer_state_by_param(trainer) -> dict[int, dict[str, torch.Tensor]]:
             if not sharded and len(segs) == 1 and segs[0][1:] == (0, p.numel()):
                 i = segs[0][0]  # this rank holds the whole state: a view, no copy
                 m = opt.main_params[i]
-                states[name] = (m if name == "master" else opt.inner.state[m][name]).view(p.shape)
+                states[name] = (m if name == "master" else _adam_state(opt, m, name)).view(p.shape)
                 continue
             flat = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)  # all-reduced: NCCL on GPU
             for i, lo, hi in segs:
                 m = opt.main_params[i]
-                flat[lo:hi] = m if name == "master" else opt.inner.state[m][name]
+                flat[lo:hi] = m if name == "master" else _adam_state(opt, m, name)
             if sharded:
                 dist.all_reduce(flat, group=ps.get_group("dp"))
             states[name] = flat.view(p.shape)

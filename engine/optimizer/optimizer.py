@@ -70,6 +70,7 @@ class TrainingOptimizer:
             weight_decay=spec.weight_decay,
             foreach=True,
         )
+        self._prepared: tuple[list[torch.Tensor], StepResult] | None = None
 
     @property
     def param_groups(self) -> list[dict]:
@@ -88,7 +89,10 @@ class TrainingOptimizer:
         return value
 
     @torch.no_grad()
-    def step(self) -> StepResult:
+    def prepare(self) -> StepResult:
+        """Unscale the gradients now in the buffers, check them for overflow and take their global
+        norm, without stepping. Separate from `step` so the training loop can validate the norm
+        (rerun state machine) before it decides to update the weights; `step` reuses it."""
         grads = self._grads()
         scale = 1.0
         if self.grad_scaler is not None:
@@ -100,16 +104,31 @@ class TrainingOptimizer:
                 finite = torch.tensor(True, device=device.current_device())
             # Every rank must skip together: any rank's overflow counts.
             found_inf = self._all_reduce((~finite).float().reshape(1), op=dist.ReduceOp.MAX)
-            overflow = bool(found_inf.item() > 0)
-            self.grad_scaler.update(overflow)
-            if overflow:
-                return StepResult(grad_norm=float("nan"), skipped=True, loss_scale=scale)
+            if found_inf.item() > 0:
+                result = StepResult(grad_norm=float("nan"), skipped=True, loss_scale=scale)
+                self._prepared = (grads, result)
+                return result
         counted = [g for g, c in zip(grads, self.counts, strict=True) if c]
         if counted:
             sq = torch.stack(torch._foreach_norm(counted)).square().sum().reshape(1)
         else:
             sq = torch.zeros(1, device=device.current_device())
-        norm = math.sqrt(float(self._all_reduce(sq)))
+        result = StepResult(grad_norm=math.sqrt(float(self._all_reduce(sq))), loss_scale=scale)
+        self._prepared = (grads, result)
+        return result
+
+    @torch.no_grad()
+    def step(self) -> StepResult:
+        grads, result = self._prepared if self._prepared is not None else (None, None)
+        if result is None:
+            self.prepare()
+            grads, result = self._prepared
+        self._prepared = None
+        if self.grad_scaler is not None:
+            self.grad_scaler.update(result.skipped)
+        if result.skipped:
+            return result
+        norm, scale = result.grad_norm, result.loss_scale
         clip_grads_(grads, self.spec.clip_grad, norm)
         for m, g in zip(self.main_params, grads, strict=True):
             m.grad = g

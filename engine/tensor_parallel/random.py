@@ -77,6 +77,18 @@ def get_rng_tracker() -> RNGStatesTracker:
     return _TRACKER
 
 
+def capture_rng_state() -> dict[str, object]:
+    """Every stream a step draws from (host, device default, tracker streams), to replay a step
+    exactly: the rerun state machine re-executes an iteration from this."""
+    return {"host": torch.get_rng_state(), "device": device.get_rng_state(), "tracker": _TRACKER.get_states()}
+
+
+def restore_rng_state(state: dict[str, object]) -> None:
+    torch.set_rng_state(state["host"])
+    device.set_rng_state(state["device"])
+    _TRACKER.set_states(state["tracker"])
+
+
 def model_parallel_manual_seed(seed: int) -> None:
     """Seed the default stream and the TP / expert streams for this rank's grid position."""
     seed = seed + 100 * ps.get_pipeline_model_parallel_rank()

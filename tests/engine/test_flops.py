@@ -1,0 +1,202 @@
+import json
+
+import pytest
+import torch
+
+from engine import flops
+from engine.flops import PeakFlops, mfu, model_flops_per_iteration, peak_flops
+from engine.transformer.config import TransformerConfig
+
+
+def _config(**overrides) -> TransformerConfig:
+    fields = dict(
+        num_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=96,
+        padded_vocab_size=128,
+        seq_length=32,
+        normalization="RMSNorm",
+        activation="swiglu",
+        position_embedding="rope",
+        add_bias_linear=False,
+        tie_embeddings=False,
+    )
+    fields.update(overrides)
+    return TransformerConfig(**fields)
+
+
+def test_hand_count_small_llama():
+    # B=3 sequences of s=32 tokens; h=64, 4 heads of d=16, 2 KV heads, f=96, V=128, L=2.
+    B, s, h, heads, d, kv, f, V, L = 3, 32, 64, 4, 16, 2, 96, 128, 2
+    # Forward FLOPs of one sequence, each GEMM (m x k) @ (k x n) costing 2mkn.
+    q = 2 * s * h * (heads * d)  # 262144
+    k = 2 * s * h * (kv * d)  # 131072
+    v = 2 * s * h * (kv * d)  # 131072
+    # Scores QK^T: per head (s x d) @ (d x s); causal, so half of it (Megatron-Core's count).
+    scores = heads * 2 * s * d * s / 2  # 65536
+    # Probabilities x V: per head (s x s) @ (s x d), again half.
+    attn_v = heads * 2 * s * s * d / 2  # 65536
+    out_proj = 2 * s * (heads * d) * h  # 262144
+    gate = 2 * s * h * f  # 393216
+    up = 2 * s * h * f  # 393216
+    down = 2 * s * f * h  # 393216
+    layer = q + k + v + scores + attn_v + out_proj + gate + up + down  # 2097152
+    logits = 2 * s * h * V  # 524288
+    forward = L * layer + logits  # 4718592
+    expected = 3 * B * forward  # forward + backward (2x forward)
+    assert expected == 42_467_328
+    assert model_flops_per_iteration(_config(), global_batch_size=B) == expected
+
+
+def test_full_attention_matrix_counts_the_masked_half_too():
+    B, s, heads, d, L = 3, 32, 4, 16, 2
+    causal = model_flops_per_iteration(_config(), B)
+    full = model_flops_per_iteration(_config(), B, full_attention_matrix=True)
+    masked_half = 2 * heads * 2 * s * s * d / 2  # scores and attn x V
+    assert full - causal == 3 * B * L * masked_half
+
+
+def test_gqa_counts_smaller_key_value_projections():
+    B, s, h, d, L = 3, 32, 64, 16, 2
+    mha = model_flops_per_iteration(_config(num_query_groups=4), B)
+    gqa = model_flops_per_iteration(_config(num_query_groups=2), B)
+    mqa = model_flops_per_iteration(_config(num_query_groups=1), B)
+    # K and V each lose 2 * s * h * d per KV head dropped.
+    assert mha - gqa == 3 * B * L * 2 * (2 * s * h * d) * (4 - 2)
+    assert gqa - mqa == 3 * B * L * 2 * (2 * s * h * d) * (2 - 1)
+
+
+def test_swiglu_has_one_more_matrix_than_gelu():
+    B, s, h, f, L = 3, 32, 64, 96, 2
+    swiglu = model_flops_per_iteration(_config(activation="swiglu"), B)
+    gelu = model_flops_per_iteration(_config(activation="gelu"), B)
+    assert swiglu - gelu == 3 * B * L * (2 * s * h * f)
+
+
+def test_recompute_is_not_model_flops():
+    assert model_flops_per_iteration(_config(recompute="full"), 3) == model_flops_per_iteration(_config(), 3)
+
+
+def test_llama3_8b_matches_the_published_megatron_figure():
+    # Megatron Bridge, Llama 3 8B, seq 8192: 14,451 tokens/s/GPU reported as 744 TFLOP/s/GPU.
+    c = _config(
+        num_layers=32,
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_query_groups=8,
+        ffn_hidden_size=14336,
+        padded_vocab_size=128256,
+        seq_length=8192,
+    )
+    per_token = model_flops_per_iteration(c, 1) / 8192
+    assert per_token * 14451 == pytest.approx(744e12, rel=2e-3)
+
+
+def test_mfu():
+    assert mfu(1e15, 2.0, 4, 250e12) == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="positive step time"):
+        mfu(1e15, 0.0, 4, 250e12)
+
+
+@pytest.mark.parametrize(
+    "name, dtype, value, source",
+    [
+        ("NVIDIA H100 80GB HBM3", torch.bfloat16, 989e12, "table:H100"),
+        ("NVIDIA H100 80GB HBM3", torch.float8_e4m3fn, 1979e12, "table:H100"),
+        ("NVIDIA H200", torch.bfloat16, 989e12, "table:H200"),
+        ("NVIDIA H200", torch.float16, 989e12, "table:H200"),
+        ("NVIDIA H200", torch.float8_e5m2, 1979e12, "table:H200"),
+        ("NVIDIA A100-SXM4-80GB", torch.bfloat16, 312e12, "table:A100"),
+        ("NVIDIA H100 PCIe", torch.bfloat16, 756e12, "table:H100-PCIe"),
+    ],
+)
+def test_gpu_table(name, dtype, value, source, tmp_path):
+    def no_measure(*_):
+        raise AssertionError("a table GPU is not measured")
+
+    peak = peak_flops("cuda", dtype, device_name=name, cache_path=tmp_path / "c.json", measure=no_measure)
+    assert peak == PeakFlops(value, source)
+
+
+def test_gpu_fp32_follows_the_tf32_setting():
+    previous = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert flops.gpu_peak_from_table("NVIDIA H200", torch.float32).flops_per_s == 67e12
+        torch.set_float32_matmul_precision("high")
+        assert flops.gpu_peak_from_table("NVIDIA H200", torch.float32).flops_per_s == 494.5e12
+    finally:
+        torch.set_float32_matmul_precision(previous)
+
+
+def test_unknown_gpu_is_measured_and_cached(tmp_path):
+    calls = []
+
+    def fake(device_type, dtype):
+        calls.append((device_type, dtype))
+        return 123e12
+
+    cache = tmp_path / "peak.json"
+    for expected_source in ("measured", "measured:cache"):
+        peak = peak_flops("cuda", torch.bfloat16, device_name="NVIDIA L4", cache_path=cache, measure=fake)
+        assert peak == PeakFlops(123e12, expected_source)
+    assert calls == [("cuda", torch.bfloat16)]
+    assert flops.gpu_peak_from_table("NVIDIA A100-SXM4-80GB", torch.float8_e4m3fn) is None  # no fp8
+
+
+def test_cpu_peak_is_measured_once_then_read_from_the_cache(tmp_path):
+    calls = []
+
+    def fake(device_type, dtype):
+        calls.append((device_type, dtype))
+        return 1.5e11
+
+    cache = tmp_path / "sub" / "peak_flops.json"
+    first = peak_flops("cpu", torch.float32, cache_path=cache, measure=fake)
+    assert first == PeakFlops(1.5e11, "measured")
+    (key,) = json.loads(cache.read_text())
+    assert key.startswith(f"cpu|{flops.cpu_model_name()}|threads={torch.get_num_threads()}|torch.float32|")
+
+    second = peak_flops("cpu", torch.float32, cache_path=cache, measure=fake)
+    assert second == PeakFlops(1.5e11, "measured:cache")
+    assert len(calls) == 1  # the second call did not measure
+
+    peak_flops("cpu", torch.bfloat16, cache_path=cache, measure=fake)  # another dtype: another key
+    assert len(calls) == 2 and len(json.loads(cache.read_text())) == 2
+
+
+def test_cpu_cache_key_includes_thread_count(tmp_path):
+    cache = tmp_path / "peak.json"
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        peak_flops("cpu", torch.float32, cache_path=cache, measure=lambda *_: 1e10)
+        torch.set_num_threads(2)
+        peak = peak_flops("cpu", torch.float32, cache_path=cache, measure=lambda *_: 2e10)
+    finally:
+        torch.set_num_threads(previous)
+    assert peak == PeakFlops(2e10, "measured")
+
+
+def test_corrupt_cache_is_remeasured(tmp_path):
+    cache = tmp_path / "peak.json"
+    cache.write_text("{not json")
+    peak = peak_flops("cpu", torch.float32, cache_path=cache, measure=lambda *_: 7e9)
+    assert peak == PeakFlops(7e9, "measured")
+    assert len(json.loads(cache.read_text())) == 1
+
+
+def test_default_cache_path_follows_xdg(monkeypatch, tmp_path):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert flops.default_cache_path() == tmp_path / "elastron" / "peak_flops.json"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert flops.default_cache_path() == tmp_path / "home" / ".cache" / "elastron" / "peak_flops.json"
+
+
+def test_a_real_cpu_measurement_is_positive():
+    assert flops.measure_matmul_flops("cpu", torch.float32, max_size=256, repeats=1) > 0
+    with pytest.raises(ValueError, match="cannot measure"):
+        flops.measure_matmul_flops("cpu", torch.int32)
