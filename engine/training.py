@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,8 @@ class Trainer:
         self.timers = Timers(log_level=timer_level)
         self.iteration = 0
         self.consumed_samples = 0
+        # What this rank is doing now, for a watchdog to name when a step hangs.
+        self.phase = "setup"
         self.energy = EnergyMonitor(self.device.type)
         self.energy.setup()
         self.peak_flops_per_device = self._peak_flops()
@@ -195,6 +198,7 @@ class Trainer:
             return False
         last = self.iteration == self.spec.training.train_iters
         if last or (c.interval is not None and self.iteration % c.interval == 0):
+            self.phase = "checkpoint-save"
             self.energy.pause()  # energy per step is training energy, as in Megatron-Core
             with self.timers("checkpoint-save", 1):
                 self.checkpointer.save()  # with async_save: the time training is blocked
@@ -284,9 +288,11 @@ class Trainer:
         rsm, res = self.rerun, self.spec.resilience
         loss = None
         while rsm.should_run_forward_backward(None):
+            self.phase = "forward-backward"
             self.timers("forward-backward", 1).start()
             loss = self.forward_backward(num_microbatches)
             self.timers("forward-backward", 1).stop()
+            self.phase = "grads-finalize"
             self.timers("grads-finalize", 1).start()
             finalize_model_grads(self.ddp_chunks)
             self.timers("grads-finalize", 1).stop()
@@ -298,6 +304,7 @@ class Trainer:
                     "loss spike",
                     fatal=False,
                 )
+            self.phase = "grad-norm"
             prepared = self.optimizer.prepare()
             # Under fp16 loss scaling an inf norm is the scaler's business (skip, lower the scale).
             if self.grad_scaler is None:
@@ -339,6 +346,7 @@ class Trainer:
         loss = self._validated_forward_backward(n)
         if self._act_on_rerun_decision(gbs):
             return None
+        self.phase = "optimizer"
         self.timers("optimizer", 1).start()
         result = self.optimizer.step()
         if not result.skipped:  # a skipped (overflowing) step does not advance the schedule
@@ -354,6 +362,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         tokens = gbs * self.config.seq_length
         flops = model_flops_per_iteration(self.config, gbs)
+        self.phase = "metrics"  # the energy and timer collectives
         lap = self.energy.lap()
         timers = {}
         if self.iteration % self.spec.training.log_interval == 0:
@@ -393,11 +402,13 @@ def train_rank(
     metrics_out: str | None = None,
     quiet: bool = False,
     events_out: str | None = None,
+    on_record: Callable[[dict], None] | None = None,
 ) -> list[dict]:
     """Per-rank entry point: train the whole job; rank 0 writes and returns the metrics records.
 
     Every rank appends its events (rerun state machine) to `events_out`. A rerun verdict that
-    stops the job raises RerunExit on every rank, carrying exit code 16 or 17."""
+    stops the job raises RerunExit on every rank, carrying exit code 16 or 17. `on_record` gets
+    rank 0's record of every iteration (how Ray workers forward metrics without a file)."""
     spec = JobSpec.model_validate(spec_dict)
     trainer = Trainer(spec, events_path=events_out)
     is_logger = dist.get_rank() == 0
@@ -427,6 +438,8 @@ def train_rank(
             if is_logger:
                 rec = asdict(m)
                 records.append(rec)
+                if on_record is not None:
+                    on_record(rec)
                 if sink:
                     sink.write(json.dumps(rec) + "\n")
                     sink.flush()
