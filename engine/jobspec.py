@@ -256,6 +256,10 @@ class TrainingSpec(_Section):
         description="[start, increment, ramp_samples]: grow the global batch step-wise (Megatron-Core's rampup).",
     )
     log_interval: PositiveInt = 1
+    eval_interval: PositiveInt | None = Field(
+        None, description="Evaluate on the validation split every N iterations (needs data.split with a valid share)."
+    )
+    eval_iters: PositiveInt = Field(10, description="Global batches of validation data per evaluation.")
     recompute: Literal["none", "selective", "full"] = Field(
         "none", description="Activation recomputation: selective = attention core only; full = whole layers."
     )
@@ -397,6 +401,16 @@ class JobSpec(_Section):
     def data_parallel_size(self) -> int:
         p = self.parallel
         return self.resources.ranks // (p.tensor * p.pipeline * p.context)
+
+    @model_validator(mode="after")
+    def _check_eval(self) -> JobSpec:
+        t, d = self.training, self.data
+        if t.eval_interval is not None and (d.split is None or d.split[1] <= 0):
+            raise ValueError(
+                "training.eval_interval needs validation data: set data.split with a valid share, "
+                'e.g. data.split: "949,50,1"'
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_layout(self) -> JobSpec:
