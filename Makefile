@@ -30,6 +30,7 @@ bench: $(STAMP)
 	$(PY) bench/parallel_layouts.py
 	$(PY) bench/optimizer_memory.py
 	$(PY) bench/checkpoint_io.py
+	$(PY) bench/rerun_overhead.py
 
 clean:
 	rm -rf $(VENV) runs

@@ -9,6 +9,7 @@ step needs are inside `train_step`, so every rank calls it the same number of ti
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -21,8 +22,9 @@ import torch.distributed as dist
 from engine import device
 from engine import parallel_state as ps
 from engine.checkpointing.checkpointer import Checkpointer
-from engine.data.sources import SyntheticSource, TextSource, micro_batch
-from engine.data.tokenizer import ByteTokenizer, build_tokenizer
+from engine.data.builder import build_datasets
+from engine.data.sources import micro_batch
+from engine.data.tokenizer import build_tokenizer
 from engine.distributed.data_parallel import DataParallel
 from engine.distributed.finalize_grads import finalize_model_grads
 from engine.energy_monitor import EnergyMonitor
@@ -99,13 +101,9 @@ class StepMetrics:
     energy_j: float | None = None
     power_w: float | None = None
     energy_cumulative_j: float | None = None
-
-
-def build_source(spec: JobSpec, tokenizer: ByteTokenizer, config: TransformerConfig):
-    """Synthetic tokens span the model's (padded) vocabulary; text goes through the tokenizer."""
-    if spec.data.source == "synthetic":
-        return SyntheticSource(config.padded_vocab_size, spec.model.seq_length, spec.training.seed)
-    return TextSource(spec.data.path, tokenizer, spec.model.seq_length, spec.training.seed)
+    # Set on the iterations that evaluate (training.eval_interval).
+    valid_loss: float | None = None
+    valid_ppl: float | None = None
 
 
 class Trainer:
@@ -162,7 +160,15 @@ class Trainer:
             )
         self.dp_size, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.microbatches = MicrobatchCalculator.from_spec(t, self.dp_size)
-        self.source = build_source(spec, tokenizer, self.config)
+        datasets = build_datasets(
+            spec,
+            tokenizer,
+            self.config.seq_length,
+            t.seed,
+            num_samples=self._planned_samples(),
+            synthetic_vocab_size=self.config.padded_vocab_size,
+        )
+        self.source, self.valid_source = datasets.train, datasets.valid
         self.timers = Timers(log_level=timer_level)
         self.iteration = 0
         self.consumed_samples = 0
@@ -180,6 +186,15 @@ class Trainer:
             self.checkpointer.maybe_resume()
         if self.rerun.state == RerunState.NOT_RUNNING_YET:
             self.rerun.current_iteration = self.iteration
+
+    def _planned_samples(self) -> tuple[int, int | None, None]:
+        """Samples the run will read (train, valid): sizes the cached sample indexes ahead."""
+        t = self.spec.training
+        gbs = t.global_batch_size
+        valid = None
+        if t.eval_interval is not None:
+            valid = t.eval_iters * gbs  # every evaluation reads the same validation batches
+        return t.train_iters * gbs, valid, None
 
     def _peak_flops(self) -> float:
         """Peak FLOP/s of one device, for MFU. Rank 0 looks it up (GPU table) or measures it once
@@ -234,12 +249,63 @@ class Trainer:
             raise AttributeError("this rank holds pipeline stages: use model_chunks")
         return self.model_chunks[0]
 
-    def _microbatch(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _microbatch(
+        self, m: int, source=None, consumed: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This DP rank's microbatch m of the global batch starting at sample `consumed` (default:
+        the next training batch)."""
         t = self.spec.training
-        tokens, labels = micro_batch(
-            self.source, self.consumed_samples, m, t.micro_batch_size, self.dp_size, self.dp_rank
-        )
+        source = self.source if source is None else source
+        consumed = self.consumed_samples if consumed is None else consumed
+        tokens, labels = micro_batch(source, consumed, m, t.micro_batch_size, self.dp_size, self.dp_rank)
         return tokens.to(self.device), labels.to(self.device)
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Validation loss (mean token cross entropy) and perplexity over the first
+        `training.eval_iters` global batches of the validation split: the same batches every
+        time, so evaluations compare across the run and across resumes. A collective."""
+        t = self.spec.training
+        gbs = t.global_batch_size
+        n = gbs // (t.micro_batch_size * self.dp_size)
+        self.phase = "evaluate"
+        self.energy.pause()  # energy per step stays training energy
+        for chunk in self.model_chunks:
+            chunk.eval()
+
+        def mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return GPTModel.loss_from_logits(logits, labels).float().mean()
+
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for k in range(t.eval_iters):
+            batches = [self._microbatch(m, self.valid_source, k * gbs) for m in range(n)]
+            if self.pipeline is None:
+                for tokens, labels in batches:
+                    total += mean_loss(self.model_chunks[0](tokens), labels)
+                continue
+            runner = self.pipeline
+            tokens = torch.cat([b[0] for b in batches]) if runner.has_first else None
+            labels = torch.cat([b[1] for b in batches]) if runner.has_last else None
+            for loss in runner.evaluate(n, tokens, labels, mean_loss):
+                total += loss
+        total = total.reshape(1)
+        if self.pipeline is not None:  # only the last stage has losses
+            dist.all_reduce(total, group=ps.get_group("pp"))
+        if self.dp_size > 1:
+            dist.all_reduce(total, group=ps.get_group("dp"))
+        loss = float(total) / (t.eval_iters * n * self.dp_size)
+        self.energy.resume()
+        return {"valid_loss": loss, "valid_ppl": math.exp(min(loss, 50.0))}
+
+    def evaluate_if_due(self, metrics: StepMetrics) -> None:
+        """Evaluate after iterations that are a multiple of training.eval_interval, and after the
+        last one; the figures go into that iteration's metrics record."""
+        t = self.spec.training
+        if t.eval_interval is None or self.valid_source is None:
+            return
+        if self.iteration % t.eval_interval == 0 or self.iteration == t.train_iters:
+            result = self.evaluate()
+            metrics.valid_loss, metrics.valid_ppl = result["valid_loss"], result["valid_ppl"]
 
     def forward_backward(self, num_microbatches: int) -> torch.Tensor:
         """Accumulate grads of the mean token loss over this rank's microbatches into the DP
@@ -394,6 +460,7 @@ def _progress_line(m: StepMetrics, total: int) -> str:
         f"iter {m.iteration:>5}/{total} | loss {m.loss:.4f} | lr {m.lr:.3e} | grad_norm {m.grad_norm:.3f} "
         f"| {m.tokens_per_s:,.0f} tok/s | {m.step_time_s * 1000:.0f} ms | MFU {m.mfu:.1%}"
         + (f" | {m.power_w:.0f} W" if m.power_w is not None else "")
+        + (f" | valid loss {m.valid_loss:.4f} ppl {m.valid_ppl:.2f}" if m.valid_loss is not None else "")
     )
 
 
@@ -434,6 +501,7 @@ def train_rank(
             m = trainer.train_step()
             if m is None:  # the rerun state machine skipped a bad batch
                 continue
+            trainer.evaluate_if_due(m)
             trainer.save_checkpoint_if_due()
             if is_logger:
                 rec = asdict(m)
@@ -443,7 +511,7 @@ def train_rank(
                 if sink:
                     sink.write(json.dumps(rec) + "\n")
                     sink.flush()
-                if not quiet and m.iteration % spec.training.log_interval == 0:
+                if not quiet and (m.iteration % spec.training.log_interval == 0 or m.valid_loss is not None):
                     print(_progress_line(m, spec.training.train_iters), flush=True)
         if trainer.checkpointer is not None:
             trainer.checkpointer.wait()  # the last save is committed before the job reports done

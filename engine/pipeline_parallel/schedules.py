@@ -94,3 +94,20 @@ class PipelineRunner:
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
         sched.step(*args, **kwargs)
         return [loss.detach() for loss in losses]
+
+    @torch.no_grad()
+    def evaluate(
+        self,
+        num_microbatches: int,
+        tokens: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> list[torch.Tensor]:
+        """Forward only (the schedule's eval pass): per-microbatch losses on the last stage."""
+        self._loss_fn = loss_fn
+        sched = self._schedule(num_microbatches)
+        losses: list[torch.Tensor] = []
+        args = (tokens,) if self.has_first else ()
+        kwargs = {"target": labels, "losses": losses} if self.has_last else {}
+        sched.eval(*args, **kwargs)
+        return [loss.detach() for loss in losses]

@@ -17,6 +17,7 @@ import torch
 
 from engine import device
 from engine import parallel_state as ps
+from engine.data.builder import build_datasets
 from engine.data.sources import micro_batch
 from engine.data.tokenizer import build_tokenizer
 from engine.jobspec import JobSpec
@@ -24,7 +25,6 @@ from engine.launcher import spawn
 from engine.models import GPTModel
 from engine.tensor_parallel import get_rng_tracker, model_parallel_manual_seed
 from engine.tensor_parallel import random as tp_random
-from engine.training import build_source
 from engine.transformer.attention import SelfAttention
 from engine.transformer.config import TransformerConfig
 from engine.transformer.initialization import initialize_weights
@@ -75,7 +75,9 @@ def _forward_backward(spec_dict: dict, dropout_seed: int | None = None, break_tr
     initialize_weights(model, t.seed)
     if dropout_seed is not None:  # same weights, other dropout masks
         model_parallel_manual_seed(dropout_seed)
-    source = build_source(spec, tokenizer, config)
+    source = build_datasets(
+        spec, tokenizer, config.seq_length, t.seed, synthetic_vocab_size=config.padded_vocab_size
+    ).train
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     model.train()
 

@@ -1,0 +1,96 @@
+"""What result validation costs a healthy step: step time with `rerun_mode: validate_results`
+against `rerun_mode: disabled`, same job, same ranks, same run (target: ratio <= 1.01).
+
+Validation adds, per step: an RNG snapshot, reading the loss and grad norm on the host (the loop
+reads both anyway), and one tiny all-reduce agreeing on "any rank rejected". The two modes are
+timed in alternating rounds so machine noise hits both alike; the figure is the ratio of the
+medians. Prints JSON lines.
+
+    python bench/rerun_overhead.py [--ranks 2] [--rounds 5] [--steps 10]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+from engine.launcher import spawn
+
+
+def _job(mode: str, ranks: int, hidden: int, layers: int) -> dict:
+    return {
+        "name": f"bench-rerun-{mode}",
+        "model": {
+            "arch": "llama",
+            "num_layers": layers,
+            "hidden_size": hidden,
+            "num_attention_heads": 8,
+            "seq_length": 128,
+        },
+        "data": {"source": "synthetic"},
+        "training": {
+            "global_batch_size": 4 * ranks,
+            "micro_batch_size": 2,
+            "train_iters": 10**6,
+            "log_interval": 10**6,
+        },
+        "resilience": {"rerun_mode": mode},
+        "resources": {"ranks": ranks, "device": "cpu"},
+    }
+
+
+def _rank(ranks: int, rounds: int, steps: int, hidden: int, layers: int) -> dict[str, list[float]]:
+    """Per mode, every timed step's wall seconds (this rank's view; rank 0's is reported)."""
+    from engine import parallel_state as ps
+    from engine.jobspec import JobSpec
+    from engine.training import Trainer
+
+    times: dict[str, list[float]] = {"disabled": [], "validate_results": []}
+    for _ in range(rounds):
+        for mode in times:
+            trainer = Trainer(JobSpec.model_validate(_job(mode, ranks, hidden, layers)))
+            trainer.train_step()  # warm-up: allocations, first-touch of optimizer state
+            for _ in range(steps):
+                start = time.perf_counter()
+                trainer.train_step()
+                times[mode].append(time.perf_counter() - start)
+            ps.destroy_model_parallel()
+    return times
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    args = ap.parse_args()
+    times = spawn(
+        _rank, args.ranks, (args.ranks, args.rounds, args.steps, args.hidden, args.layers), timeout_s=3600
+    )[0]
+    off, on = statistics.median(times["disabled"]), statistics.median(times["validate_results"])
+    for mode, value in (("disabled", off), ("validate_results", on)):
+        print(
+            json.dumps(
+                {"figure": "step_time_s", "rerun_mode": mode, "median": value, "steps": len(times[mode])}
+            )
+        )
+    print(
+        json.dumps(
+            {
+                "figure": "validate_results_over_disabled",
+                "ratio": on / off,
+                "target": "<= 1.01",
+                "ranks": args.ranks,
+                "hidden": args.hidden,
+                "layers": args.layers,
+            }
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()
