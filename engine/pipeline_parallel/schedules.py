@@ -87,13 +87,7 @@ class PipelineRunner:
         Count losses from the schedule, not from calls to loss_fn: on its first step torch calls
         loss_fn once more to infer backward metadata (autograd.grad on the stage inputs only, so
         parameters and the data-parallel buffers see nothing)."""
-        self._loss_fn = loss_fn
-        sched = self._schedule(num_microbatches)
-        losses: list[torch.Tensor] = []
-        args = (tokens,) if self.has_first else ()
-        kwargs = {"target": labels, "losses": losses} if self.has_last else {}
-        sched.step(*args, **kwargs)
-        return [loss.detach() for loss in losses]
+        return self._drive(num_microbatches, tokens, labels, loss_fn, forward_only=False)
 
     @torch.no_grad()
     def evaluate(
@@ -104,10 +98,13 @@ class PipelineRunner:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> list[torch.Tensor]:
         """Forward only (the schedule's eval pass): per-microbatch losses on the last stage."""
+        return self._drive(num_microbatches, tokens, labels, loss_fn, forward_only=True)
+
+    def _drive(self, num_microbatches, tokens, labels, loss_fn, forward_only: bool) -> list[torch.Tensor]:
         self._loss_fn = loss_fn
         sched = self._schedule(num_microbatches)
         losses: list[torch.Tensor] = []
         args = (tokens,) if self.has_first else ()
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
-        sched.eval(*args, **kwargs)
+        (sched.eval if forward_only else sched.step)(*args, **kwargs)
         return [loss.detach() for loss in losses]
