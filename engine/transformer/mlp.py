@@ -15,10 +15,11 @@ from engine.transformer.config import TransformerConfig
 
 
 class MLP(nn.Module):
-    def __init__(self, config: TransformerConfig):
+    def __init__(self, config: TransformerConfig, ffn_hidden_size: int | None = None):
         super().__init__()
         self.swiglu = config.activation == "swiglu"
-        width = config.ffn_hidden_size * (2 if self.swiglu else 1)
+        ffn = ffn_hidden_size or config.ffn_hidden_size  # MoE's shared expert has its own width
+        width = ffn * (2 if self.swiglu else 1)
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size,
             width,
@@ -29,7 +30,7 @@ class MLP(nn.Module):
             init_std=config.init_method_std,
         )
         self.linear_fc2 = RowParallelLinear(
-            config.ffn_hidden_size,
+            ffn,
             config.hidden_size,
             bias=config.add_bias_linear,
             sequence_parallel=config.sequence_parallel,

@@ -1,0 +1,49 @@
+"""The experts this rank holds, run one after another on their share of the tokens.
+
+Each expert is a small MLP (SwiGLU or GELU, like the dense MLP) kept whole on its expert-parallel
+rank (expert tensor parallel size 1). A loop over local experts is what runs on CPU; a grouped
+GEMM (torch's grouped mm or Transformer Engine's GroupedLinear) is the GPU path to add. Parameter
+names carry the local index; `GPTModel.global_param_name` turns it into the global expert index
+(ep_rank * local_experts + j), so initialisation and checkpoints see the same expert on any EP
+size. Expert parameters are marked `expert = True`: their gradients reduce over the expert
+data-parallel group and every rank's experts count in the gradient norm.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class ExpertMLP(nn.Module):
+    def __init__(
+        self, hidden: int, ffn: int, swiglu: bool, dtype: torch.dtype, init_std: float, out_std: float
+    ):
+        super().__init__()
+        self.swiglu = swiglu
+        self.linear_fc1 = nn.Linear(hidden, ffn * (2 if swiglu else 1), bias=False, dtype=dtype)
+        self.linear_fc2 = nn.Linear(ffn, hidden, bias=False, dtype=dtype)
+        self.linear_fc1.weight.init_std, self.linear_fc2.weight.init_std = init_std, out_std
+        for p in self.parameters():
+            p.expert = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear_fc1(x)
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            y = F.silu(gate) * up
+        else:
+            y = F.gelu(y)
+        return self.linear_fc2(y)
+
+
+class LocalExperts(nn.Module):
+    def __init__(self, count: int, **mlp_kwargs):
+        super().__init__()
+        self.local_experts = nn.ModuleList(ExpertMLP(**mlp_kwargs) for _ in range(count))
+
+    def forward(self, rows: torch.Tensor, rows_per_expert: list[int]) -> torch.Tensor:
+        chunks = rows.split(rows_per_expert)
+        outs = [expert(chunk) for expert, chunk in zip(self.local_experts, chunks, strict=True)]
+        return torch.cat(outs) if outs else rows

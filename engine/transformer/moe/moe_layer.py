@@ -1,0 +1,84 @@
+"""The MoE feed-forward block: route, dispatch to the experts' ranks, run, combine (+ shared expert).
+
+Takes and returns the layer's [s, b, h] activations (this rank's sequence chunk under sequence
+parallelism, which MoE requires with TP > 1, as in Megatron-Core: every TP rank then routes
+distinct tokens). The balancing losses do not travel through the model's outputs: they are
+attached to the block's output by `attach_aux_loss`, whose backward feeds the aux loss its
+gradient (scaled like the main loss), the way Megatron-Core's MoEAuxLossAutoScaler does.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine import parallel_state as ps
+from engine.transformer.moe.experts import LocalExperts
+from engine.transformer.moe.router import MoEConfig, TopKRouter
+from engine.transformer.moe.token_dispatcher import AllToAllDispatcher
+
+
+class _AuxLossScaler(torch.autograd.Function):
+    """Identity on `out`; in backward, d(aux)/d(aux) = the current loss scale."""
+
+    scale = 1.0
+
+    @staticmethod
+    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (aux,) = ctx.saved_tensors
+        return grad, torch.full_like(aux, _AuxLossScaler.scale)
+
+
+def set_aux_loss_scale(scale: float) -> None:
+    """What the main loss is multiplied by before backward (fp16 scale / microbatches)."""
+    _AuxLossScaler.scale = scale
+
+
+class MoELayer(nn.Module):
+    def __init__(self, config, moe: MoEConfig):
+        super().__init__()
+        from engine.transformer.mlp import MLP  # the dense MLP, for the shared expert
+
+        ep = ps.get_rank_in("ep") if ps.model_parallel_is_initialized() else 0
+        ep_size = ps.get_grid().ep if ps.model_parallel_is_initialized() else 1
+        self.moe = moe
+        self.router = TopKRouter(
+            config.hidden_size, moe, config.params_dtype, config.init_method_std, config.sequence_parallel
+        )
+        self.dispatcher = AllToAllDispatcher(moe.num_experts, ps.get_group("ep") if ep_size > 1 else None)
+        self.local_count = moe.num_experts // ep_size
+        self.expert_offset = ep * self.local_count
+        self.experts = LocalExperts(
+            self.local_count,
+            hidden=config.hidden_size,
+            ffn=moe.ffn_hidden_size,
+            swiglu=config.activation == "swiglu",
+            dtype=config.params_dtype,
+            init_std=config.init_method_std,
+            out_std=config.output_layer_init_std,
+        )
+        self.shared_expert = (
+            MLP(config, ffn_hidden_size=moe.shared_expert_ffn_hidden_size)
+            if moe.shared_expert_ffn_hidden_size
+            else None
+        )
+        self.last_dropped = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, h = x.shape
+        tokens = x.reshape(s * b, h)
+        routing = self.router(tokens)
+        self.last_dropped = routing.dropped
+        rows, per_expert = self.dispatcher.dispatch(tokens, routing.indices, routing.kept)
+        y = self.experts(rows, per_expert)
+        out = self.dispatcher.combine(y, routing.gates, routing.kept, s * b).view(s, b, h)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        if routing.aux_loss.requires_grad:
+            out = _AuxLossScaler.apply(out, routing.aux_loss)
+        return out

@@ -1,0 +1,146 @@
+"""Top-k router: which experts each token goes to, with what weight, and the balancing losses.
+
+Computed in fp32 whatever the model's precision (routing decisions flip on rounding otherwise).
+Scores are softmax or sigmoid over the router's logits; the top k scores pick the experts, and
+with `expert_bias` (aux-loss-free balancing, DeepSeek-V3's rule) the pick uses score + bias while
+the gate weights stay the unbiased scores. Sigmoid gates are renormalised to sum to 1 over the
+k chosen experts.
+
+Balancing losses, per micro-batch, as in Megatron-Core:
+- auxiliary (Switch/GShard): coeff * E / (T^2 * k) * sum_e P_e * n_e, where P_e is the sum over
+  the T tokens of expert e's score and n_e the number of tokens routed to e (before capacity
+  dropping), so it is coeff * E * sum_e mean-score_e * fraction_e;
+- z-loss: coeff * mean over tokens of logsumexp(logits)^2 (keeps the logits small).
+Under sequence parallelism each TP rank routes its own chunk of the micro-batch: n_e and T are
+summed over the TP group (no gradient flows through counts) while P_e stays local, so the TP
+ranks' aux losses add up to the single-rank value and, since the router weight is marked
+sequence-parallel (its grad is summed over TP), so do its gradients.
+
+Capacity (optional): each expert takes at most ceil(T * k / E * capacity_factor) tokens of this
+rank's micro-batch; beyond that the lowest-scored assignments are dropped (their gate is 0).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from engine import parallel_state as ps
+from engine.tensor_parallel import mark_sequence_parallel
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int
+    top_k: int
+    ffn_hidden_size: int
+    shared_expert_ffn_hidden_size: int | None = None
+    score: str = "softmax"  # "softmax" | "sigmoid"
+    aux_loss_coeff: float = 1e-2
+    z_loss_coeff: float = 0.0
+    expert_bias: bool = False
+    expert_bias_update_rate: float = 1e-3
+    capacity_factor: float | None = None
+    layers: tuple[bool, ...] = ()  # which layers are MoE (global layer index)
+
+
+@dataclass
+class Routing:
+    """indices/gates: [T, k]; kept: [T, k] bool (False = dropped for capacity); aux: the
+    balancing losses to add to the objective (a 0-dim tensor with a graph)."""
+
+    indices: torch.Tensor
+    gates: torch.Tensor
+    kept: torch.Tensor
+    tokens_per_expert: torch.Tensor
+    aux_loss: torch.Tensor
+    dropped: int
+
+
+class TopKRouter(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        moe: MoEConfig,
+        params_dtype: torch.dtype,
+        init_std: float,
+        sequence_parallel: bool,
+    ):
+        super().__init__()
+        self.moe = moe
+        self.sequence_parallel = sequence_parallel
+        self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=params_dtype))
+        self.weight.init_std = init_std
+        mark_sequence_parallel(self, sequence_parallel)
+        # Aux-loss-free balancing: a bias moved after every step toward under-used experts.
+        self.register_buffer("expert_bias", torch.zeros(moe.num_experts), persistent=True)
+        self.register_buffer("step_tokens_per_expert", torch.zeros(moe.num_experts), persistent=False)
+
+    def _global_counts(self, counts: torch.Tensor, tokens: int) -> tuple[torch.Tensor, int]:
+        if self.sequence_parallel and ps.get_tensor_model_parallel_world_size() > 1:
+            counts = counts.clone()
+            dist.all_reduce(counts, group=ps.get_tensor_model_parallel_group())
+            tokens *= ps.get_tensor_model_parallel_world_size()
+        return counts, tokens
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """x: [T, h] this rank's tokens."""
+        moe = self.moe
+        logits = F.linear(x.float(), self.weight.float())  # [T, E]
+        scores = torch.softmax(logits, dim=-1) if moe.score == "softmax" else torch.sigmoid(logits)
+        pick = scores + self.expert_bias if moe.expert_bias else scores
+        indices = pick.topk(moe.top_k, dim=-1).indices
+        gates = scores.gather(1, indices)
+        if moe.score == "sigmoid" and moe.top_k > 1:
+            gates = gates / (gates.sum(dim=-1, keepdim=True) + 1e-20)
+        counts = torch.zeros(moe.num_experts, device=x.device).index_add_(
+            0, indices.reshape(-1), torch.ones(indices.numel(), device=x.device)
+        )
+        if moe.expert_bias and self.training:
+            self.step_tokens_per_expert += counts.detach()
+        aux = logits.new_zeros(())
+        if moe.aux_loss_coeff > 0:
+            n, tokens = self._global_counts(counts, x.shape[0])
+            aux = (
+                aux
+                + moe.aux_loss_coeff
+                * moe.num_experts
+                / (tokens * tokens * moe.top_k)
+                * (scores.sum(dim=0) * n).sum()
+            )
+        if moe.z_loss_coeff > 0:
+            aux = aux + moe.z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean()
+        kept = torch.ones_like(indices, dtype=torch.bool)
+        dropped = 0
+        if moe.capacity_factor is not None:
+            kept = self._within_capacity(indices, gates, x.shape[0])
+            dropped = int((~kept).sum())
+        return Routing(indices, gates, kept, counts, aux, dropped)
+
+    def _within_capacity(self, indices: torch.Tensor, gates: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Per expert, keep its `capacity` highest-gated assignments."""
+        moe = self.moe
+        capacity = math.ceil(tokens * moe.top_k / moe.num_experts * moe.capacity_factor)
+        flat_e, flat_g = indices.reshape(-1), gates.detach().reshape(-1)
+        kept = torch.zeros_like(flat_e, dtype=torch.bool)
+        for e in range(moe.num_experts):
+            slots = (flat_e == e).nonzero().squeeze(1)
+            if slots.numel() > capacity:
+                slots = slots[flat_g[slots].topk(capacity).indices]
+            kept[slots] = True
+        return kept.view_as(indices)
+
+    @torch.no_grad()
+    def update_expert_bias(self, group: dist.ProcessGroup | None) -> None:
+        """After the optimizer step: nudge each expert's bias by rate * sign(mean load - its load),
+        with the step's token counts summed over `group` (every rank that routed tokens)."""
+        counts = self.step_tokens_per_expert
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(counts, group=group)
+        self.expert_bias += self.moe.expert_bias_update_rate * torch.sign(counts.mean() - counts)
+        counts.zero_()
