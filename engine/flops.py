@@ -48,6 +48,9 @@ def model_flops_per_iteration(
             + 2hf * (3 | 2) ]       MLP: SwiGLU gate, up, down | GELU up, down
         + 2hV                       logits (counted whether or not embeddings are tied)
 
+    where an MoE layer's MLP term is 2hE (router) + k * 2hf_e * (3 | 2) (the k experts a token
+    goes to) + the shared expert's, if any;
+
     and the iteration is 3 * B * s * that. `full_attention_matrix=True` counts all s^2 scores
     (Megatron-LM's convention before 2025) instead of the causal half.
     """
@@ -56,14 +59,27 @@ def model_flops_per_iteration(
     kvd = c.num_query_groups * c.head_dim
     attended = c.seq_length if full_attention_matrix else c.seq_length / 2
     mlp_matrices = 3 if c.activation == "swiglu" else 2
-    per_layer = (
-        2 * c.hidden_size * (qd + 2 * kvd)
-        + 2 * 2 * qd * attended
-        + 2 * qd * c.hidden_size
-        + 2 * c.hidden_size * c.ffn_hidden_size * mlp_matrices
-    )
-    forward_per_token = c.num_layers * per_layer + 2 * c.hidden_size * c.padded_vocab_size
+    attention = 2 * c.hidden_size * (qd + 2 * kvd) + 2 * 2 * qd * attended + 2 * qd * c.hidden_size
+    dense_mlp = 2 * c.hidden_size * c.ffn_hidden_size * mlp_matrices
+    forward_per_token = 2 * c.hidden_size * c.padded_vocab_size
+    for layer in range(c.num_layers):
+        forward_per_token += attention + (
+            _moe_mlp_flops(c, mlp_matrices) if c.is_moe_layer(layer) else dense_mlp
+        )
     return 3.0 * global_batch_size * c.seq_length * forward_per_token
+
+
+def _moe_mlp_flops(c: TransformerConfig, mlp_matrices: int) -> float:
+    """An MoE block per token: the router (2hE), the k experts it goes to, the shared expert.
+    Tokens dropped for capacity are still counted: MFU is about the model, not the routing."""
+    moe = c.moe
+    flops = (
+        2 * c.hidden_size * moe.num_experts
+        + moe.top_k * 2 * c.hidden_size * moe.ffn_hidden_size * mlp_matrices
+    )
+    if moe.shared_expert_ffn_hidden_size:
+        flops += 2 * c.hidden_size * moe.shared_expert_ffn_hidden_size * mlp_matrices
+    return flops
 
 
 def mfu(flops_per_iteration: float, step_time_s: float, world_size: int, peak_per_device: float) -> float:

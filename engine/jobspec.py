@@ -31,6 +31,39 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+class MoESpec(_Section):
+    """Mixture of Experts in the decoder's feed-forward blocks (Megatron-Core's names)."""
+
+    num_experts: PositiveInt
+    top_k: PositiveInt = 2
+    layer_freq: PositiveInt = Field(1, description="Every N-th layer is MoE (1: all), counting from layer 0.")
+    layer_pattern: list[Annotated[int, Field(ge=0, le=1, strict=True)]] | None = Field(
+        None, description="One 0/1 per layer (1: MoE); overrides layer_freq."
+    )
+    ffn_hidden_size: PositiveInt | None = Field(
+        None, description="Per expert; default: model.ffn_hidden_size."
+    )
+    shared_expert_ffn_hidden_size: PositiveInt | None = Field(
+        None, description="A dense expert every token also goes through; default: none."
+    )
+    router_score: Literal["softmax", "sigmoid"] = "softmax"
+    aux_loss_coeff: float = Field(1e-2, ge=0.0, description="Load-balancing loss weight, per micro-batch.")
+    z_loss_coeff: float = Field(0.0, ge=0.0, description="Router z-loss weight.")
+    expert_bias: bool = Field(False, description="Aux-loss-free balancing: a per-expert bias on the pick.")
+    expert_bias_update_rate: float = Field(1e-3, gt=0.0)
+    capacity_factor: float | None = Field(
+        None, gt=0.0, description="Tokens per expert at most capacity_factor x the even share; extra dropped."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> MoESpec:
+        if self.top_k > self.num_experts:
+            raise ValueError(
+                f"model.moe.top_k ({self.top_k}) is larger than model.moe.num_experts ({self.num_experts})"
+            )
+        return self
+
+
 class ModelSpec(_Section):
     """Architecture, with Megatron-Core's names. `arch` picks the family defaults."""
 
@@ -56,6 +89,7 @@ class ModelSpec(_Section):
     norm_epsilon: float = Field(1e-5, gt=0.0)
     rotary_base: float = Field(10000.0, gt=0.0)
     init_method_std: float = Field(0.02, gt=0.0)
+    moe: MoESpec | None = Field(None, description="Mixture of Experts feed-forward layers; default: dense.")
 
     @model_validator(mode="after")
     def _arch_defaults(self) -> ModelSpec:
@@ -77,6 +111,15 @@ class ModelSpec(_Section):
             raise ValueError(
                 f"model.num_query_groups ({self.num_query_groups}) must divide model.num_attention_heads "
                 f"({self.num_attention_heads}): pick one of {_divisors(self.num_attention_heads)}"
+            )
+        if (
+            self.moe is not None
+            and self.moe.layer_pattern is not None
+            and len(self.moe.layer_pattern) != self.num_layers
+        ):
+            raise ValueError(
+                f"model.moe.layer_pattern has {len(self.moe.layer_pattern)} entries for model.num_layers "
+                f"({self.num_layers}): give one 0/1 per layer"
             )
         if self.arch == "llama" and (self.hidden_size // self.num_attention_heads) % 2:
             raise ValueError(
@@ -257,7 +300,8 @@ class TrainingSpec(_Section):
     )
     log_interval: PositiveInt = 1
     eval_interval: PositiveInt | None = Field(
-        None, description="Evaluate on the validation split every N iterations (needs data.split with a valid share)."
+        None,
+        description="Evaluate on the validation split every N iterations (needs data.split with a valid share).",
     )
     eval_iters: PositiveInt = Field(10, description="Global batches of validation data per evaluation.")
     recompute: Literal["none", "selective", "full"] = Field(
@@ -379,11 +423,43 @@ class ResilienceSpec(_Section):
         description="When a re-run on other hardware reproduces a rejected result (the data or the code "
         "produces it), skip that global batch and go on instead of failing the job.",
     )
+    step_timeout_s: float = Field(
+        300.0,
+        gt=0.0,
+        description="A rank whose step (plus the checkpoint save after it) makes no progress for this long "
+        "is failed with the step and phase it hangs in, and the job restarts from its last checkpoint.",
+    )
 
 
 class ResourcesSpec(_Section):
     ranks: PositiveInt = 1
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda when available, else cpu.")
+    min_ranks: PositiveInt | None = Field(
+        None,
+        description="Elastic jobs on Ray: the fewest ranks the job runs on (default: ranks). Only the "
+        "data-parallel size changes, so sizes are multiples of tensor x pipeline x context.",
+    )
+    max_ranks: PositiveInt | None = Field(
+        None, description="Elastic jobs on Ray: the most ranks the job grows to (default: ranks)."
+    )
+
+    @model_validator(mode="after")
+    def _check_range(self) -> ResourcesSpec:
+        lo = self.min_ranks if self.min_ranks is not None else self.ranks
+        hi = self.max_ranks if self.max_ranks is not None else self.ranks
+        if not lo <= self.ranks <= hi:
+            raise ValueError(
+                f"resources.min_ranks ({lo}) <= resources.ranks ({self.ranks}) <= resources.max_ranks ({hi}) "
+                "does not hold: ranks is where an elastic job starts, between its min and max"
+            )
+        return self
+
+    @property
+    def elastic(self) -> bool:
+        """Whether the rank count may change while the job runs (min_ranks < max_ranks)."""
+        lo = self.min_ranks if self.min_ranks is not None else self.ranks
+        hi = self.max_ranks if self.max_ranks is not None else self.ranks
+        return lo < hi
 
 
 class JobSpec(_Section):
@@ -401,6 +477,63 @@ class JobSpec(_Section):
     def data_parallel_size(self) -> int:
         p = self.parallel
         return self.resources.ranks // (p.tensor * p.pipeline * p.context)
+
+    @model_validator(mode="after")
+    def _check_moe(self) -> JobSpec:
+        m, p = self.model.moe, self.parallel
+        if m is None:
+            if p.expert > 1:
+                raise ValueError(
+                    "parallel.expert > 1 needs an MoE model: set model.moe.num_experts, or use 1"
+                )
+            return self
+        if m.num_experts % p.expert:
+            raise ValueError(
+                f"model.moe.num_experts ({m.num_experts}) must be divisible by parallel.expert ({p.expert})"
+            )
+        if p.tensor > 1 and not p.sequence_parallel:
+            raise ValueError(
+                "an MoE model with parallel.tensor > 1 needs parallel.sequence_parallel: true (each TP rank "
+                "then routes its own tokens)"
+            )
+        if p.context > 1:
+            raise ValueError("MoE with parallel.context > 1 is not supported yet: use context 1")
+        if p.distributed_optimizer:
+            raise ValueError("MoE with parallel.distributed_optimizer is not supported yet: set it to false")
+        return self
+
+    @model_validator(mode="after")
+    def _check_elastic(self) -> JobSpec:
+        """Every size an elastic job may run on keeps the model-parallel layout and the global batch:
+        min_ranks and max_ranks are multiples of tensor x pipeline x context, and the global batch
+        (and a rampup's start and increment) splits into micro batches at both ends."""
+        r, p, t = self.resources, self.parallel, self.training
+        if r.min_ranks is None and r.max_ranks is None:
+            return self
+        mp = p.tensor * p.pipeline * p.context
+        for field, size in (("resources.min_ranks", r.min_ranks), ("resources.max_ranks", r.max_ranks)):
+            if size is None:
+                continue
+            if size % mp:
+                lower = size // mp * mp
+                hint = f"{lower} or {lower + mp}" if lower else str(mp)
+                raise ValueError(
+                    f"{field} ({size}) is not a multiple of parallel.tensor x pipeline x context ({mp}): a "
+                    f"resize changes only the data-parallel size; use {hint}"
+                )
+            per_step = t.micro_batch_size * (size // mp)
+            batches = {"training.global_batch_size": t.global_batch_size}
+            if t.rampup_batch_size is not None:
+                batches["training.rampup_batch_size start"] = t.rampup_batch_size[0]
+                batches["training.rampup_batch_size increment"] = t.rampup_batch_size[1]
+            for name, value in batches.items():
+                if value % per_step:
+                    raise ValueError(
+                        f"{name} ({value}) is not divisible by training.micro_batch_size "
+                        f"({t.micro_batch_size}) x the data-parallel size at {field} ({size // mp}) = "
+                        f"{per_step}: the global batch stays the same on every size the job may run on"
+                    )
+        return self
 
     @model_validator(mode="after")
     def _check_eval(self) -> JobSpec:
@@ -424,9 +557,12 @@ class JobSpec(_Section):
                 f"of {model_parallel} or shrink the parallel sizes"
             )
         dp = ranks // model_parallel
-        if (dp * p.context) % p.expert:
+        if ranks % (p.expert * p.pipeline):
+            # Experts are whole on their EP rank (expert TP 1), so EP may span TP ranks: only
+            # EP x PP has to divide the ranks (Megatron-Core's rule for the expert grid).
             raise ValueError(
-                f"parallel.expert ({p.expert}) must divide data-parallel x context size ({dp * p.context})"
+                f"parallel.expert ({p.expert}) x parallel.pipeline ({p.pipeline}) = {p.expert * p.pipeline} "
+                f"does not divide resources.ranks ({ranks})"
             )
         if m.num_attention_heads % tp:
             raise ValueError(
@@ -453,6 +589,21 @@ class JobSpec(_Section):
                 f"model.seq_length ({m.seq_length}) must be divisible by parallel.tensor ({tp}) with "
                 "parallel.sequence_parallel: true"
             )
+        if p.context > 1:
+            # Context parallelism: 2 x context equal chunks, two per CP rank (causal load
+            # balancing); under SP each CP rank's seq_length / context tokens split again over TP.
+            multiple, why = 2 * p.context, ""
+            if p.sequence_parallel and tp > 1:
+                multiple = p.context * math.lcm(2, tp)
+                why = f", each rank's share split again over parallel.tensor ({tp}) by sequence parallelism"
+            if m.seq_length % multiple:
+                lower = m.seq_length // multiple * multiple
+                hint = f"{lower} or {lower + multiple}" if lower else str(multiple)
+                raise ValueError(
+                    f"model.seq_length ({m.seq_length}) must be a multiple of {multiple} with parallel.context "
+                    f"({p.context}): each sequence is cut into 2 x parallel.context equal chunks, two per "
+                    f"context-parallel rank{why}; use model.seq_length {hint}"
+                )
         if p.virtual_pipeline is not None and p.pipeline == 1:
             raise ValueError(
                 "parallel.virtual_pipeline needs parallel.pipeline > 1: remove it or raise pipeline"

@@ -157,10 +157,12 @@ _GROUP_SPECS: dict[str, tuple[str, tuple[str, ...]]] = {
     "pp": ("groups", ("pp",)),
     "tp_cp": ("groups", ("tp", "cp")),
     "mp": ("groups", ("tp", "pp")),
+    "tp_cp_dp": ("groups", ("tp", "cp", "dp")),  # every rank of one pipeline stage
     "ep": ("expert_groups", ("ep",)),
     "etp": ("expert_groups", ("tp",)),
     "edp": ("expert_groups", ("dp",)),
     "etp_ep": ("expert_groups", ("tp", "ep")),
+    "emp": ("expert_groups", ("tp", "ep", "pp")),  # every expert once: the expert grad norm's group
 }
 
 

@@ -46,8 +46,10 @@ from engine.rerun_state_machine import (
 )
 from engine.tensor_parallel import model_parallel_manual_seed
 from engine.timers import Timers
+from engine.transformer import context_parallel
 from engine.transformer.config import TransformerConfig
 from engine.transformer.initialization import initialize_weights
+from engine.transformer.moe import TopKRouter, set_aux_loss_scale
 
 # Reported min/max over ranks every log interval. "data" is fetching batches, "forward" and
 # "backward" are per microbatch summed (without pipelining: the pipeline schedule interleaves
@@ -67,10 +69,11 @@ STEP_TIMERS = [
 def unsupported_features(spec: JobSpec) -> list[str]:
     """Valid job settings this engine version cannot run yet, each with what to use instead."""
     p, out = spec.parallel, []
-    if p.context > 1:
-        out.append("parallel.context: context parallelism is not available yet; use 1")
-    if p.expert > 1:
-        out.append("parallel.expert: expert parallelism needs an MoE model, not available yet; use 1")
+    if p.context > 1 and spec.model.attention_dropout > 0:
+        out.append(
+            "model.attention_dropout: attention dropout is not available with parallel.context > 1; "
+            "set model.attention_dropout: 0"
+        )
     return out
 
 
@@ -119,6 +122,7 @@ class Trainer:
             context=p.context,
             expert=p.expert,
             virtual_pipeline=p.virtual_pipeline,
+            expert_tensor=1,  # MoE experts are whole on their EP rank (no expert TP yet)
         )
         model_parallel_manual_seed(t.seed)
         tokenizer = build_tokenizer(spec.data.tokenizer)
@@ -126,14 +130,18 @@ class Trainer:
         self.device = device.current_device()
         self.model_chunks = self._build_model_chunks()
         grad_dtype = torch.float32 if p.grad_reduce_in_fp32 else self.config.params_dtype
+        # Weights are replicated over context parallelism as well: gradients are averaged over
+        # DP x CP and the distributed optimizer shards over it (Megatron-Core's dp_cp group).
+        grad_group = ps.get_group("dp_cp") if p.context > 1 else ps.get_group("dp")
         self.ddp_chunks = [
             DataParallel(
                 chunk,
-                ps.get_group("dp"),
+                grad_group,
                 grad_dtype=grad_dtype,
                 bucket_size=p.grad_bucket_size,
                 overlap=p.overlap_grad_reduce,
                 shard=p.distributed_optimizer,
+                expert_group=ps.get_group("edp") if self.config.moe else None,
             )
             for chunk in self.model_chunks
         ]
@@ -151,6 +159,7 @@ class Trainer:
             # Replicas over DP hold the same grads unless the distributed optimizer split them.
             norm_group=None if p.distributed_optimizer else ps.get_group("mp"),
             grad_scaler=self.grad_scaler,
+            expert_norm_group=ps.get_group("emp") if self.config.moe else None,
         )
         self.scheduler = OptimizerParamScheduler.from_spec(self.optimizer, spec.optimizer, t.train_iters)
         self.pipeline = None
@@ -253,11 +262,13 @@ class Trainer:
         self, m: int, source=None, consumed: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This DP rank's microbatch m of the global batch starting at sample `consumed` (default:
-        the next training batch)."""
+        the next training batch). Under context parallelism every CP rank of a DP replica reads the
+        same microbatch and keeps its two sequence chunks of tokens and labels."""
         t = self.spec.training
         source = self.source if source is None else source
         consumed = self.consumed_samples if consumed is None else consumed
         tokens, labels = micro_batch(source, consumed, m, t.micro_batch_size, self.dp_size, self.dp_rank)
+        tokens, labels = (context_parallel.shard_sequence(x, 1) for x in (tokens, labels))
         return tokens.to(self.device), labels.to(self.device)
 
     @torch.no_grad()
@@ -291,9 +302,11 @@ class Trainer:
         total = total.reshape(1)
         if self.pipeline is not None:  # only the last stage has losses
             dist.all_reduce(total, group=ps.get_group("pp"))
-        if self.dp_size > 1:
-            dist.all_reduce(total, group=ps.get_group("dp"))
-        loss = float(total) / (t.eval_iters * n * self.dp_size)
+        # Each CP rank's loss is the mean over its equal share of the tokens: average over DP x CP.
+        replicas = self.dp_size * self.spec.parallel.context
+        if replicas > 1:
+            dist.all_reduce(total, group=ps.get_group("dp_cp"))
+        loss = float(total) / (t.eval_iters * n * replicas)
         self.energy.resume()
         return {"valid_loss": loss, "valid_ppl": math.exp(min(loss, 50.0))}
 
@@ -311,6 +324,7 @@ class Trainer:
         """Accumulate grads of the mean token loss over this rank's microbatches into the DP
         buffers; returns that loss (on every pipeline stage)."""
         scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+        set_aux_loss_scale(scale / num_microbatches)  # MoE balancing losses, scaled like the loss
         for ddp in self.ddp_chunks:
             ddp.start_step(num_microbatches)
 
@@ -399,6 +413,17 @@ class Trainer:
             return True
         return False
 
+    def _update_expert_bias(self) -> None:
+        """Aux-loss-free MoE balancing: after the step, every router moves its expert bias with the
+        step's token counts summed over every rank of its pipeline stage (each routed its own
+        tokens: DP ranks, and TP ranks under sequence parallelism)."""
+        if self.config.moe is None or not self.config.moe.expert_bias:
+            return
+        for chunk in self.model_chunks:
+            for module in chunk.modules():
+                if isinstance(module, TopKRouter):
+                    module.update_expert_bias(ps.get_group("tp_cp_dp"))
+
     def train_step(self) -> StepMetrics | None:
         """One iteration; None when the rerun state machine skipped its batch instead."""
         for chunk in self.model_chunks:
@@ -417,11 +442,14 @@ class Trainer:
         result = self.optimizer.step()
         if not result.skipped:  # a skipped (overflowing) step does not advance the schedule
             self.scheduler.step()
+        self._update_expert_bias()
         self.timers("optimizer", 1).stop()
 
-        if self.dp_size > 1:
-            dist.all_reduce(loss, group=ps.get_group("dp"))
-            loss /= self.dp_size
+        # Each CP rank's loss is the mean over its equal share of the tokens: average over DP x CP.
+        replicas = self.dp_size * self.spec.parallel.context
+        if replicas > 1:
+            dist.all_reduce(loss, group=ps.get_group("dp_cp"))
+            loss /= replicas
         self.iteration += 1
         self.consumed_samples += gbs
         device.synchronize()

@@ -81,9 +81,10 @@ def optimizer_state_by_param(trainer) -> dict[int, dict[str, torch.Tensor]]:
     segments = {id(p): [] for _, p, _ in named_params(trainer)}
     for i, (p, lo, hi) in enumerate(opt.segments):
         segments[id(p)].append((i, lo, hi))
-    sharded = trainer.spec.parallel.distributed_optimizer and trainer.dp_size > 1
     out = {}
-    for _, p, _ in named_params(trainer):
+    for _, p, ddp in named_params(trainer):
+        # The shards span the chunk's data-parallel group: DP, or DP x CP under context parallelism.
+        sharded = ddp.shard and ddp.dp > 1
         states = {}
         for name in STATE_NAMES:
             if name == "master" and not any(opt.needs_copy_back):
@@ -99,9 +100,21 @@ def optimizer_state_by_param(trainer) -> dict[int, dict[str, torch.Tensor]]:
                 m = opt.main_params[i]
                 flat[lo:hi] = m if name == "master" else _adam_state(opt, m, name)
             if sharded:
-                dist.all_reduce(flat, group=ps.get_group("dp"))
+                dist.all_reduce(flat, group=ddp.group)
             states[name] = flat.view(p.shape)
         out[id(p)] = states
+    return out
+
+
+def named_buffers(trainer) -> list[tuple[str, torch.Tensor]]:
+    """(global name, buffer) of the model state that is not a parameter but must survive a
+    restart: MoE routers' expert bias (aux-loss-free balancing). Replicated on every rank that
+    holds the layer, so DCP writes it once."""
+    out = []
+    for model in trainer.model_chunks:
+        for name, buf in model.named_buffers():
+            if name.endswith("expert_bias"):
+                out.append((model.global_param_name(name), buf))
     return out
 
 
@@ -126,6 +139,8 @@ def build_state_dict(trainer) -> dict[str, object]:
         state.update(_pieces(f"model/{gname}", p.detach(), p, mesh))
         for name, tensor in opt_states[id(p)].items():
             state.update(_pieces(f"optim/{gname}/{name}", tensor, p, mesh))
+    for gname, buf in named_buffers(trainer):
+        state[f"model/{gname}"] = buf
     for name, tensor in _rng_state().items():
         state[f"{rng_key()}/{name}"] = tensor
     return state
@@ -170,6 +185,8 @@ def empty_state_dict(
         for key, local in mine.items():
             state.update(_pieces(key, local, p, mesh))
         buffers.update(mine)
+    for gname, buf in named_buffers(trainer):
+        state[f"model/{gname}"] = buf  # loads in place
     if with_rng:
         for name, tensor in _rng_state().items():
             state[f"{rng_key()}/{name}"] = torch.empty_like(tensor)

@@ -42,6 +42,8 @@ class Bucket:
     pending: set[int] = field(default_factory=set)
     work: object | None = None
     shard_out: torch.Tensor | None = None
+    expert: bool = False  # MoE expert params: reduced over the expert data-parallel group
+    launched: bool = False
 
     def shard_range(self, rank: int, world: int) -> tuple[int, int]:
         """This DP rank's slice of the bucket, as offsets into the bucket."""
@@ -59,15 +61,28 @@ class DataParallel(nn.Module):
         bucket_size: int = 40_000_000,
         overlap: bool = True,
         shard: bool = False,
+        expert_group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
         self.module = module
         self.group = group
         self.dp = dist.get_world_size(group) if group is not None else 1
         self.dp_rank = dist.get_rank(group) if group is not None else 0
+        self.expert_group = expert_group
+        self.edp = dist.get_world_size(expert_group) if expert_group is not None else 1
         self.overlap, self.shard = overlap, shard
         params = [p for p in module.parameters() if p.requires_grad]
-        self.buckets = self._plan_buckets(params, bucket_size)
+        dense = [p for p in params if not getattr(p, "expert", False)]
+        experts = [p for p in params if getattr(p, "expert", False)]
+        self.buckets = self._plan_buckets(dense, bucket_size)
+        if experts:
+            if shard:
+                raise ValueError("the distributed optimizer does not shard MoE expert parameters yet")
+            offset = sum(b.numel for b in self.buckets)
+            for bucket in self._plan_buckets(experts, bucket_size):
+                bucket.offset += offset
+                bucket.expert = True
+                self.buckets.append(bucket)
         total = sum(b.numel for b in self.buckets)
         device = params[0].device
         self.grad_buffer = torch.zeros(total, dtype=grad_dtype, device=device)
@@ -134,6 +149,7 @@ class DataParallel(nn.Module):
             bucket.pending = {id(p) for p in bucket.params}
             bucket.work = None
             bucket.shard_out = None
+            bucket.launched = False
 
     @torch.no_grad()
     def _on_grad_ready(self, param: nn.Parameter) -> None:
@@ -148,11 +164,22 @@ class DataParallel(nn.Module):
             if self.overlap and not bucket.pending:
                 self._launch(bucket)
 
+    def _needs_sync(self, bucket: Bucket) -> bool:
+        return self.dp > 1 or (bucket.expert and self.edp > 1)
+
     def _launch(self, bucket: Bucket) -> None:
-        if self.dp == 1:
+        bucket.launched = True
+        if not self._needs_sync(bucket):
             bucket.work = None
             return
+        # The loss is a mean over this DP rank's samples, so grads average over DP. An expert saw
+        # tokens from every rank of its EP group, each scaled by its own rank's 1/samples: the
+        # same 1/dp, then a sum over the expert-DP replicas.
         bucket.grad.mul_(1.0 / self.dp)
+        if bucket.expert:
+            if self.edp > 1:
+                bucket.work = dist.all_reduce(bucket.grad, group=self.expert_group, async_op=True)
+            return
         if self.shard:
             bucket.shard_out = torch.empty(
                 bucket.numel // self.dp, dtype=bucket.grad.dtype, device=bucket.grad.device
@@ -165,7 +192,7 @@ class DataParallel(nn.Module):
     def finish_grad_sync(self) -> None:
         """Launch what backward did not (overlap off, unused params) and wait for every bucket."""
         for bucket in self.buckets:
-            if bucket.work is None and self.dp > 1:
+            if not bucket.launched and self._needs_sync(bucket):
                 self._launch(bucket)
         for bucket in self.buckets:
             if bucket.work is not None:

@@ -11,6 +11,11 @@ output layer, and a stage in between maps hidden states to hidden states. With t
 split over stages, the last stage keeps its own copy of the embedding weight (marked
 `embedding_copy`, initialised from the same name) whose gradient is summed with the first
 stage's after backward, so the two stay equal.
+
+Under context parallelism each rank holds two chunks of every sequence (see
+engine.transformer.context_parallel): its positions (RoPE angles, learned position embeddings)
+are the global positions of those chunks, and sequence parallelism then splits that local
+sequence further over TP.
 """
 
 from __future__ import annotations
@@ -28,12 +33,14 @@ from engine.tensor_parallel import (
     vocab_parallel_cross_entropy,
 )
 from engine.tensor_parallel.layers import set_partition
+from engine.transformer import context_parallel
 from engine.transformer.config import TransformerConfig
 from engine.transformer.dropout import dropout
 from engine.transformer.rope import RotaryEmbedding
 from engine.transformer.transformer_layer import TransformerBlock
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 
 
 class GPTModel(nn.Module):
@@ -68,7 +75,9 @@ class GPTModel(nn.Module):
                 # Under SP each rank adds only its chunk's positions: the grad is a partial sum over TP.
                 mark_sequence_parallel(self.position_embeddings, c.sequence_parallel)
         self.rotary = RotaryEmbedding(c.head_dim, c.rotary_base) if c.position_embedding == "rope" else None
-        self.decoder = TransformerBlock(c, num_layers=num_layers, post_layer_norm=post_process)
+        self.decoder = TransformerBlock(
+            c, num_layers=num_layers, post_layer_norm=post_process, layer_offset=layer_offset
+        )
         self.output_layer = None
         if post_process:
             # Tied on one stage: the embedding's vocabulary shard is also the output weight shard.
@@ -85,9 +94,19 @@ class GPTModel(nn.Module):
                 self.output_layer.weight.shared_embedding = True
                 self.output_layer.weight.embedding_copy = True
 
+    def _expert_offset(self) -> int:
+        moe = self.config.moe
+        if moe is None or not ps.model_parallel_is_initialized():
+            return 0
+        return ps.get_rank_in("ep") * (moe.num_experts // ps.get_grid().ep)
+
     def global_param_name(self, name: str) -> str:
         """The parameter's name in the whole (unsplit) model: layer numbers are global, and the
         last stage's tied output weight is the embedding."""
+        e = _EXPERT.search(name)
+        if e:  # local expert j of this expert-parallel rank -> its global index
+            j = int(e.group(1)) + self._expert_offset()
+            name = f"{name[: e.start()]}.experts.local_experts.{j}.{name[e.end() :]}"
         m = _LAYER.match(name)
         if m:
             return f"decoder.layers.{int(m.group(1)) + self.layer_offset}.{name[m.end() :]}"
@@ -96,11 +115,12 @@ class GPTModel(nn.Module):
         return name
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
-        """ids [s, b] -> [s, b, h], or this rank's sequence chunk [s/tp, b, h] under SP."""
+        """ids [s, b] (this CP rank's tokens) -> [s, b, h], or this rank's sequence chunk
+        [s/tp, b, h] under SP."""
         x = self.embedding(ids)
         if self.position_embeddings is not None:
             s = ids.shape[0]
-            positions = torch.arange(s, device=ids.device)
+            positions = context_parallel.local_positions(s * context_parallel.cp_size(), ids.device)
             if self.config.sequence_parallel:
                 tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
                 chunk = s // tp
@@ -108,14 +128,23 @@ class GPTModel(nn.Module):
             x = x + self.position_embeddings(positions).unsqueeze(1)
         return dropout(x, self.config.hidden_dropout, self.training, self.config.sequence_parallel)
 
+    def _rotary(self, local_seq: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE (cos, sin) at the global positions of this CP rank's `local_seq` tokens."""
+        cp = context_parallel.cp_size()
+        cos, sin = self.rotary(local_seq * cp, dtype)
+        if cp == 1:
+            return cos, sin
+        return context_parallel.shard_sequence(cos, 0), context_parallel.shard_sequence(sin, 0)
+
     def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """First stage: token ids [b, s]; later stages: hidden states [s, b, h] (a sequence chunk
-        under SP). Last stage: per-token loss [b, s] when labels are given, else this rank's
-        vocabulary slice of the logits [b, s, vocab/tp]. Other stages return hidden states."""
+        """First stage: token ids [b, s] (this CP rank's two chunks under CP); later stages:
+        hidden states [s, b, h] (a sequence chunk under SP). Last stage: per-token loss [b, s]
+        when labels are given, else this rank's vocabulary slice of the logits [b, s, vocab/tp].
+        Other stages return hidden states."""
         if self.pre_process:
             x = self._embed(x.t())
         seq = x.shape[0] * (ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1)
-        rotary = self.rotary(seq, x.dtype) if self.rotary is not None else None
+        rotary = self._rotary(seq, x.dtype) if self.rotary is not None else None
         x = self.decoder(x, rotary)
         if not self.post_process:
             return x

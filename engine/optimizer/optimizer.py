@@ -28,6 +28,12 @@ from engine.optimizer.clip_grads import clip_grads_, counts_in_norm
 from engine.optimizer.grad_scaler import DynamicGradScaler
 
 
+def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
+    if not grads:
+        return torch.zeros(1, device=device.current_device())
+    return torch.stack(torch._foreach_norm(grads)).square().sum().reshape(1)
+
+
 @dataclass
 class StepResult:
     grad_norm: float
@@ -43,8 +49,12 @@ class TrainingOptimizer:
         *,
         norm_group: dist.ProcessGroup | None,
         grad_scaler: DynamicGradScaler | None = None,
+        expert_norm_group: dist.ProcessGroup | None = None,
     ):
         self.spec, self.chunks, self.norm_group, self.grad_scaler = spec, chunks, norm_group, grad_scaler
+        # MoE: each expert lives on one rank of this group (expert TP x EP x PP), so its squares
+        # are summed there instead of over norm_group. Set on every rank of an MoE model.
+        self.expert_norm_group = expert_norm_group
         self.segments = [seg for c in chunks for seg in c.param_shard_ranges()]
         self.main_params: list[torch.Tensor] = []
         self.needs_copy_back: list[bool] = []
@@ -53,8 +63,10 @@ class TrainingOptimizer:
             fp32 = p.dtype == torch.float32
             self.main_params.append(view if fp32 else view.float().clone())
             self.needs_copy_back.append(not fp32)
+        self.is_expert = [bool(getattr(p, "expert", False)) for p, _, _ in self.segments]
         self.counts = [
-            counts_in_norm(p) and not getattr(p, "embedding_copy", False) for p, _, _ in self.segments
+            not e and counts_in_norm(p) and not getattr(p, "embedding_copy", False)
+            for (p, _, _), e in zip(self.segments, self.is_expert, strict=True)
         ]
         decay = [m for m, (p, _, _) in zip(self.main_params, self.segments, strict=True) if p.dim() > 1]
         no_decay = [m for m, (p, _, _) in zip(self.main_params, self.segments, strict=True) if p.dim() <= 1]
@@ -108,12 +120,13 @@ class TrainingOptimizer:
                 result = StepResult(grad_norm=float("nan"), skipped=True, loss_scale=scale)
                 self._prepared = (grads, result)
                 return result
-        counted = [g for g, c in zip(grads, self.counts, strict=True) if c]
-        if counted:
-            sq = torch.stack(torch._foreach_norm(counted)).square().sum().reshape(1)
-        else:
-            sq = torch.zeros(1, device=device.current_device())
-        result = StepResult(grad_norm=math.sqrt(float(self._all_reduce(sq))), loss_scale=scale)
+        sq = self._all_reduce(_sum_of_squares([g for g, c in zip(grads, self.counts, strict=True) if c]))
+        if self.expert_norm_group is not None:
+            expert_sq = _sum_of_squares([g for g, e in zip(grads, self.is_expert, strict=True) if e])
+            if dist.get_world_size(self.expert_norm_group) > 1:
+                dist.all_reduce(expert_sq, group=self.expert_norm_group)
+            sq = sq + expert_sq
+        result = StepResult(grad_norm=math.sqrt(float(sq)), loss_scale=scale)
         self._prepared = (grads, result)
         return result
 

@@ -6,6 +6,10 @@ own queries, key and value: no communication inside attention. The core is torch
 scaled_dot_product_attention (flash/fused kernels where the device has them); with
 `recompute == "selective"` only the core is recomputed in backward (its [b, heads, s, s]
 intermediates are the largest activations and the cheapest to redo), with the same dropout mask.
+
+Under context parallelism (parallel.context > 1) the core is the CP ring attention of
+engine.transformer.context_parallel over this rank's two sequence chunks; it keeps only q, k, v,
+the output and its log-sum-exp for backward, so selective recompute has nothing to add there.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from torch import nn
 
 from engine import parallel_state as ps
 from engine.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_rng_tracker
+from engine.transformer import context_parallel
 from engine.transformer.config import TransformerConfig
 from engine.transformer.rope import apply_rotary
 
@@ -30,6 +35,14 @@ class SelfAttention(nn.Module):
         self.heads_local = config.num_attention_heads // tp
         self.groups_local = config.num_query_groups // tp
         self.q_per_group = config.num_attention_heads // config.num_query_groups
+        # The CP core attention (None without context parallelism); the TE spec will pick "te".
+        self.context_parallel = None
+        if context_parallel.cp_size() > 1:
+            if config.attention_dropout > 0:
+                raise ValueError(
+                    "model.attention_dropout > 0 is not supported with parallel.context > 1: set it to 0"
+                )
+            self.context_parallel = context_parallel.core_attention_for_spec("local")
         hd = config.head_dim
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size,
@@ -60,7 +73,7 @@ class SelfAttention(nn.Module):
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, head_dim]
-        if self.config.recompute == "selective":
+        if self.config.recompute == "selective" and self.context_parallel is None:
             out = checkpoint(self.core_attention, q, k, v)
         else:
             out = self.core_attention(q, k, v)
@@ -69,6 +82,8 @@ class SelfAttention(nn.Module):
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """softmax(q k^T / sqrt(d), causal) v with attention dropout; [b, heads, s, head_dim]."""
+        if self.context_parallel is not None:
+            return self.context_parallel(q, k, v)
         p = self.config.attention_dropout if self.training else 0.0
         # Heads are split over TP, so their dropout masks must differ per rank.
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.jobspec import JobSpec
+from engine.transformer.moe.router import MoEConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -39,6 +40,11 @@ class TransformerConfig:
     params_dtype: torch.dtype = torch.float32
     sequence_parallel: bool = False
     recompute: str = "none"  # "none" | "selective" (attention core) | "full" (whole layers)
+    moe: MoEConfig | None = None
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether global layer `layer` has an MoE feed-forward block."""
+        return self.moe is not None and self.moe.layers[layer]
 
     @property
     def head_dim(self) -> int:
@@ -80,4 +86,28 @@ class TransformerConfig:
             params_dtype=DTYPES[spec.training.precision],
             sequence_parallel=spec.parallel.sequence_parallel and spec.parallel.tensor > 1,
             recompute=spec.training.recompute,
+            moe=_moe_config(spec),
         )
+
+
+def _moe_config(spec: JobSpec) -> MoEConfig | None:
+    m = spec.model.moe
+    if m is None:
+        return None
+    n = spec.model.num_layers
+    layers = (
+        [bool(v) for v in m.layer_pattern] if m.layer_pattern else [i % m.layer_freq == 0 for i in range(n)]
+    )
+    return MoEConfig(
+        num_experts=m.num_experts,
+        top_k=m.top_k,
+        ffn_hidden_size=m.ffn_hidden_size or spec.model.ffn_hidden_size,
+        shared_expert_ffn_hidden_size=m.shared_expert_ffn_hidden_size,
+        score=m.router_score,
+        aux_loss_coeff=m.aux_loss_coeff,
+        z_loss_coeff=m.z_loss_coeff,
+        expert_bias=m.expert_bias,
+        expert_bias_update_rate=m.expert_bias_update_rate,
+        capacity_factor=m.capacity_factor,
+        layers=tuple(layers),
+    )

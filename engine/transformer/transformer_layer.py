@@ -14,6 +14,7 @@ from engine.transformer.attention import SelfAttention
 from engine.transformer.config import TransformerConfig
 from engine.transformer.dropout import dropout
 from engine.transformer.mlp import MLP
+from engine.transformer.moe import MoELayer
 
 
 def build_norm(config: TransformerConfig) -> nn.Module:
@@ -27,13 +28,15 @@ def build_norm(config: TransformerConfig) -> nn.Module:
 
 
 class TransformerLayer(nn.Module):
-    def __init__(self, config: TransformerConfig):
+    """`moe`: the feed-forward block is a Mixture of Experts (same place and name: `mlp`)."""
+
+    def __init__(self, config: TransformerConfig, moe: bool = False):
         super().__init__()
         self.config = config
         self.input_layernorm = build_norm(config)
         self.self_attention = SelfAttention(config)
         self.pre_mlp_layernorm = build_norm(config)
-        self.mlp = MLP(config)
+        self.mlp = MoELayer(config, config.moe) if moe else MLP(config)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         c = self.config
@@ -48,12 +51,18 @@ class TransformerBlock(nn.Module):
     only where the stack ends (`post_layer_norm`, the last pipeline stage)."""
 
     def __init__(
-        self, config: TransformerConfig, num_layers: int | None = None, post_layer_norm: bool = True
+        self,
+        config: TransformerConfig,
+        num_layers: int | None = None,
+        post_layer_norm: bool = True,
+        layer_offset: int = 0,
     ):
         super().__init__()
         self.config = config
         count = config.num_layers if num_layers is None else num_layers
-        self.layers = nn.ModuleList(TransformerLayer(config) for _ in range(count))
+        self.layers = nn.ModuleList(
+            TransformerLayer(config, moe=config.is_moe_layer(layer_offset + i)) for i in range(count)
+        )
         self.final_layernorm = build_norm(config) if post_layer_norm else None
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

@@ -78,6 +78,13 @@ def _train_and_collect(spec_dict: dict) -> dict:
             params[key] = _full(p, p)
             if not sharded_grads:
                 grads[key] = _full(p.main_grad, p)
+    if ps.get_grid().ep > 1:  # MoE: each expert-parallel rank holds its own experts
+        mine = tuple({k: v for k, v in d.items() if ".experts." in k} for d in (grads, params))
+        peers = [None] * ps.get_grid().ep
+        dist.all_gather_object(peers, mine, group=ps.get_group("ep"))
+        for g, p in peers:
+            grads.update(g)
+            params.update(p)
     if ps.get_pipeline_model_parallel_world_size() > 1:
         stages = [None] * ps.get_pipeline_model_parallel_world_size()
         dist.all_gather_object(stages, (grads, params, copies), group=ps.get_group("pp"))

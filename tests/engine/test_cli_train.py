@@ -81,9 +81,11 @@ def test_unknown_key_is_an_error(tmp_path):
 
 def test_feature_not_in_this_version_is_refused_before_start(tmp_path):
     job = tmp_path / "cp.yaml"
-    job.write_text(yaml.safe_dump({**TINY_JOB, "parallel": {"tensor": 1, "context": 2}}))
+    spec = {**TINY_JOB, "parallel": {"tensor": 1, "context": 2}}
+    spec["model"] = {**TINY_JOB["model"], "attention_dropout": 0.1}
+    job.write_text(yaml.safe_dump(spec))
     proc = run("train", str(job))
-    assert proc.returncode == 2 and "parallel.context" in proc.stderr, proc.stderr
+    assert proc.returncode == 2 and "model.attention_dropout" in proc.stderr, proc.stderr
 
 
 def test_missing_file_is_a_clear_error(tmp_path):

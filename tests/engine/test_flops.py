@@ -200,3 +200,37 @@ def test_a_real_cpu_measurement_is_positive():
     assert flops.measure_matmul_flops("cpu", torch.float32, max_size=256, repeats=1) > 0
     with pytest.raises(ValueError, match="cannot measure"):
         flops.measure_matmul_flops("cpu", torch.int32)
+
+
+def test_moe_layers_count_the_router_and_the_k_experts_a_token_visits():
+    from engine.jobspec import parse_job
+    from engine.transformer.config import TransformerConfig
+
+    def config(moe):
+        model = {
+            "arch": "llama",
+            "num_layers": 2,
+            "hidden_size": 64,
+            "num_attention_heads": 4,
+            "seq_length": 16,
+        }
+        if moe:
+            model["moe"] = moe
+        return TransformerConfig.from_job(parse_job({"model": model}), 257)
+
+    dense = config(None)
+    moe = config(
+        {
+            "num_experts": 8,
+            "top_k": 2,
+            "ffn_hidden_size": 32,
+            "layer_freq": 2,
+            "shared_expert_ffn_hidden_size": 16,
+        }
+    )
+    h, f = 64, dense.ffn_hidden_size
+    # Layer 0 is MoE (freq 2), layer 1 dense: per token, the MoE layer swaps the dense MLP for the
+    # router, 2 experts of width 32 and a shared expert of width 16 (SwiGLU: 3 matrices each).
+    per_token_delta = (2 * h * 8 + 2 * (2 * h * 32 * 3) + 2 * h * 16 * 3) - 2 * h * f * 3
+    delta = model_flops_per_iteration(moe, 4) - model_flops_per_iteration(dense, 4)
+    assert delta == pytest.approx(3 * 4 * 16 * per_token_delta)

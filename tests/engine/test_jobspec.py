@@ -159,24 +159,40 @@ def test_global_batch_rule_uses_dp_not_ranks():
     assert parse_job(ok).data_parallel_size == 2
 
 
-def test_expert_must_divide_dp_times_context():
-    # 4 ranks, tensor 1: data parallel 4; expert 3 does not divide 4.
+MOE_MODEL = {
+    "arch": "llama",
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "moe": {"num_experts": 12},
+}
+
+
+def test_expert_times_pipeline_must_divide_the_ranks():
     refused(
-        job(parallel={"expert": 3}, resources={"ranks": 4}),
-        r"^parallel\.expert \(3\) must divide data-parallel x context size \(4\)$",
+        job(model=MOE_MODEL, parallel={"expert": 3}, resources={"ranks": 4}),
+        r"^parallel\.expert \(3\) x parallel\.pipeline \(1\) = 3 does not divide resources\.ranks \(4\)$",
     )
-
-
-def test_expert_divisibility_counts_context():
-    # 4 ranks, context 2: data parallel 2, data x context 4, so expert 4 fits although dp is 2.
+    # Experts are whole on their rank, so EP may span TP ranks (with SP): 4 ranks, TP 2, EP 4.
     spec = parse_job(
-        job(parallel={"context": 2, "expert": 4}, training={"global_batch_size": 8}, resources={"ranks": 4})
+        job(
+            model=MOE_MODEL,
+            parallel={"tensor": 2, "sequence_parallel": True, "expert": 4},
+            resources={"ranks": 4},
+        )
     )
     assert spec.data_parallel_size == 2
-    # 4 ranks, tensor 2: data x context is 2, so expert 4 does not.
+
+
+def test_expert_parallelism_needs_an_moe_model_and_divisible_experts():
+    refused(job(parallel={"expert": 2}, resources={"ranks": 2}), r"parallel\.expert > 1 needs an MoE model")
     refused(
-        job(parallel={"tensor": 2, "expert": 4}, resources={"ranks": 4}),
-        r"parallel\.expert \(4\) must divide data-parallel x context size \(2\)",
+        job(model={**MOE_MODEL, "moe": {"num_experts": 3}}, parallel={"expert": 2}, resources={"ranks": 2}),
+        r"model\.moe\.num_experts \(3\) must be divisible by parallel\.expert \(2\)",
+    )
+    refused(
+        job(model=MOE_MODEL, parallel={"tensor": 2}, resources={"ranks": 2}),
+        r"needs parallel\.sequence_parallel: true",
     )
 
 
@@ -558,7 +574,7 @@ def test_explicit_values_override_arch_defaults():
         (8, {"tensor": 2}, 4),
         (8, {"tensor": 2, "pipeline": 2}, 2),
         (16, {"tensor": 2, "pipeline": 2, "context": 2}, 2),
-        (8, {"expert": 2}, 8),  # expert parallelism is folded into data parallel, not subtracted
+        (8, {"tensor": 2, "context": 2}, 2),
     ],
 )
 def test_data_parallel_size(ranks, parallel, dp):

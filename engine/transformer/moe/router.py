@@ -12,9 +12,9 @@ Balancing losses, per micro-batch, as in Megatron-Core:
   dropping), so it is coeff * E * sum_e mean-score_e * fraction_e;
 - z-loss: coeff * mean over tokens of logsumexp(logits)^2 (keeps the logits small).
 Under sequence parallelism each TP rank routes its own chunk of the micro-batch: n_e and T are
-summed over the TP group (no gradient flows through counts) while P_e stays local, so the TP
-ranks' aux losses add up to the single-rank value and, since the router weight is marked
-sequence-parallel (its grad is summed over TP), so do its gradients.
+summed over the TP group (no gradient flows through counts) while P_e and the z-loss's sum stay
+local, so the TP ranks' losses add up to the single-rank value and, since the router weight is
+marked sequence-parallel (its grad is summed over TP), so do its gradients.
 
 Capacity (optional): each expert takes at most ceil(T * k / E * capacity_factor) tokens of this
 rank's micro-batch; beyond that the lowest-scored assignments are dropped (their gate is 0).
@@ -104,17 +104,12 @@ class TopKRouter(nn.Module):
         if moe.expert_bias and self.training:
             self.step_tokens_per_expert += counts.detach()
         aux = logits.new_zeros(())
+        n, tokens = self._global_counts(counts, x.shape[0])  # the whole micro-batch's
         if moe.aux_loss_coeff > 0:
-            n, tokens = self._global_counts(counts, x.shape[0])
-            aux = (
-                aux
-                + moe.aux_loss_coeff
-                * moe.num_experts
-                / (tokens * tokens * moe.top_k)
-                * (scores.sum(dim=0) * n).sum()
-            )
-        if moe.z_loss_coeff > 0:
-            aux = aux + moe.z_loss_coeff * torch.logsumexp(logits, dim=-1).square().mean()
+            scale = moe.aux_loss_coeff * moe.num_experts / (tokens * tokens * moe.top_k)
+            aux = aux + scale * (scores.sum(dim=0) * n).sum()
+        if moe.z_loss_coeff > 0:  # a mean over the micro-batch: this rank's share of the sum
+            aux = aux + moe.z_loss_coeff * torch.logsumexp(logits, dim=-1).square().sum() / tokens
         kept = torch.ones_like(indices, dtype=torch.bool)
         dropped = 0
         if moe.capacity_factor is not None:
