@@ -1,19 +1,20 @@
 """Save and resume a Trainer's checkpoint: DCP shards + the commit protocol + storage.
 
-A save: every rank writes its DCP shard files (straight into the checkpoint folder on local
-storage, into a staging folder that is then uploaded on S3), reports (name, size, sha256) to
-rank 0, and rank 0 commits: manifest last, then `latest`, then retention. A checkpoint without a
-manifest never loads, so a crash at any point leaves the previous one as the newest.
+A save: every rank streams its DCP shard files straight to storage (raw_io; on S3 multipart
+uploads fed from memory, no staging copy), checksumming them as they go, reports (name, size,
+checksums) to rank 0, and rank 0 commits: manifest last, then `latest`, then retention. A
+checkpoint without a manifest never loads, so a crash at any point leaves the previous one as the newest.
 
 The manifest's `meta` holds the non-tensor state in plain JSON (iteration, consumed samples, LR
 schedule, loss scaler, Adam's step, the layout, the job spec, the rerun state machine's state),
 readable without torch.
 
 A resume: pick the checkpoint (newest under this job's root with `resume: auto`, or
-`resume_from`), have one process per machine fetch and verify every shard's checksum (falling
-back to the previous committed checkpoint when the newest is corrupt, for `auto`), then DCP
-loads exactly the slices this layout needs. RNG states come back only when the layout is the
-one that saved them; on any other layout each rank reseeds from (seed, iteration).
+`resume_from`), have one process per machine check that every file is there (commit.open_checkpoint),
+then DCP loads exactly the slices this layout needs, straight from storage, each checked against
+the manifest's checksums as it is read; a corrupt or missing shard fails the load on every rank
+(falling back to the previous committed checkpoint, for `auto`). RNG states come back only when
+the layout is the one that saved them; on any other layout each rank reseeds from (seed, iteration).
 """
 
 from __future__ import annotations
@@ -21,10 +22,8 @@ from __future__ import annotations
 import logging
 import os
 import re
-import shutil
 import tempfile
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch.distributed as dist
@@ -35,25 +34,24 @@ from engine.checkpointing import raw_io
 from engine.checkpointing import state as ckpt_state
 from engine.checkpointing.commit import (
     CheckpointCorruptError,
-    FileEntry,
+    OpenCheckpoint,
+    ShardCorruptError,
     commit_checkpoint,
     committed_iterations,
+    corrupt_error,
     delete_iteration,
-    fetch_checkpoint,
     iteration_key,
     latest_checkpoint,
-    read_manifest,
+    open_checkpoint,
     resolve_checkpoint,
-    sha256_file,
 )
-from engine.checkpointing.raw_io import RawFileSystemWriter
 from engine.checkpointing.storage import Storage, open_storage
 from engine.tensor_parallel import model_parallel_manual_seed
 
 log = logging.getLogger(__name__)
 _ITER = re.compile(r"^(.*?)/?(iter_\d{7})/?$")
 
-# Files per rank DCP writes in parallel (and that are then hashed / uploaded in parallel).
+# Files per rank DCP writes (and checksums, and uploads) in parallel.
 WRITER_THREADS = 4
 
 # Test seam for crash drills: called on every rank after its shards are written, before the
@@ -128,26 +126,15 @@ class Checkpointer:
 
     def _write(self, state: dict, iteration: int, meta: dict, group) -> None:
         key = iteration_key(self.job_root, iteration)
-        local = self.storage.local_path(key)
-        staging = Path(local) if local is not None else Path(tempfile.mkdtemp(prefix="elastron-ckpt-"))
         rank = dist.get_rank()
         if rank == 0:
             # Debris of a crashed save of this iteration, or a committed one being redone after a
             # fall-back resume: clear it (manifest first, so a crash here is still safe).
             delete_iteration(self.storage, self.job_root, iteration)
-            staging.mkdir(parents=True, exist_ok=True)
         dist.barrier(group=group)
-        writer = RawFileSystemWriter(str(staging), thread_count=WRITER_THREADS)
+        writer = raw_io.RawStorageWriter(self.storage, key, thread_count=WRITER_THREADS)
         dcp.save(state, storage_writer=writer, process_group=group)
-        mine = [staging / name for name in sorted(os.listdir(staging)) if self._written_by_me(name)]
-        with ThreadPoolExecutor(max_workers=WRITER_THREADS) as pool:  # hashlib and boto3 release the GIL
-            digests = list(pool.map(sha256_file, mine))
-            entries = [
-                FileEntry(name=p.name, size=p.stat().st_size, sha256=d)
-                for p, d in zip(mine, digests, strict=True)
-            ]
-            if local is None:
-                list(pool.map(lambda path: self.storage.put_file(path, f"{key}/{path.name}"), mine))
+        entries = writer.entries  # checksummed as written: nothing is read back
         if _FAULT_HOOK is not None:
             _FAULT_HOOK(iteration)
         gathered = [None] * dist.get_world_size()
@@ -156,16 +143,6 @@ class Checkpointer:
             files = [e for per_rank in gathered for e in per_rank]
             commit_checkpoint(self.storage, self.job_root, iteration, files, meta, keep=self.spec.keep)
         dist.barrier(group=group)
-        if local is None:
-            shutil.rmtree(staging, ignore_errors=True)
-
-    @staticmethod
-    def _written_by_me(name: str) -> bool:
-        """DCP names shard files __<rank>_<n>.distcp; rank 0 also writes .metadata."""
-        if name == ".metadata":
-            return dist.get_rank() == 0
-        m = re.match(r"^__(\d+)_\d+\.distcp$", name)
-        return m is not None and int(m.group(1)) == dist.get_rank()
 
     def _meta(self) -> dict:
         t = self.trainer
@@ -227,13 +204,14 @@ class Checkpointer:
         cache = Path(tempfile.gettempdir()) / "elastron-ckpt-cache" / f"{self.trainer.spec.name}"
         fetcher = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
         for iteration in iterations:
-            # One process per machine fetches, verifies and reads the manifest; the others get
-            # (folder, meta) from it, so storage sees one request per machine, not per rank.
+            # One process per machine reads the manifest and checks the files are all there; the
+            # others get the opened checkpoint from it. Each rank then reads only what it loads.
             outcome = None
             if fetcher:
                 try:
-                    folder = fetch_checkpoint(storage, job_root, iteration, cache)
-                    outcome = (str(folder), read_manifest(storage, job_root, iteration)["meta"])
+                    outcome = open_checkpoint(
+                        storage, job_root, iteration, cache, check_now=[raw_io.METADATA]
+                    )
                 except CheckpointCorruptError as err:
                     outcome = err
             results = [None] * dist.get_world_size()
@@ -244,19 +222,26 @@ class Checkpointer:
                     raise errors[0]
                 log.warning("%s; falling back to the previous committed checkpoint", errors[0])
                 continue
-            local_dir, meta = next(r for r in results if isinstance(r, tuple))
-            self._load(Path(local_dir), meta)
+            opened = next(r for r in results if isinstance(r, OpenCheckpoint))
+            try:
+                self._load(opened, opened.meta)
+            except ShardCorruptError as err:  # found while reading, on every rank at once
+                error = corrupt_error(storage, job_root, iteration, err.problems)
+                if self.spec.resume_from or iteration == iterations[-1]:
+                    raise error from err
+                log.warning("%s; falling back to the previous committed checkpoint", error)
+                continue
             return iteration
         return None
 
-    def _load(self, local_dir: Path, meta: dict) -> None:
+    def _load(self, opened: OpenCheckpoint, meta: dict) -> None:
         t = self.trainer
         same_layout = meta["layout"] == layout_signature(t)
         with_master = bool(meta["has_master"]) and any(t.optimizer.needs_copy_back)
         target, buffers = ckpt_state.empty_state_dict(t, with_master=with_master, with_rng=same_layout)
         if meta.get("shard_format") != raw_io.FORMAT:
             raise ValueError(f"checkpoint shard format {meta.get('shard_format')!r} is not {raw_io.FORMAT!r}")
-        dcp.load(target, storage_reader=raw_io.RawFileSystemReader(str(local_dir)))
+        raw_io.load(target, opened)
         ckpt_state.apply_state_dict(t, target, buffers, meta["adam_step"], with_master, with_rng=same_layout)
         t.iteration = meta["iteration"]
         t.consumed_samples = meta["consumed_samples"]

@@ -1,9 +1,10 @@
 """Where checkpoint files live: a local directory or an S3 bucket, behind one small interface.
 
-`torch.distributed.checkpoint` (DCP) writes each rank's shard files into a local directory; this
-module publishes those files and fetches them back. DCP's own `FileSystemWriter` only knows POSIX
-paths and fsspec's S3 layer would add a dependency without giving us what a training job needs
-from object storage, so the few operations the commit protocol (`commit.py`) uses are written here:
+`torch.distributed.checkpoint` (DCP) plans which bytes each rank writes and reads; `raw_io.py`
+moves those bytes through this interface and the commit protocol (`commit.py`) publishes them.
+DCP's own FileSystemWriter only knows POSIX paths and fsspec's S3 layer would add a dependency
+without giving us what a training job needs from object storage, so the few operations used are
+written here:
 
 - Keys are '/'-separated strings relative to the storage root (`"job/iter_0000010/__0_0.distcp"`).
   `list` and `delete_prefix` treat the prefix as a folder: `"job"` covers `"job/..."` but never
@@ -12,13 +13,19 @@ from object storage, so the few operations the commit protocol (`commit.py`) use
   directory, fsync, `os.replace`, fsync the directory. On S3 a PUT (single or multipart) only
   becomes visible when complete. This is what lets `commit.py` publish a manifest last and have
   readers trust that a visible manifest means a complete checkpoint.
-- A missing key raises `FileNotFoundError` on both backends.
+- `open_write` streams an object front to back from memory (a checkpoint's tensors), and
+  `read_into` fills caller-given buffers (the tensors a load fills) with a byte range: shards go
+  between memory and storage without a staging file, a whole-file temp copy or a second pass.
+- A missing key raises `FileNotFoundError` on both backends; a read past the end, `EOFError`.
 - S3: the client comes from boto3's standard chain (env, config files, instance roles;
   `AWS_ENDPOINT_URL` for S3-compatible stores) with explicit overrides; botocore retries
   throttling and 5xx with backoff (adaptive mode by default: it also rate-limits the client when
-  many ranks hit one prefix). Large files go up as multipart uploads with parts sent in parallel
-  and come down as parallel ranged GETs pinned to the object's ETag, so a file replaced mid-read
-  fails instead of mixing two versions. Credentials are never logged or put in `repr`/`uri`.
+  many ranks hit one prefix). Objects of at least one part go up as multipart uploads whose
+  parts are sent in parallel while the writer fills the next; reads of more than one part are
+  parallel ranged GETs straight into the caller's buffers. One storage keeps at most
+  `max_workers` part uploads and `max_workers` GETs in flight, however many files are being
+  moved, as boto3's transfer manager does per transfer. Credentials are never logged or put in
+  `repr`/`uri`.
 """
 
 from __future__ import annotations
@@ -28,9 +35,10 @@ import contextlib
 import logging
 import os
 import shutil
+import threading
 import uuid
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import IO, Any
 from urllib.parse import unquote, urlsplit
@@ -41,6 +49,11 @@ MiB = 1024 * 1024
 _TMP_PREFIX = ".elastron-tmp-"
 _S3_MIN_PART = 5 * MiB  # S3 rejects non-final multipart parts below this
 _S3_MAX_PARTS = 10_000
+_IOV_MAX = 1024  # buffers per preadv call (Linux's IOV_MAX)
+
+# Anything exposing the buffer protocol as contiguous bytes: bytes, bytearray, a memoryview of
+# a tensor's memory (see raw_io._bytes_of).
+Buffer = bytes | bytearray | memoryview
 
 
 def check_key(key: str, *, allow_empty: bool = False) -> str:
@@ -59,10 +72,84 @@ def check_key(key: str, *, allow_empty: bool = False) -> str:
     return stripped
 
 
+class WriteStream(abc.ABC):
+    """An object written front to back by one thread; visible under its key only after `commit`.
+
+    As a context manager it commits when the block ends normally and aborts (nothing becomes
+    visible, temporary data is removed) when the block raises.
+    """
+
+    size: int = 0  # bytes written so far
+
+    @abc.abstractmethod
+    def write(self, data: Buffer) -> None:
+        """Append `data` (copied or sent before this returns: the caller may reuse its memory)."""
+
+    @abc.abstractmethod
+    def commit(self) -> None:
+        """Make the object visible under its key, atomically; on failure, abort and raise."""
+
+    @abc.abstractmethod
+    def abort(self) -> None:
+        """Drop what was written; no error if it is already gone."""
+
+    def __enter__(self) -> WriteStream:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+def _byte_views(buffers: Sequence[Buffer]) -> list[memoryview]:
+    return [memoryview(b).cast("B") for b in buffers]
+
+
+def _window(views: list[memoryview], start: int, length: int) -> list[memoryview]:
+    """The slices of `views`, taken as one run of bytes, that cover [start, start + length)."""
+    out = []
+    for v in views:
+        if length <= 0:
+            break
+        if start >= len(v):
+            start -= len(v)
+            continue
+        take = min(len(v) - start, length)
+        out.append(v[start : start + take])
+        length -= take
+        start = 0
+    return out
+
+
+class _Filler:
+    """Copies a stream of chunks into consecutive buffers."""
+
+    def __init__(self, views: list[memoryview]) -> None:
+        self._views, self._i, self._pos = views, 0, 0
+        self.filled = 0
+
+    def put(self, chunk: bytes) -> None:
+        data = memoryview(chunk)
+        while len(data):
+            if self._i == len(self._views):
+                raise OSError("the server sent more bytes than the range asked for")
+            view = self._views[self._i]
+            n = min(len(data), len(view) - self._pos)
+            view[self._pos : self._pos + n] = data[:n]
+            self._pos += n
+            self.filled += n
+            data = data[n:]
+            if self._pos == len(view):
+                self._i, self._pos = self._i + 1, 0
+
+
 class Storage(abc.ABC):
     """A flat key space of immutable-once-written blobs, as the checkpoint commit protocol needs it."""
 
     uri: str
+    concurrency: int = 4  # how many reads are worth having in flight at once
 
     @abc.abstractmethod
     def put_file(self, local_path: Path, key: str) -> None:
@@ -99,6 +186,20 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def local_path(self, key: str) -> Path | None:
         """Where `key` lives on this machine's file system, or None for remote storage."""
+
+    @abc.abstractmethod
+    def open_write(self, key: str) -> WriteStream:
+        """A stream whose bytes become the object at `key` when it is committed."""
+
+    @abc.abstractmethod
+    def read_into(self, key: str, offset: int, buffers: Sequence[Buffer]) -> None:
+        """Fill `buffers`, in order, with the bytes of `key` from `offset` on (one request or a few
+        parallel ones, however many buffers). FileNotFoundError if `key` is absent, EOFError if
+        it ends before the buffers are full."""
+
+    @abc.abstractmethod
+    def sizes(self, prefix: str) -> dict[str, int]:
+        """{key: size in bytes} for every key under the folder `prefix`, from one listing."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"
@@ -145,6 +246,38 @@ def _atomic_target(dest: Path) -> Iterator[Path]:
             os.unlink(tmp)
         raise
     _fsync_dir(dest.parent)
+
+
+class _LocalWriteStream(WriteStream):
+    """A temp file next to the destination; commit = fsync + rename, as for every local write."""
+
+    def __init__(self, dest: Path) -> None:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        self._dest = dest
+        self._tmp = dest.parent / f"{_TMP_PREFIX}{uuid.uuid4().hex}"
+        self._file = open(self._tmp, "xb")  # noqa: SIM115 - closed by commit / abort
+        self.size = 0
+
+    def write(self, data: Buffer) -> None:
+        view = memoryview(data)
+        self._file.write(view)
+        self.size += view.nbytes
+
+    def commit(self) -> None:
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self._tmp, self._dest)
+        except BaseException:
+            self.abort()
+            raise
+        _fsync_dir(self._dest.parent)
+
+    def abort(self) -> None:
+        self._file.close()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._tmp)
 
 
 def _same_file(a: Path, b: Path) -> bool:
@@ -197,21 +330,52 @@ class LocalStorage(Storage):
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise FileNotFoundError(f"{key!r} not found in {self.uri}") from None
 
+    def open_write(self, key: str) -> WriteStream:
+        return _LocalWriteStream(self._path(key))
+
+    def read_into(self, key: str, offset: int, buffers: Sequence[Buffer]) -> None:
+        views = _byte_views(buffers)
+        total = sum(len(v) for v in views)
+        try:
+            fd = os.open(self._path(key), os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            raise FileNotFoundError(f"{key!r} not found in {self.uri}") from None
+        try:
+            done = 0
+            while done < total:  # one syscall per run of buffers, straight into them
+                got = os.preadv(fd, _window(views, done, total - done)[:_IOV_MAX], offset + done)
+                if got == 0:
+                    raise EOFError(
+                        f"{key!r} in {self.uri} ends at byte {offset + done}, before byte {offset + total}"
+                    )
+                done += got
+        finally:
+            os.close(fd)
+
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
-    def list(self, prefix: str) -> list[str]:
+    def _walk(self, prefix: str) -> Iterator[tuple[str, str]]:
+        """(key, path) of every file under the folder `prefix`, writes in progress left out."""
         base = self._path(prefix, allow_empty=True)
         if not base.is_dir():
-            return []
-        keys = []
+            return
         for dirpath, _dirnames, filenames in os.walk(base):
             rel = Path(dirpath).relative_to(self.root).as_posix()
             for name in filenames:
                 if name.startswith(_TMP_PREFIX):  # a write in progress (or a crashed one's debris)
                     continue
-                keys.append(name if rel == "." else f"{rel}/{name}")
-        return sorted(keys)
+                yield (name if rel == "." else f"{rel}/{name}"), os.path.join(dirpath, name)
+
+    def list(self, prefix: str) -> list[str]:
+        return sorted(key for key, _path in self._walk(prefix))
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        out = {}
+        for key, path in self._walk(prefix):
+            with contextlib.suppress(FileNotFoundError):  # deleted since the walk saw it
+                out[key] = os.stat(path).st_size
+        return out
 
     def delete(self, key: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -243,13 +407,182 @@ def _is_not_found(err: Exception) -> bool:
     return code in ("404", "NoSuchKey", "NotFound") or status == 404
 
 
+def _is_bad_range(err: Exception) -> bool:
+    response = getattr(err, "response", None) or {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    return code == "InvalidRange" or response.get("ResponseMetadata", {}).get("HTTPStatusCode") == 416
+
+
+# Set in the threads of an S3 storage's transfer pool: a task there that waited on the pool could
+# deadlock it, so anything it submits runs inline instead.
+_transfer_thread = threading.local()
+
+
+def _mark_transfer_thread() -> None:
+    _transfer_thread.active = True
+
+
+class _SendBuffers:
+    """Part-sized buffers for streamed uploads, shared by one storage's uploads.
+
+    Reused rather than allocated per part (writing into fresh pages costs more than the copy
+    itself) and capped in number, which is what bounds the memory of uploads in flight: a writer
+    that finds none free waits for a part to finish going up. Dropped when no upload is open.
+    """
+
+    def __init__(self, count: int) -> None:
+        self._count = count
+        self._free: list[bytearray] = []
+        self._out = 0  # handed out, not yet given back
+        self._uploads = 0  # streams open
+        self._cond = threading.Condition()
+
+    def opened(self) -> None:
+        with self._cond:
+            self._uploads += 1
+
+    def closed(self) -> None:
+        with self._cond:
+            self._uploads -= 1
+            if self._uploads == 0:
+                self._free.clear()
+
+    def take(self, size: int) -> bytearray:
+        with self._cond:
+            while self._out >= self._count:
+                self._cond.wait()
+            self._out += 1
+            for i, buf in enumerate(self._free):
+                if len(buf) == size:
+                    return self._free.pop(i)
+            if self._free and self._out + len(self._free) > self._count:
+                self._free.pop()  # one of another part size: let it go, stay within the cap
+        return bytearray(size)
+
+    def give(self, buf: bytearray) -> None:
+        with self._cond:
+            self._out -= 1
+            if self._uploads > 0:
+                self._free.append(buf)
+            self._cond.notify()
+
+
+class _S3WriteStream(WriteStream):
+    """Bytes written are cut into parts; each full part goes up (multipart upload, in the storage's
+    transfer pool) while the writer fills the next. An object smaller than a part is one PUT."""
+
+    def __init__(self, storage: S3Storage, full: str, part_size: int) -> None:
+        self._s, self._full, self._part_size = storage, full, part_size
+        self._buf: bytearray | None = None
+        self._fill = 0
+        self._upload_id: str | None = None
+        self._parts: list[Future] = []
+        self._error: BaseException | None = None
+        self._closed = False
+        self.size = 0
+        storage._buffers.opened()
+
+    def write(self, data: Buffer) -> None:
+        if self._error is not None:  # a part already failed: stop feeding the upload
+            raise self._error
+        view = memoryview(data).cast("B")
+        while len(view):
+            if self._buf is None:
+                self._buf, self._fill = self._s._buffers.take(self._part_size), 0
+            n = min(len(view), self._part_size - self._fill)
+            self._buf[self._fill : self._fill + n] = view[:n]
+            self._fill += n
+            self.size += n
+            view = view[n:]
+            if self._fill == self._part_size:
+                self._send()
+
+    def _send(self) -> None:
+        """Hand the current buffer to the transfer pool as the next part."""
+        if self._upload_id is None:
+            self._upload_id = self._s.client.create_multipart_upload(Bucket=self._s.bucket, Key=self._full)[
+                "UploadId"
+            ]
+        number = len(self._parts) + 1
+        if number > _S3_MAX_PARTS:
+            raise ValueError(
+                f"{self._s.uri}: {self._full} needs more than {_S3_MAX_PARTS} parts of {self._part_size} "
+                f"bytes; give the storage a larger part_size"
+            )
+        buf, n = self._buf, self._fill
+        self._buf, self._fill = None, 0
+        self._parts.append(self._s._submit(self._upload_part, number, buf, n))
+
+    def _upload_part(self, number: int, buf: bytearray, n: int) -> dict[str, Any]:
+        try:
+            body = buf if n == len(buf) else bytes(memoryview(buf)[:n])
+            resp = self._s.client.upload_part(
+                Bucket=self._s.bucket, Key=self._full, UploadId=self._upload_id, PartNumber=number, Body=body
+            )
+        except BaseException as err:
+            self._error = self._error or err
+            raise
+        finally:
+            self._s._buffers.give(buf)
+        entry = {"PartNumber": number, "ETag": resp["ETag"]}
+        # botocore adds a CRC checksum to each part by default; CompleteMultipartUpload must
+        # then repeat it, as boto3's own transfer manager does.
+        entry.update({k: v for k, v in resp.items() if k.startswith("Checksum") and k != "ChecksumType"})
+        return entry
+
+    def commit(self) -> None:
+        if self._closed:
+            raise ValueError(f"upload of {self._full} is already closed")
+        try:
+            if self._upload_id is None:
+                body = b""
+                if self._buf is not None:
+                    body = bytes(memoryview(self._buf)[: self._fill])
+                    self._s._buffers.give(self._buf)
+                    self._buf = None
+                self._s.client.put_object(Bucket=self._s.bucket, Key=self._full, Body=body)
+            else:
+                if self._buf is not None:
+                    self._send()
+                wait(self._parts)
+                parts = [f.result() for f in self._parts]
+                self._s.client.complete_multipart_upload(
+                    Bucket=self._s.bucket,
+                    Key=self._full,
+                    UploadId=self._upload_id,
+                    MultipartUpload={"Parts": parts},
+                )
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+        self._s._buffers.closed()
+
+    def abort(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._buf is not None:
+            self._s._buffers.give(self._buf)
+            self._buf = None
+        wait(self._parts)  # no part may still be sending from a buffer once we return
+        if self._upload_id is not None:
+            with contextlib.suppress(Exception):
+                self._s.client.abort_multipart_upload(
+                    Bucket=self._s.bucket, Key=self._full, UploadId=self._upload_id
+                )
+        self._s._buffers.closed()
+
+
 class S3Storage(Storage):
     """Keys are objects under `s3://bucket/prefix/`.
 
-    `part_size`: multipart part size (also the ranged-GET chunk); files of at least
-    `multipart_threshold` bytes (default: `part_size`) use multipart upload / parallel ranged GETs,
-    with up to `max_workers` requests in flight per file. `retry_mode` / `max_attempts` default to
-    `AWS_RETRY_MODE` / `AWS_MAX_ATTEMPTS` when set, else adaptive / 10.
+    `part_size`: multipart part size, also the size of one ranged GET. `put_file` uses a single
+    PUT below `multipart_threshold` bytes (default: `part_size`); streamed writes (`open_write`)
+    switch to multipart once a part is full. At most `max_workers` parts and `max_workers` ranged
+    GETs are in flight per storage, and streamed uploads hold at most `max_workers + 2` part
+    buffers. `retry_mode` /
+    `max_attempts` default to `AWS_RETRY_MODE` / `AWS_MAX_ATTEMPTS` when set, else adaptive / 10.
     """
 
     delete_batch = 1000  # DeleteObjects takes at most 1000 keys per request
@@ -281,10 +614,12 @@ class S3Storage(Storage):
         self.part_size = part_size
         self.multipart_threshold = part_size if multipart_threshold is None else multipart_threshold
         self.max_workers = max_workers
+        self.concurrency = max_workers
         self.retry_mode = retry_mode or os.environ.get("AWS_RETRY_MODE") or "adaptive"
         self.max_attempts = max_attempts or int(os.environ.get("AWS_MAX_ATTEMPTS") or 10)
         self.uri = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self._client = self._make_client()
+        self._init_transfers()
 
     def _make_client(self) -> Any:
         import boto3  # optional dependency of the engine: only S3 users need it
@@ -299,20 +634,56 @@ class S3Storage(Storage):
         logger.debug("S3 storage %s via %s", self.uri, client.meta.endpoint_url)
         return client
 
-    # A boto3 client does not pickle; rebuild it on the other side (Ray actors, spawn workers).
+    def _init_transfers(self) -> None:
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
+        self._buffers = _SendBuffers(self.max_workers + 2)
+        # Reads come from the caller's threads as well as from the pool: this keeps the GETs in
+        # flight at max_workers however the two add up.
+        self._gets = threading.BoundedSemaphore(100)
+
+    # A boto3 client, threads and locks do not pickle; rebuild them on the other side (Ray
+    # actors, spawn workers, the resume fetcher's all-gather).
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.pop("_client", None)
+        for name in ("_client", "_pool", "_pool_lock", "_buffers", "_gets"):
+            state.pop(name, None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._client = self._make_client()
+        self._init_transfers()
 
     @property
     def client(self) -> Any:
         """The boto3 S3 client (thread-safe; shared by this storage's worker threads)."""
         return self._client
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run `fn(*args)` in this storage's transfer pool (inline when already in one)."""
+        if getattr(_transfer_thread, "active", False):
+            done: Future = Future()
+            try:
+                done.set_result(fn(*args))
+            except BaseException as err:  # noqa: BLE001 - delivered through the future
+                done.set_exception(err)
+            return done
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(
+                    self.max_workers, thread_name_prefix="elastron-s3", initializer=_mark_transfer_thread
+                )
+        return self._pool.submit(fn, *args)
+
+    def _run_all(self, fn: Callable[..., Any], calls: list[tuple]) -> list[Any]:
+        """`fn` over `calls` in the transfer pool; the first error is raised once all have ended
+        (none may still be writing into a caller's buffer after we return)."""
+        if len(calls) == 1:
+            return [fn(*calls[0])]
+        futures = [self._submit(fn, *call) for call in calls]
+        wait(futures)
+        return [f.result() for f in futures]
 
     def _key(self, key: str, *, allow_empty: bool = False) -> str:
         key = check_key(key, allow_empty=allow_empty)
@@ -336,6 +707,9 @@ class S3Storage(Storage):
     def put_bytes(self, key: str, data: bytes) -> None:
         self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=bytes(data))
 
+    def open_write(self, key: str) -> WriteStream:
+        return _S3WriteStream(self, self._key(key), self.part_size)
+
     def put_file(self, local_path: Path, key: str) -> None:
         path = Path(local_path)
         size = path.stat().st_size
@@ -344,45 +718,18 @@ class S3Storage(Storage):
             with open(path, "rb") as f:
                 self._client.put_object(Bucket=self.bucket, Key=full, Body=f)
             return
-        self._multipart_upload(path, size, full)
+        logger.debug("multipart upload of %s (%d bytes) to %s", path, size, full)
+        with open(path, "rb") as f, _S3WriteStream(self, full, self._part_size_for(size)) as out:
+            while chunk := f.read(8 * MiB):
+                out.write(chunk)
+            if out.size != size:
+                raise OSError(f"{path} changed size during upload ({out.size} bytes read, {size} expected)")
 
     def _part_size_for(self, size: int) -> int:
         part = self.part_size
         while -(-size // part) > _S3_MAX_PARTS:  # keep within S3's 10,000-part limit
             part *= 2
         return part
-
-    def _multipart_upload(self, path: Path, size: int, full: str) -> None:
-        part = self._part_size_for(size)
-        ranges = [(n + 1, off, min(part, size - off)) for n, off in enumerate(range(0, size, part))]
-        upload_id = self._client.create_multipart_upload(Bucket=self.bucket, Key=full)["UploadId"]
-        logger.debug("multipart upload of %s (%d bytes, %d parts) to %s", path, size, len(ranges), full)
-
-        def upload(number: int, offset: int, length: int) -> dict[str, Any]:
-            with open(path, "rb") as f:
-                f.seek(offset)
-                body = f.read(length)
-            if len(body) != length:
-                raise OSError(f"{path} changed size during upload")
-            resp = self._client.upload_part(
-                Bucket=self.bucket, Key=full, UploadId=upload_id, PartNumber=number, Body=body
-            )
-            entry = {"PartNumber": number, "ETag": resp["ETag"]}
-            # botocore adds a CRC checksum to each part by default; CompleteMultipartUpload must
-            # then repeat it, as boto3's own transfer manager does.
-            entry.update({k: v for k, v in resp.items() if k.startswith("Checksum") and k != "ChecksumType"})
-            return entry
-
-        try:
-            with ThreadPoolExecutor(max_workers=min(self.max_workers, len(ranges))) as pool:
-                parts = list(pool.map(lambda r: upload(*r), ranges))
-            self._client.complete_multipart_upload(
-                Bucket=self.bucket, Key=full, UploadId=upload_id, MultipartUpload={"Parts": parts}
-            )
-        except BaseException:
-            with contextlib.suppress(Exception):
-                self._client.abort_multipart_upload(Bucket=self.bucket, Key=full, UploadId=upload_id)
-            raise
 
     def delete(self, key: str) -> None:
         self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
@@ -403,7 +750,7 @@ class S3Storage(Storage):
                 )
             batch.clear()
 
-        for full in self._iter_keys(self._folder(prefix)):
+        for full, _size in self._iter_objects(self._folder(prefix)):
             batch.append({"Key": full})
             if len(batch) >= self.delete_batch:
                 flush()
@@ -411,17 +758,20 @@ class S3Storage(Storage):
 
     # ---- reads -----------------------------------------------------------------------------------
 
-    def _iter_keys(self, folder: str) -> Iterator[str]:
+    def _iter_objects(self, folder: str) -> Iterator[tuple[str, int]]:
         paginator = self._client.get_paginator("list_objects_v2")
         pages = paginator.paginate(
             Bucket=self.bucket, Prefix=folder, PaginationConfig={"PageSize": self.list_page_size}
         )
         for page in pages:
             for obj in page.get("Contents", []):
-                yield obj["Key"]
+                yield obj["Key"], int(obj["Size"])
 
     def list(self, prefix: str) -> list[str]:
-        return sorted(self._rel(k) for k in self._iter_keys(self._folder(prefix)))
+        return sorted(self._rel(k) for k, _size in self._iter_objects(self._folder(prefix)))
+
+    def sizes(self, prefix: str) -> dict[str, int]:
+        return {self._rel(k): size for k, size in self._iter_objects(self._folder(prefix))}
 
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
@@ -444,6 +794,59 @@ class S3Storage(Storage):
                 raise FileNotFoundError(f"{key!r} not found in {self.uri}") from None
             raise
         return resp["Body"].read()
+
+    def read_into(self, key: str, offset: int, buffers: Sequence[Buffer]) -> None:
+        views = _byte_views(buffers)
+        total = sum(len(v) for v in views)
+        if total == 0:
+            if not self.exists(key):
+                raise FileNotFoundError(f"{key!r} not found in {self.uri}")
+            return
+        full, step = self._key(key), self.part_size
+        calls = [
+            (full, key, offset + start, _window(views, start, min(step, total - start)))
+            for start in range(0, total, step)
+        ]
+        self._run_all(self._get_range_into, calls)
+
+    def _get_range_into(self, full: str, key: str, start: int, views: list[memoryview]) -> None:
+        """One ranged GET into `views`, retrying a body stream that breaks mid-read (botocore
+        retries failed requests, not a response body that dies after the headers came)."""
+        from botocore.exceptions import (
+            ClientError,
+            ConnectionClosedError,
+            IncompleteReadError,
+            ReadTimeoutError,
+            ResponseStreamingError,
+        )
+
+        length = sum(len(v) for v in views)
+        end = start + length - 1
+        for attempt in range(3):
+            try:
+                with self._gets:
+                    try:
+                        resp = self._client.get_object(
+                            Bucket=self.bucket, Key=full, Range=f"bytes={start}-{end}"
+                        )
+                    except ClientError as err:
+                        if _is_not_found(err):
+                            raise FileNotFoundError(f"{key!r} not found in {self.uri}") from None
+                        if _is_bad_range(err):
+                            raise EOFError(f"{key!r} in {self.uri} ends before byte {start}") from None
+                        raise
+                    filler = _Filler(views)
+                    for chunk in resp["Body"].iter_chunks(MiB):
+                        filler.put(chunk)
+                if filler.filled < length:
+                    raise EOFError(
+                        f"{key!r} in {self.uri} ends at byte {start + filler.filled}, before byte {end + 1}"
+                    )
+                return
+            except (ResponseStreamingError, IncompleteReadError, ReadTimeoutError, ConnectionClosedError):
+                if attempt == 2:
+                    raise
+                logger.warning("S3 read of %s/%s broke off; retrying", self.uri, key)
 
     def get_file(self, key: str, local_path: Path) -> None:
         from botocore.exceptions import ClientError
@@ -470,7 +873,6 @@ class S3Storage(Storage):
     def _read_range(self, full: str, etag: str, out: IO[bytes], byte_range: tuple[int, int] | None) -> None:
         """GET (a range of) an object into `out`, retrying a body stream that breaks mid-read.
 
-        botocore retries failed requests, not a response body that dies after the headers came.
         IfMatch pins every request to the ETag seen first: a concurrent overwrite fails loudly.
         """
         from botocore.exceptions import (
@@ -510,8 +912,7 @@ class S3Storage(Storage):
                 if f.tell() != byte_range[1] + 1:
                     raise OSError(f"ranged GET of {full} bytes {byte_range} came back short")
 
-        with ThreadPoolExecutor(max_workers=min(self.max_workers, len(ranges))) as pool:
-            list(pool.map(fetch, ranges))
+        self._run_all(fetch, [(r,) for r in ranges])
 
 
 # --------------------------------------------------------------------------------------------------
