@@ -14,8 +14,23 @@ to the tokens on the ranks that sent them.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
+
+
+class AllToAllTime:
+    """Seconds this process spent inside the token all-to-alls (forward and backward), for the
+    expert-parallel benchmark's communication share. A clock read per call: negligible."""
+
+    seconds = 0.0
+
+    @classmethod
+    def timed(cls, *args, **kwargs) -> None:
+        start = time.perf_counter()
+        dist.all_to_all_single(*args, **kwargs)
+        cls.seconds += time.perf_counter() - start
 
 
 class _AllToAll(torch.autograd.Function):
@@ -23,14 +38,14 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, out_splits: list[int], in_splits: list[int], group) -> torch.Tensor:
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        AllToAllTime.timed(out, x.contiguous(), out_splits, in_splits, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        AllToAllTime.timed(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
         return back, None, None, None
 
 
@@ -70,7 +85,7 @@ class AllToAllDispatcher:
             return permuted, counts.tolist()
         send = counts.view(self.ep, self.local_experts)  # [dest rank, local expert]
         recv = torch.empty_like(send)
-        dist.all_to_all_single(recv, send.contiguous(), group=self.group)  # [source rank, local expert]
+        AllToAllTime.timed(recv, send.contiguous(), group=self.group)  # [source rank, local expert]
         self._send, self._recv = send, recv
         received = all_to_all(permuted, recv.sum(1).tolist(), send.sum(1).tolist(), self.group)
         return _regroup(received, recv), recv.sum(0).tolist()
