@@ -31,6 +31,8 @@ bench: $(STAMP)
 	$(PY) bench/optimizer_memory.py
 	$(PY) bench/checkpoint_io.py
 	$(PY) bench/rerun_overhead.py
+	$(PY) bench/context_parallel.py
+	$(PY) bench/moe_expert_parallel.py
 
 clean:
 	rm -rf $(VENV) runs
