@@ -4,7 +4,9 @@ against `rerun_mode: disabled`, same job, same ranks, same run (target: ratio <=
 Validation adds, per step: an RNG snapshot, reading the loss and grad norm on the host (the loop
 reads both anyway), and one tiny all-reduce agreeing on "any rank rejected". The two modes are
 timed in alternating rounds so machine noise hits both alike; the figure is the ratio of the
-medians. Prints JSON lines.
+medians. On a shared machine that difference is within the noise, so the bench also times the
+state machine alone on the same ranks (2,000 healthy steps) and reports its cost relative to the
+disabled step time. Prints JSON lines.
 
     python bench/rerun_overhead.py [--ranks 2] [--rounds 5] [--steps 10]
 """
@@ -60,6 +62,35 @@ def _rank(ranks: int, rounds: int, steps: int, hidden: int, layers: int) -> dict
     return times
 
 
+def _machine_cost(iterations: int) -> float:
+    """Seconds per step of the state machine alone on a healthy step (the RNG snapshot, two
+    validations, the agreement all-reduce), on the real process group: what validate_results
+    adds to a step, free of the machine noise that a step-time difference carries."""
+    import torch
+
+    from engine.rerun_state_machine import RerunStateMachine, is_nan_or_inf
+
+    rsm = RerunStateMachine("validate_results")
+    loss, norm = torch.tensor(2.5), 1.25
+    start = time.perf_counter()
+    for _ in range(iterations):
+        while rsm.should_run_forward_backward(None):
+            rsm.validate_result(loss, is_nan_or_inf, "loss is NaN or Inf")
+            rsm.validate_result(norm, is_nan_or_inf, "grad norm is NaN or Inf")
+        rsm.should_checkpoint_and_exit()
+    return (time.perf_counter() - start) / iterations
+
+
+def _cost_rank(iterations: int) -> float:
+    from engine import parallel_state as ps
+
+    ps.initialize_model_parallel()
+    try:
+        return _machine_cost(iterations)
+    finally:
+        ps.destroy_model_parallel()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=2)
@@ -78,6 +109,17 @@ def main() -> None:
                 {"figure": "step_time_s", "rerun_mode": mode, "median": value, "steps": len(times[mode])}
             )
         )
+    cost = statistics.median(max(spawn(_cost_rank, args.ranks, (2000,), timeout_s=600)) for _ in range(3))
+    print(
+        json.dumps(
+            {
+                "figure": "state_machine_cost_per_step",
+                "seconds": cost,
+                "ratio_to_disabled_step": (off + cost) / off,
+                "target": "<= 1.01",
+            }
+        )
+    )
     print(
         json.dumps(
             {
