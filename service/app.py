@@ -1,0 +1,101 @@
+"""The FastAPI application: `uvicorn --factory service.app:create_app` serves it.
+
+`create_app(settings, launcher=...)` builds one instance: settings default to the `ELASTRON_*`
+environment, the launcher to Ray Jobs at ELASTRON_RAY_ADDRESS (tests pass their own). At start
+the store's migrations are applied and the reconciler starts in the background; nothing at
+start talks to Ray, so the API answers /healthz with Ray down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry, disable_created_metrics
+
+from service import errors
+from service.auth import TokenCache
+from service.context import AppContext
+from service.launcher import Launcher, RayJobsLauncher
+from service.limits import BodySizeLimit, RateLimiter
+from service.metrics import HttpMetrics, JobSeries
+from service.reconciler import Reconciler
+from service.routers import health, jobs, logs, telemetry
+from service.settings import Settings
+from service.store.db import make_engine, make_sessionmaker
+from service.store.migrate import upgrade
+
+log = logging.getLogger("service")
+
+DESCRIPTION = """Submit training jobs (the job file of `elastron train`, as JSON), follow them, cancel them.
+
+Every `/v1` call needs `Authorization: Bearer <token>` (`elastron token create --tenant NAME`).
+Jobs belong to the token's tenant; other tenants' jobs are 404. Metric names: service/METRICS.md.
+"""
+
+
+def create_app(
+    settings: Settings | None = None, *, launcher: Launcher | None = None, reconcile: bool = True
+) -> FastAPI:
+    """Build the API. `reconcile=False` leaves jobs untouched (tests of the HTTP surface alone)."""
+    settings = settings or Settings()
+    engine = make_engine(settings.resolved_database_url)
+    sessions = make_sessionmaker(engine)
+    if launcher is None:
+        launcher = RayJobsLauncher(
+            settings.ray_address, entrypoint=settings.worker_entrypoint, timeout_s=settings.ray_timeout_s
+        )
+    disable_created_metrics()  # METRICS.md names exactly what is exposed: no *_created series
+    registry = CollectorRegistry(auto_describe=False)
+    ctx = AppContext(
+        settings=settings,
+        engine=engine,
+        sessions=sessions,
+        launcher=launcher,
+        reconciler=Reconciler(sessions, launcher, settings),
+        tokens=TokenCache(sessions),
+        submit_limiter=RateLimiter(settings.submit_rate_per_minute, settings.submit_burst),
+        registry=registry,
+        job_series=JobSeries(sessions, settings.metrics_retention_s),
+    )
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        if upgrade(engine):
+            log.info(
+                "store migrated to the newest schema (%s)", engine.url.render_as_string(hide_password=True)
+            )
+        task = asyncio.create_task(ctx.reconciler.run()) if reconcile else None
+        try:
+            yield
+        finally:
+            if task is not None:
+                ctx.reconciler.stop()
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+            engine.dispose()
+
+    app = FastAPI(
+        title="elastron",
+        version="0.1.0",
+        description=DESCRIPTION,
+        lifespan=lifespan,
+        docs_url="/docs",
+        openapi_url="/openapi.json",
+    )
+    app.state.ctx = ctx
+    errors.install(app)
+    app.include_router(jobs.router)
+    app.include_router(logs.router)
+    app.include_router(telemetry.router)
+    app.include_router(health.router)
+    # Outermost first: request metrics see every response, the size cap runs before any route.
+    app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(HttpMetrics, registry=registry)
+    return app

@@ -1,0 +1,131 @@
+"""Following a job from the terminal: its driver log streamed above a progress bar (iteration /
+train_iters, loss, tokens/s, ETA from recent step times) fed by the metrics endpoint, and the
+end-of-run summary of `elastron demo`."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from typing import Any
+
+import typer
+
+from service.client import ApiClient, ApiError
+
+FINAL = ("succeeded", "failed", "cancelled")
+
+
+def api_call(call, *args: Any, **kwargs: Any) -> Any:
+    """Run a client call; on failure print the API's message and exit (2 for a 422, else 1)."""
+    try:
+        return call(*args, **kwargs)
+    except ApiError as err:
+        typer.secho(f"error: {err}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2 if err.status == 422 else 1) from None
+
+
+def fmt(value: Any, spec: str = ".4f") -> str:
+    return format(value, spec) if isinstance(value, int | float) else "-"
+
+
+def _eta(records: list[dict[str, Any]], done: int, total: int) -> str:
+    steps = [r["step_time_s"] for r in records[-20:] if isinstance(r.get("step_time_s"), int | float)]
+    if not steps or done >= total:
+        return "-"
+    seconds = (total - done) * sum(steps) / len(steps)
+    return time.strftime("%H:%M:%S", time.gmtime(seconds)) if seconds < 86400 else f"{seconds / 3600:.0f} h"
+
+
+def _stream_logs(client: ApiClient, job_id: str, console, stop: threading.Event) -> None:
+    try:
+        for chunk in client.follow_logs(job_id):
+            if stop.is_set():
+                return
+            console.print(chunk, end="", markup=False, highlight=False, soft_wrap=True)
+    except ApiError as err:
+        if not stop.is_set():
+            console.print(f"[elastron] logs unavailable: {err}", markup=False, style="yellow")
+
+
+def follow(client: ApiClient, job_id: str) -> dict[str, Any]:
+    """Stream the job's log above a progress bar fed by the metrics endpoint, until the job ends."""
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn
+
+    job = api_call(client.job, job_id)
+    console = Console(stderr=False)
+    stop = threading.Event()
+    columns = (
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.completed:.0f}/{task.total:.0f} it"),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[tps]} tok/s"),
+        TextColumn("ETA {task.fields[eta]}"),
+        TextColumn("[{task.fields[state]}]"),
+    )
+    records: list[dict[str, Any]] = []
+    after = -1
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task(
+            job_id, total=job["train_iters"], loss="-", tps="-", eta="-", state=job["state"]
+        )
+        logs = threading.Thread(
+            target=_stream_logs, args=(client, job_id, progress.console, stop), daemon=True
+        )
+        logs.start()
+        while True:
+            page = api_call(client.metrics, job_id, after=after, limit=5000)
+            if page["records"]:
+                records = (records + page["records"])[-100:]
+                after = page["records"][-1]["iteration"]
+            job = api_call(client.job, job_id)
+            done = job["iteration"] or 0
+            last = job["last_metrics"] or (records[-1] if records else {})
+            progress.update(
+                task,
+                completed=done,
+                loss=fmt(last.get("loss")),
+                tps=fmt(last.get("tokens_per_s"), ".0f"),
+                eta=_eta(records, done, job["train_iters"]),
+                state=job["state"],
+            )
+            if job["state"] in FINAL:
+                break
+            time.sleep(1.0)
+        logs.join(timeout=5.0)  # the stream ends by itself once the job has: let it print the rest
+    stop.set()
+    if job["state"] != "succeeded":
+        cause = f": {job['failure_cause']}" if job.get("failure_cause") else ""
+        typer.secho(f"{job_id} {job['state']}{cause}", fg=typer.colors.RED, err=True)
+    return job
+
+
+def summary(client: ApiClient, job: dict[str, Any], records: list[dict[str, Any]]) -> None:
+    api = client.config.url
+    last = records[-1] if records else (job["last_metrics"] or {})
+    rates = [r["tokens_per_s"] for r in records if isinstance(r.get("tokens_per_s"), int | float)]
+    energy = [r["energy_j"] for r in records if isinstance(r.get("energy_j"), int | float)]
+    ckpt = job["latest_checkpoint"]
+    root = (job["spec"].get("checkpoint") or {}).get("path")
+    where = "none"
+    if ckpt and ckpt.get("uri"):
+        where = ckpt["uri"]
+    elif root:  # no checkpoint_saved event: where the workers put this job's checkpoints
+        where = f"{root.rstrip('/')}/{job['id']}"
+    typer.echo("")
+    typer.echo(
+        f"job {job['id']}: {job['state']} after {job['iteration'] or 0}/{job['train_iters']} iterations"
+    )
+    typer.echo(f"  final loss    {fmt(last.get('loss'))}")
+    typer.echo(
+        f"  tokens/s      {fmt(sum(rates) / len(rates), '.0f') if rates else '-'} (mean over {len(rates)} steps)"
+    )
+    typer.echo(
+        f"  energy        {fmt(sum(energy), '.1f') + ' J' if energy else 'unavailable on this machine'}"
+    )
+    typer.echo(f"  checkpoint    {where}")
+    typer.echo(f"  API           {api}/v1/jobs/{job['id']}   (docs: {api}/docs)")
+    typer.echo(f"  Prometheus    {api}/metrics")
+    sys.stdout.flush()

@@ -1,0 +1,318 @@
+"""The `elastron` commands that talk to the control plane: up, down, token create, submit, jobs,
+status, logs, cancel, demo. Registered on the main CLI in service/cli.py.
+
+Job commands are thin HTTP clients (service/client.py): they read the API address and token
+from ELASTRON_API_URL / ELASTRON_API_TOKEN or from the files `elastron up` writes. Any failure
+prints one clear message and exits non-zero (1: the API said no or is unreachable, 2: bad input).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+app = typer.Typer()
+token_app = typer.Typer(help="Manage API tokens (run where the store is reachable).", no_args_is_help=True)
+app.add_typer(token_app, name="token")
+
+FINAL = ("succeeded", "failed", "cancelled")
+DEMO_JOB = Path(__file__).resolve().parents[1] / "examples" / "llama_tiny_tp2.yaml"
+
+
+def _fail(message: str, code: int = 1) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+def _settings():
+    from service.settings import Settings
+
+    return Settings()
+
+
+def _client():
+    from service.client import ApiClient, ApiError, resolve_config
+
+    try:
+        return ApiClient(resolve_config(_settings()))
+    except ApiError as err:
+        _fail(str(err))
+
+
+def _api(call, *args: Any, **kwargs: Any) -> Any:
+    from service.cli_follow import api_call
+
+    return api_call(call, *args, **kwargs)
+
+
+def _follow(client, job_id: str) -> dict[str, Any]:
+    from service.cli_follow import follow
+
+    return follow(client, job_id)
+
+
+def _read_job_file(path: Path) -> dict[str, Any]:
+    """YAML (or JSON) to the JSON body of POST /v1/jobs; the API validates it."""
+    try:
+        text = path.read_text()
+    except OSError as err:
+        _fail(f"cannot read job file {path}: {err.strerror}", code=2)
+    if path.suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            _fail(f"{path} is not valid JSON: {err}", code=2)
+    else:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            _fail(f"{path} is not valid YAML: {err}", code=2)
+    if not isinstance(data, dict):
+        _fail(f"{path}: a job file is a mapping with sections name, model, parallel, ...", code=2)
+    return data
+
+
+# -- local stack ------------------------------------------------------------------------------
+
+
+@app.command()
+def up(
+    port: Annotated[int | None, typer.Option(help="API port (default 8000, or a free one).")] = None,
+    ray_address: Annotated[
+        str | None,
+        typer.Option(help="Use this Ray cluster's Jobs API (http://host:8265) instead of a local head."),
+    ] = None,
+    ray_dashboard_port: Annotated[
+        int | None, typer.Option(help="Local Ray dashboard port (default 8265, or a free one).")
+    ] = None,
+) -> None:
+    """Start a local Ray head and the API in the background (state in ELASTRON_HOME, default ~/.elastron)."""
+    from service.local_stack import StackError
+    from service.local_stack import up as stack_up
+
+    settings = _settings()
+    try:
+        info = stack_up(
+            settings,
+            port=port,
+            ray_address=ray_address,
+            ray_dashboard_port=ray_dashboard_port,
+            echo=typer.echo,
+        )
+    except StackError as err:
+        _fail(str(err))
+    typer.echo(("elastron is up" if info.started else "elastron was already up") + f" (state in {info.home})")
+    typer.echo(
+        f"  API        {info.api_url}   (docs: {info.api_url}/docs, Prometheus: {info.api_url}/metrics)"
+    )
+    typer.echo(f"  Ray        {info.ray_address}")
+    typer.echo(
+        f'  token      {info.token_file}   (the CLI reads it; curl: -H "Authorization: Bearer $(cat {info.token_file})")'
+    )
+    typer.echo(f"  logs       {info.home / 'api.log'}, {info.home / 'ray.log'}")
+
+
+@app.command()
+def down() -> None:
+    """Stop the API and the Ray head that `elastron up` started (the store and token stay)."""
+    from service.local_stack import down as stack_down
+
+    if not stack_down(_settings(), echo=typer.echo):
+        typer.echo("nothing was running")
+
+
+@token_app.command("create")
+def token_create(
+    tenant: Annotated[str, typer.Option(help="The tenant the token acts for.")],
+    admin: Annotated[bool, typer.Option(help="Admin tokens see and cancel every tenant's jobs.")] = False,
+) -> None:
+    """Create a bearer token (stored hashed; printed once) in the store at ELASTRON_DATABASE_URL."""
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from service.store.tokens import create_token
+
+    try:
+        principal, secret = create_token(_store(), tenant, admin=admin)
+    except ValueError as err:
+        _fail(f"--tenant: {err}", code=2)
+    except SQLAlchemyError as err:
+        _fail(f"cannot write to the store: {err}")
+    typer.echo(secret)
+    kind = "admin token" if admin else "token"
+    typer.echo(
+        f"{kind} {principal.token_id} for tenant {tenant!r}; use it as ELASTRON_API_TOKEN "
+        "(it is not shown again)",
+        err=True,
+    )
+
+
+def _store():
+    from sqlalchemy.exc import SQLAlchemyError
+
+    from service.store.db import make_engine, make_sessionmaker
+    from service.store.migrate import upgrade
+
+    settings = _settings()
+    try:
+        engine = make_engine(settings.resolved_database_url)
+        upgrade(engine)
+    except SQLAlchemyError as err:
+        _fail(f"cannot open the store {settings.resolved_database_url}: {err}")
+    return make_sessionmaker(engine)
+
+
+@token_app.command("list")
+def token_list() -> None:
+    """List tokens (ids, tenants, admin, revoked); the secrets are not stored, so not shown."""
+    from service.store.tokens import list_tokens
+
+    for t in list_tokens(_store()):
+        flags = ("admin " if t.admin else "") + ("revoked" if t.revoked_at else "")
+        typer.echo(f"{t.id}  {t.tenant:<24} {flags}")
+
+
+@token_app.command("revoke")
+def token_revoke(
+    token_id: Annotated[str, typer.Argument(help="The token's id (tok_..., from `token list`).")],
+) -> None:
+    """Revoke a token; API calls with it fail within seconds."""
+    from service.store.tokens import revoke_token
+
+    if not revoke_token(_store(), token_id):
+        _fail(f"no active token {token_id!r} (see `elastron token list`)", code=2)
+    typer.echo(f"revoked {token_id}")
+
+
+# -- jobs -------------------------------------------------------------------------------------
+
+
+@app.command()
+def submit(
+    job: Annotated[Path, typer.Argument(help="Job file (YAML or JSON), the same as for `elastron train`.")],
+    idempotency_key: Annotated[
+        str | None, typer.Option(help="Retrying with the same key returns the same job.")
+    ] = None,
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Then follow it like `elastron logs -f`.")
+    ] = False,
+) -> None:
+    """Submit JOB to the API; prints the job id."""
+    spec = _read_job_file(job)
+    client = _client()
+    created = _api(client.submit, spec, idempotency_key)
+    typer.echo(created["id"])
+    if follow:
+        final = _follow(client, created["id"])
+        raise typer.Exit(0 if final["state"] == "succeeded" else 1)
+
+
+@app.command()
+def jobs(
+    state: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
+    limit: Annotated[int, typer.Option(help="Jobs to show, newest first.")] = 20,
+) -> None:
+    """List your jobs (an admin token: everyone's)."""
+    client = _client()
+    page = _api(client.jobs, state=state, limit=limit)
+    if not page["jobs"]:
+        typer.echo("no jobs")
+        return
+    typer.echo(f"{'ID':<40} {'STATE':<11} {'PROGRESS':>13} {'RESTARTS':>8}  CREATED")
+    for j in page["jobs"]:
+        progress = f"{j['iteration'] or 0}/{j['train_iters']}"
+        typer.echo(
+            f"{j['id']:<40} {j['state']:<11} {progress:>13} {j['restarts']:>8}  {j['created_at'][:19]}"
+        )
+    if page["next_cursor"]:
+        typer.echo(f"(more: --limit {limit * 2})")
+
+
+@app.command()
+def status(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
+    """A job's state, progress, last metrics, checkpoint, failure cause and recent events."""
+    client = _client()
+    job = _api(client.job, job_id)
+    from service.cli_follow import fmt
+
+    m = job["last_metrics"] or {}
+    typer.echo(f"{job['id']}  ({job['name']}, tenant {job['tenant']})")
+    typer.echo(
+        f"  state        {job['state']}"
+        + ("  (cancel requested)" if job["cancel_requested_at"] and job["state"] not in FINAL else "")
+    )
+    typer.echo(
+        f"  progress     {job['iteration'] or 0}/{job['train_iters']} iterations, {job['restarts']} restarts"
+    )
+    if m:
+        typer.echo(
+            f"  last step    loss {fmt(m.get('loss'))}, {fmt(m.get('tokens_per_s'), '.0f')} tokens/s, "
+            f"{fmt(m.get('step_time_s'), '.3f')} s/step"
+        )
+    ckpt = job["latest_checkpoint"]
+    if ckpt:
+        typer.echo(f"  checkpoint   iteration {ckpt['iteration']}: {ckpt['uri']}")
+    if job["failure_cause"]:
+        typer.echo(f"  failure      {job['failure_cause']}")
+    typer.echo(
+        f"  created      {job['created_at']}"
+        + (f", finished {job['finished_at']}" if job["finished_at"] else "")
+    )
+    events = _api(client.events, job_id, limit=5000)["events"][-8:]
+    if events:
+        typer.echo("  events")
+        for e in events:
+            typer.echo(f"    {e['time'][:19]}  {e['kind']:<17} {e['message'] or ''}")
+
+
+@app.command()
+def logs(
+    job_id: Annotated[str, typer.Argument(help="Job id.")],
+    follow: Annotated[
+        bool, typer.Option("--follow", "-f", help="Stream the log with a progress bar until the job ends.")
+    ] = False,
+) -> None:
+    """The job's log (from Ray). With -f: follow it, with iteration / loss / tokens/s / ETA."""
+    client = _client()
+    if not follow:
+        typer.echo(_api(client.logs, job_id), nl=False)
+        return
+    final = _follow(client, job_id)
+    raise typer.Exit(0 if final["state"] == "succeeded" else 1)
+
+
+@app.command()
+def cancel(
+    job_id: Annotated[str, typer.Argument(help="Job id.")],
+    wait: Annotated[bool, typer.Option(help="Wait until the job has stopped.")] = False,
+) -> None:
+    """Cancel a job: queued jobs at once, running ones with a graceful stop."""
+    client = _client()
+    job = _api(client.cancel, job_id)
+    while wait and job["state"] not in FINAL:
+        time.sleep(1.0)
+        job = _api(client.job, job_id)
+    typer.echo(f"{job_id}: {job['state']}" + ("" if job["state"] in FINAL else " (stop requested)"))
+
+
+@app.command()
+def demo(
+    job: Annotated[Path, typer.Option(help="The job file to run.")] = DEMO_JOB,
+) -> None:
+    """`up`, submit a small Llama-style job (TP=2 on 2 CPU ranks), follow it, print a summary."""
+    up()
+    spec = _read_job_file(job)
+    client = _client()
+    created = _api(client.submit, spec)
+    typer.echo(f"submitted {job} as {created['id']}")
+    final = _follow(client, created["id"])
+    records = _api(client.all_metrics, created["id"])
+    from service.cli_follow import summary
+
+    summary(client, final, records)
+    raise typer.Exit(0 if final["state"] == "succeeded" else 1)

@@ -1,0 +1,244 @@
+"""Prometheus exposition: the job series of service/METRICS.md and the API's request metrics.
+
+Job series are read from the store at scrape time with two queries (the jobs shown, and the
+count per state), never one per job: every number they need is on the job row (`last_record`,
+and `stats` for counters and histograms, service/store/stats.py). So a scrape costs the same
+with one API replica or several, and after an API restart the counters continue instead of
+dropping to zero. Shown: every non-final job, and final jobs for `metrics_retention_s` after
+they finished.
+
+They are written straight to the text format (one pass over the rows, label strings built once
+per job) rather than through prometheus_client's metric families: with ~30 series per job that
+is several times cheaper per scrape. The request metrics are ordinary prometheus_client
+metrics in the app's own registry.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from sqlalchemy import func, or_, select
+from sqlalchemy.orm import Session, sessionmaker
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.states import JobState
+from service.store import stats as job_stats
+from service.store.models import Job
+
+_METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
+# Gauges read from the last metrics record: (metric name, record field, help).
+_RECORD_GAUGES = (
+    ("elastron_job_loss", "loss", "Training loss of the last iteration."),
+    ("elastron_job_learning_rate", "lr", "Learning rate of the last iteration."),
+    ("elastron_job_grad_norm", "grad_norm", "Global gradient norm of the last iteration."),
+    ("elastron_job_loss_scale", "loss_scale", "fp16 dynamic loss scale."),
+    ("elastron_job_tokens_per_second", "tokens_per_s", "Tokens per second of the last iteration."),
+    ("elastron_job_mfu_ratio", "mfu", "Model FLOPs utilisation of the last iteration, 0..1."),
+    ("elastron_job_power_watts", "power_w", "Average power of the job's devices in the last iteration."),
+)
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
+
+
+def _value(v: float) -> str:
+    if math.isnan(v):
+        return "NaN"
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(float(v))
+
+
+def _label(v: Any) -> str:
+    return str(v).replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+
+
+class _Family:
+    __slots__ = ("name", "kind", "doc", "lines")
+
+    def __init__(self, name: str, kind: str, doc: str):
+        self.name, self.kind, self.doc, self.lines = name, kind, doc, []
+
+    def add(self, labels: str, value: float, suffix: str = "") -> None:
+        self.lines.append(f"{self.name}{suffix}{{{labels}}} {_value(value)}")
+
+    def histogram(self, labels: str, hist: dict[str, Any], bounds: tuple[float, ...]) -> None:
+        for le, n in job_stats.cumulative_buckets(hist, bounds):
+            self.lines.append(f'{self.name}_bucket{{{labels},le="{le}"}} {_value(n)}')
+        self.add(labels, hist["count"], "_count")
+        self.add(labels, hist["sum"], "_sum")
+
+    def text(self) -> str:
+        head = f"# HELP {self.name} {self.doc}\n# TYPE {self.name} {self.kind}\n"
+        return head + "".join(line + "\n" for line in self.lines)
+
+
+class JobSeries:
+    """Renders the job series of METRICS.md from the store."""
+
+    def __init__(self, sessions: sessionmaker[Session], retention_s: float, clock=time.time):
+        self.sessions, self.retention_s, self.clock = sessions, retention_s, clock
+
+    def _read(self) -> tuple[list[Any], dict[str, int]]:
+        cutoff = self.clock() - self.retention_s
+        with self.sessions() as s:
+            rows = s.execute(
+                select(
+                    Job.id,
+                    Job.tenant,
+                    Job.state,
+                    Job.train_iters,
+                    Job.current_iteration,
+                    Job.last_progress_at,
+                    Job.last_record,
+                    Job.stats,
+                ).where(or_(Job.finished_at.is_(None), Job.finished_at >= cutoff))
+            ).all()
+            counts = dict(s.execute(select(Job.state, func.count()).group_by(Job.state)).all())
+        return rows, counts
+
+    def render(self) -> str:
+        rows, counts = self._read()
+        jobs = _Family("elastron_jobs", "gauge", "Jobs in each state.")
+        for state in JobState:
+            jobs.add(f'state="{state.value}"', counts.get(state.value, 0))
+        state = _Family("elastron_job_state", "gauge", "1, labelled with the job's current state.")
+        transitions = _Family(
+            "elastron_job_state_transitions_total", "counter", "Transitions into each state."
+        )
+        iteration = _Family("elastron_job_iteration", "gauge", "Last iteration reported.")
+        train_iters = _Family("elastron_job_train_iterations", "gauge", "training.train_iters of the job.")
+        progress = _Family(
+            "elastron_job_last_progress_timestamp_seconds", "gauge", "Unix time of the last iteration record."
+        )
+        record_gauges = [(_Family(name, "gauge", doc), field) for name, field, doc in _RECORD_GAUGES]
+        valid = _Family("elastron_job_validation_loss", "gauge", "Last validation loss.")
+        skipped = _Family(
+            "elastron_job_skipped_iterations_total", "counter", "Iterations skipped on fp16 overflow."
+        )
+        tokens = _Family("elastron_job_tokens_total", "counter", "Tokens trained.")
+        energy = _Family(
+            "elastron_job_energy_joules_total",
+            "counter",
+            "Energy of the job's devices (absent when unavailable).",
+        )
+        phases = _Family("elastron_job_phase_seconds", "gauge", "Engine timers, min/max over ranks.")
+        restarts = _Family("elastron_job_restarts_total", "counter", "Worker-group restarts.")
+        reruns = _Family("elastron_job_rerun_events_total", "counter", "Rerun state machine diagnoses.")
+        checkpoints = _Family("elastron_job_checkpoints_total", "counter", "Checkpoint saves.")
+        ckpt_bytes = _Family(
+            "elastron_job_checkpoint_bytes", "gauge", "Size of the last committed checkpoint."
+        )
+        step = _Family("elastron_job_step_seconds", "histogram", "Step time.")
+        ckpt_save = _Family(
+            "elastron_job_checkpoint_save_seconds", "histogram", "Time a checkpoint save took."
+        )
+
+        for job_id, tenant, job_state, iters, current, progress_at, record, stats in rows:
+            base = f'job="{_label(job_id)}",tenant="{_label(tenant)}"'
+            stats, record = stats or {}, record or {}
+            state.add(f'{base},state="{job_state}"', 1.0)  # the current state only: one series per job
+            for s, n in (stats.get("transitions") or {}).items():
+                transitions.add(f'{base},state="{_label(s)}"', n)
+            train_iters.add(base, iters)
+            if current is not None:
+                iteration.add(base, current)
+            if progress_at is not None:
+                progress.add(base, progress_at)
+            for family, field in record_gauges:
+                value = _number(record.get(field))
+                if value is not None:
+                    family.add(base, value)
+            if _number(stats.get("valid_loss")) is not None:
+                valid.add(base, stats["valid_loss"])
+            skipped.add(base, stats.get("skipped", 0))
+            tokens.add(base, stats.get("tokens", 0))
+            if "energy_j" in stats:
+                energy.add(base, stats["energy_j"])
+            for phase, pair in (stats.get("timers") or {}).items():
+                if isinstance(pair, list) and len(pair) == 2:
+                    for stat, value in zip(("min", "max"), pair, strict=True):
+                        if _number(value) is not None:
+                            phases.add(f'{base},phase="{_label(phase)}",stat="{stat}"', value)
+            for cause, n in (stats.get("restarts") or {}).items():
+                restarts.add(f'{base},cause="{_label(cause)}"', n)
+            for diagnosis, n in (stats.get("reruns") or {}).items():
+                reruns.add(f'{base},diagnosis="{_label(diagnosis)}"', n)
+            for result in ("success", "failure"):
+                checkpoints.add(f'{base},result="{result}"', (stats.get("checkpoints") or {}).get(result, 0))
+            if _number(stats.get("ckpt_bytes")) is not None:
+                ckpt_bytes.add(base, stats["ckpt_bytes"])
+            if stats.get("step"):  # histograms are absent until their first observation
+                step.histogram(base, stats["step"], job_stats.STEP_BUCKETS)
+            if stats.get("ckpt_save"):
+                ckpt_save.histogram(base, stats["ckpt_save"], job_stats.CHECKPOINT_BUCKETS)
+
+        families = (
+            jobs,
+            state,
+            transitions,
+            iteration,
+            train_iters,
+            progress,
+            *(f for f, _ in record_gauges),
+            valid,
+            skipped,
+            tokens,
+            energy,
+            phases,
+            restarts,
+            reruns,
+            checkpoints,
+            ckpt_bytes,
+            step,
+            ckpt_save,
+        )
+        return "".join(f.text() for f in families)
+
+
+class HttpMetrics:
+    """ASGI middleware: request count and latency by method, route template and status."""
+
+    def __init__(self, app: ASGIApp, registry: CollectorRegistry):
+        self.app = app
+        self.requests = Counter(
+            "elastron_http_requests",
+            "HTTP requests served.",
+            ["method", "route", "status"],
+            registry=registry,
+        )
+        self.latency = Histogram(
+            "elastron_http_request_duration_seconds",
+            "HTTP request latency.",
+            ["method", "route"],
+            registry=registry,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start, status = time.perf_counter(), 500
+
+        async def send_and_watch(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_and_watch)
+        finally:
+            route = (
+                getattr(scope.get("route"), "path", None) or "<unmatched>"
+            )  # the template, never the raw path
+            method = scope["method"] if scope["method"] in _METHODS else "OTHER"
+            self.requests.labels(method, route, str(status)).inc()
+            self.latency.labels(method, route).observe(time.perf_counter() - start)

@@ -1,0 +1,365 @@
+"""The background loop between the store and the launcher: launch, watch, stop.
+
+Every pass (every `reconcile_interval_s`, or sooner when a request nudges it):
+1. ask whether the launcher (Ray) is reachable; if not, stop here: queued jobs wait, running
+   jobs keep their last known state, and /readyz says why;
+2. once per API process, before anything else: reconcile every non-final job with Ray and
+   record what was found (still running, finished while the API was away, vanished);
+3. poll the submitted non-final jobs and apply what Ray reports;
+4. send stop requests for jobs whose cancel was recorded;
+5. launch queued jobs (oldest first, `dispatch_batch` per pass).
+
+Ordering that makes a crash at any point safe: a launch writes its submission id, attempt and
+telemetry token hash (an intent) and commits *before* calling Ray. After a crash the next pass
+finds the intent and asks Ray about that submission id: found -> the job is starting; missing
+(the call never reached Ray) -> the intent is dropped and the job is launched again with a
+fresh id and token. Ray calls run in a worker thread, never in a request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
+
+from service.launcher import Launcher, LauncherUnavailable, LaunchStatus, worker_env
+from service.settings import Settings
+from service.states import FINAL, JobState
+from service.store.db import in_transaction
+from service.store.jobs import add_event, fail, get_job, transition
+from service.store.models import Job, JobEvent
+from service.store.tokens import JOB_PREFIX, hash_secret, new_secret
+
+log = logging.getLogger(__name__)
+
+_NON_FINAL = [str(s) for s in JobState if s not in FINAL]
+_STILL_GOING = (LaunchStatus.PENDING, LaunchStatus.RUNNING)
+_EXIT_CODE = re.compile(r"exit code (-?\d+)")
+_EXIT_MEANING = {
+    16: "the rerun state machine needs the job resumed on other hardware, which the cluster lacks (exit 16)",
+    17: "a result failed validation (rerun state machine, exit 17): see the job's diagnosis events",
+}
+
+
+def failure_cause(message: str | None, fallback: str) -> str:
+    """A one-paragraph cause from the launcher's message (Ray's includes the last log lines)."""
+    if not message:
+        return fallback
+    match = _EXIT_CODE.search(message)
+    head = _EXIT_MEANING.get(int(match.group(1))) if match else None
+    text = message if len(message) <= 4000 else message[:2000] + "\n...\n" + message[-2000:]
+    return f"{head}: {text}" if head else text
+
+
+def _driver_reason(s: Session, job_id: str) -> str | None:
+    data = s.scalar(
+        select(JobEvent.data)
+        .where(JobEvent.job_id == job_id, JobEvent.kind == "job_failed")
+        .order_by(JobEvent.id.desc())
+        .limit(1)
+    )
+    reason = (data or {}).get("reason")
+    return reason if isinstance(reason, str) and reason else None
+
+
+class Reconciler:
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        launcher: Launcher,
+        settings: Settings,
+        *,
+        clock: Callable[[], float] = time.time,
+    ):
+        self.sessions, self.launcher, self.settings, self.clock = sessions, launcher, settings, clock
+        self.ray_reachable: bool | None = None  # None: not checked yet
+        self.ray_checked_at: float | None = None
+        self.reconciled_on_start = False
+        self._wake: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stopping = threading.Event()
+        self._tick_lock = threading.Lock()
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake = asyncio.Event()
+        while not self._stopping.is_set():
+            try:
+                await asyncio.to_thread(self.tick)
+            except Exception:
+                log.exception("reconcile pass failed; the next pass retries")
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=self.settings.reconcile_interval_s)
+            except TimeoutError:
+                pass
+            self._wake.clear()
+
+    def stop(self) -> None:
+        self._stopping.set()
+        self.nudge()
+
+    def nudge(self) -> None:
+        """Run a pass soon (after a submission or a cancel); safe from any thread."""
+        if self._loop is not None and self._wake is not None and not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    def tick(self) -> None:
+        with self._tick_lock:
+            if not self._check_launcher():
+                return
+            try:
+                if not self.reconciled_on_start:
+                    self._poll(on_start=True)
+                    self.reconciled_on_start = True
+                else:
+                    self._poll(on_start=False)
+                self._send_stops()
+                self._dispatch()
+            except LauncherUnavailable as err:  # Ray went away during the pass: try again later
+                self.ray_reachable = False
+                log.warning("reconcile pass cut short: %s", err)
+
+    def _check_launcher(self) -> bool:
+        ok = self.launcher.reachable()
+        if ok != self.ray_reachable:
+            (log.info if ok else log.warning)(
+                "%s is %s", self.launcher.describe(), "reachable" if ok else "unreachable: queued jobs wait"
+            )
+        self.ray_reachable, self.ray_checked_at = ok, self.clock()
+        return ok
+
+    # -- watch ------------------------------------------------------------------------------
+
+    def _poll(self, on_start: bool) -> None:
+        with self.sessions() as s:
+            rows = s.execute(
+                select(Job.id, Job.submission_id, Job.state)
+                .where(Job.state.in_(_NON_FINAL))
+                .order_by(Job.seq)
+            ).all()
+        if on_start:
+            for job_id, sid, _ in rows:
+                if sid is None:
+                    self._note_on_start(job_id)
+        submitted = {job_id: (sid, state) for job_id, sid, state in rows if sid is not None}
+        if not submitted:
+            return
+        found = self.launcher.statuses(sid for sid, _ in submitted.values())
+        for job_id, (sid, state) in submitted.items():
+            if self._stopping.is_set():
+                return
+            status = found.get(sid, LaunchStatus.MISSING)
+            if not on_start and status in _STILL_GOING and state != JobState.QUEUED:
+                continue  # nothing to record: no transaction
+            message = (
+                self.launcher.message(sid) if status in (LaunchStatus.FAILED, LaunchStatus.STOPPED) else None
+            )
+            try:
+                in_transaction(
+                    self.sessions,
+                    lambda s, j=job_id, i=sid, st=status, m=message: self._apply(s, j, i, st, m, on_start),
+                )
+            except Exception:
+                log.exception("job %s: could not apply launcher status %s", job_id, status)
+
+    def _note_on_start(self, job_id: str) -> None:
+        def note(s: Session) -> None:
+            job = get_job(s, job_id)
+            if job is not None and job.state == JobState.QUEUED and job.submission_id is None:
+                add_event(s, job, "reconciled", "API start: not launched yet, still queued")
+
+        in_transaction(self.sessions, note)
+
+    def _apply(
+        self, s: Session, job_id: str, sid: str, status: LaunchStatus, message: str | None, on_start: bool
+    ) -> None:
+        job = get_job(s, job_id)
+        if job is None or job.state in FINAL or job.submission_id != sid:
+            return  # finished or relaunched meanwhile
+        if on_start:
+            add_event(
+                s,
+                job,
+                "reconciled",
+                f"API start: {self.launcher.describe()} reports {status} for {sid}",
+                data={"submission_id": sid, "launcher_status": str(status)},
+            )
+        cancel = job.cancel_requested_at is not None
+        if status in _STILL_GOING:
+            if job.state == JobState.QUEUED:
+                transition(s, job, JobState.STARTING, f"submitted as {sid}")
+        elif status == LaunchStatus.SUCCEEDED:
+            transition(s, job, JobState.SUCCEEDED, f"{sid} finished successfully")
+        elif status in (LaunchStatus.FAILED, LaunchStatus.STOPPED) and cancel:
+            transition(s, job, JobState.CANCELLED, f"stopped on request ({sid} ended {status})")
+        elif status == LaunchStatus.STOPPED:
+            fail(s, job, failure_cause(message, f"{sid} was stopped outside elastron"), submission_id=sid)
+        elif status == LaunchStatus.FAILED:
+            # The driver's own verdict (its job_failed event) says it best; Ray's message (exit
+            # code and last log lines) stays in the event.
+            cause = _driver_reason(s, job.id) or failure_cause(message, f"{sid} failed without a message")
+            fail(s, job, cause, submission_id=sid, launcher_message=(message or "")[-4000:])
+        elif status == LaunchStatus.MISSING:
+            self._missing(s, job, sid, cancel)
+
+    def _missing(self, s: Session, job: Job, sid: str, cancel: bool) -> None:
+        if job.state == JobState.QUEUED:
+            # An intent whose submit never reached the launcher (or is still on its way from
+            # another replica: give it a few timeouts before calling it lost).
+            if self.clock() - (job.launched_at or 0) < 3 * self.settings.ray_timeout_s:
+                return
+            if cancel:
+                transition(s, job, JobState.CANCELLED, "cancelled before the launch reached Ray")
+                return
+            add_event(
+                s, job, "launch_lost", f"{sid} never reached {self.launcher.describe()}; launching again"
+            )
+            job.submission_id = None
+            job.telemetry_token_hash = None
+            return
+        if cancel:
+            transition(s, job, JobState.CANCELLED, f"stopped on request ({sid} is gone)")
+            return
+        fail(
+            s,
+            job,
+            f"the launched job {sid} vanished from {self.launcher.describe()} (the cluster restarted or its "
+            "record was deleted); submit it again (it resumes from its latest checkpoint with "
+            "checkpoint.resume: auto, or use checkpoint.resume_from)",
+            submission_id=sid,
+        )
+
+    # -- stop -------------------------------------------------------------------------------
+
+    def _send_stops(self) -> None:
+        resend_before = self.clock() - 30.0
+        with self.sessions() as s:
+            rows = s.execute(
+                select(Job.id, Job.submission_id, Job.stop_sent_at).where(
+                    Job.state.in_(_NON_FINAL),
+                    Job.cancel_requested_at.is_not(None),
+                    Job.submission_id.is_not(None),
+                )
+            ).all()
+        for job_id, sid, sent_at in rows:
+            if sent_at is not None and sent_at > resend_before:
+                continue
+            try:
+                stopped = self.launcher.stop(sid)
+            except LauncherUnavailable as err:
+                log.warning("job %s: stop deferred: %s", job_id, err)
+                return
+            except Exception:
+                log.exception("job %s: stopping %s failed", job_id, sid)
+                continue
+
+            def record(
+                s: Session, job_id: str = job_id, first: bool = sent_at is None, stopped: bool = stopped
+            ) -> None:
+                job = get_job(s, job_id)
+                if job is None or job.state in FINAL:
+                    return
+                job.stop_sent_at = self.clock()
+                if first:
+                    add_event(
+                        s,
+                        job,
+                        "stop_sent",
+                        f"asked {job.submission_id} to stop gracefully"
+                        if stopped
+                        else f"{job.submission_id} had already ended",
+                    )
+
+            in_transaction(self.sessions, record)
+
+    # -- launch -----------------------------------------------------------------------------
+
+    def _dispatch(self) -> None:
+        with self.sessions() as s:
+            ids = s.scalars(
+                select(Job.id)
+                .where(
+                    Job.state == JobState.QUEUED,
+                    Job.submission_id.is_(None),
+                    Job.cancel_requested_at.is_(None),
+                )
+                .order_by(Job.seq)
+                .limit(self.settings.dispatch_batch)
+            ).all()
+        for job_id in ids:
+            if self._stopping.is_set() or not self._launch(job_id):
+                return
+
+    def _launch(self, job_id: str) -> bool:
+        """Launch one job; False when the launcher became unavailable (stop dispatching)."""
+        token = new_secret(JOB_PREFIX)
+
+        def intent(s: Session) -> tuple[str, dict[str, Any]] | None:
+            job = get_job(s, job_id)
+            if job is None or job.state != JobState.QUEUED or job.submission_id or job.cancel_requested_at:
+                return None
+            job.attempt += 1
+            sid = f"elastron-{job.id}-{job.attempt}"
+            job.submission_id, job.launched_at = sid, self.clock()
+            job.telemetry_token_hash = hash_secret(token)
+            add_event(
+                s,
+                job,
+                "launch",
+                f"submitting to {self.launcher.describe()} as {sid}",
+                data={"submission_id": sid, "attempt": job.attempt},
+            )
+            return sid, job.spec
+
+        claimed = in_transaction(self.sessions, intent)
+        if claimed is None:
+            return True
+        sid, spec = claimed
+        spec_json = json.dumps(spec, separators=(",", ":"))
+        env = worker_env(job_id, spec_json, self.settings.api_url, token)
+        try:
+            self.launcher.submit(job_id, spec_json, env, submission_id=sid)
+        except LauncherUnavailable as err:
+            # Unknown whether it arrived: the intent stays and the next pass asks about `sid`.
+            log.warning("job %s: launch of %s deferred: %s", job_id, sid, err)
+            self.ray_reachable = False
+            return False
+        except Exception as err:
+            log.exception("job %s: launching %s failed", job_id, sid)
+            in_transaction(self.sessions, lambda s, e=err: self._launch_failed(s, job_id, sid, e))
+            return True
+
+        def started(s: Session) -> None:
+            job = get_job(s, job_id)
+            if job is not None and job.submission_id == sid and job.state == JobState.QUEUED:
+                transition(s, job, JobState.STARTING, f"submitted as {sid}")
+
+        in_transaction(self.sessions, started)
+        return True
+
+    def _launch_failed(self, s: Session, job_id: str, sid: str, err: Exception) -> None:
+        job = get_job(s, job_id)
+        if job is None or job.submission_id != sid or job.state != JobState.QUEUED:
+            return
+        job.launch_failures += 1
+        job.submission_id = None
+        job.telemetry_token_hash = None
+        add_event(
+            s,
+            job,
+            "launch_failed",
+            f"{self.launcher.describe()} refused {sid}: {err}",
+            data={"submission_id": sid, "error": str(err), "error_type": type(err).__name__},
+        )
+        if job.launch_failures >= self.settings.max_launch_attempts:
+            fail(s, job, f"could not launch after {job.launch_failures} attempts; last error: {err}")

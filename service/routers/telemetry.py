@@ -1,0 +1,59 @@
+"""/v1/internal/jobs/{job_id}/telemetry: metrics records and events from a job's workers.
+
+Accepted credentials: the job's own token (minted per launch attempt and passed to the workers
+as ELASTRON_API_TOKEN; it is good for this one job's telemetry and nothing else), or a user
+token of the job's tenant, or an admin token (for replaying a job's records by hand).
+"""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import APIRouter
+from sqlalchemy.orm import Session
+
+from service.auth import INVALID, MISSING, unauthorized
+from service.deps import Credentials, Ctx, JobId, not_found
+from service.schemas import Problem, TelemetryAck, TelemetryIn
+from service.states import JobState
+from service.store.db import in_transaction
+from service.store.jobs import get_job
+from service.store.telemetry import ingest
+from service.store.tokens import JOB_PREFIX, hash_secret
+
+router = APIRouter(prefix="/v1/internal", tags=["internal"])
+
+
+@router.post(
+    "/jobs/{job_id}/telemetry",
+    response_model=TelemetryAck,
+    responses={401: {"model": Problem}, 404: {"model": Problem}, 413: {"model": Problem}},
+)
+def post_telemetry(job_id: JobId, body: TelemetryIn, ctx: Ctx, credentials: Credentials) -> TelemetryAck:
+    """Ingest a batch (service/METRICS.md): idempotent, so the workers may resend after any error."""
+    if credentials is None:
+        raise unauthorized(MISSING)
+    secret = credentials.credentials
+    principal = None if secret.startswith(JOB_PREFIX) else ctx.tokens.lookup(secret)
+    if principal is None and not secret.startswith(JOB_PREFIX):
+        raise unauthorized(INVALID)
+    records = [r.model_dump(mode="python", exclude_unset=True) for r in body.records]
+    events = [e.model_dump(mode="python", exclude_unset=True) for e in body.events]
+
+    def apply(session: Session) -> TelemetryAck:
+        job = get_job(session, job_id)
+        if job is None:
+            raise not_found(job_id)
+        if principal is None:
+            expected = job.telemetry_token_hash or ""
+            if not hmac.compare_digest(expected, hash_secret(secret)):
+                raise unauthorized(
+                    f"this token is not valid for job {job_id!r} (a job token only works for the "
+                    "launch attempt it was made for)"
+                )
+        elif not principal.can_see(job.tenant):
+            raise not_found(job_id)
+        result = ingest(session, job, records, events)
+        return TelemetryAck(**vars(result), state=JobState(job.state))
+
+    return in_transaction(ctx.sessions, apply)

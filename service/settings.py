@@ -1,0 +1,68 @@
+"""Control-plane settings, read from `ELASTRON_*` environment variables.
+
+One object so the API, the reconciler, `elastron up` and the tests agree on every default; the
+tests build a `Settings(...)` directly instead of patching the environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def default_home() -> Path:
+    return Path.home() / ".elastron"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ELASTRON_", extra="ignore")
+
+    home: Path = Field(
+        default_factory=default_home,
+        description="Local state: the SQLite store, the token file, pid and log files of `elastron up`, checkpoints.",
+    )
+    database_url: str | None = Field(
+        None,
+        description="SQLAlchemy URL; default sqlite:///<home>/elastron.db. Postgres: postgresql+psycopg://...",
+    )
+    ray_address: str = Field(
+        "http://127.0.0.1:8265", description="The Ray dashboard (Jobs API) address jobs are submitted to."
+    )
+    api_url: str = Field(
+        "http://127.0.0.1:8000",
+        description="Where workers reach this API (passed to them as ELASTRON_API_URL).",
+    )
+    checkpoint_dir: str | None = Field(
+        None,
+        description="Default checkpoint root for jobs that set no checkpoint.path: each such job writes "
+        "under <checkpoint_dir>/<tenant>/<job id>/. Unset: such jobs do not checkpoint.",
+    )
+    worker_entrypoint: str = Field(
+        "elastron worker-run {job_id}", description="The Ray job's entrypoint; {job_id} is filled in."
+    )
+    ray_timeout_s: float = Field(5.0, gt=0, description="Longest wait on one Ray Jobs API call.")
+    reconcile_interval_s: float = Field(2.0, gt=0, description="How often non-final jobs are polled.")
+    dispatch_batch: int = Field(16, ge=1, description="Queued jobs launched per reconcile pass.")
+    max_launch_attempts: int = Field(5, ge=1, description="Failed submissions before a job is failed.")
+    max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
+    submit_rate_per_minute: float = Field(120.0, gt=0, description="Job submissions per tenant per minute.")
+    submit_burst: int = Field(
+        30, ge=1, description="Submissions a tenant may make at once before the rate applies."
+    )
+    metrics_retention_s: float = Field(
+        86400.0, ge=0, description="How long a finished job's series stay on /metrics."
+    )
+    metrics_require_token: bool = Field(
+        False, description="Require an admin bearer token on /metrics (default: open, like most exporters)."
+    )
+
+    @property
+    def resolved_database_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'elastron.db'}"
+
+    @property
+    def token_file(self) -> Path:
+        """Where `elastron up` stores the local admin token (mode 0600)."""
+        return self.home / "token"

@@ -1,0 +1,37 @@
+"""Job states and the transitions between them.
+
+The table is the one place that says which moves are legal, so a late telemetry batch or a
+stale Ray status can never move a finished job back to running: an illegal move is recorded as
+an event and ignored, not applied.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class JobState(StrEnum):
+    QUEUED = "queued"  # recorded, waiting for Ray
+    STARTING = "starting"  # submitted to Ray, no metrics record yet
+    RUNNING = "running"  # metrics records are arriving
+    RESTARTING = "restarting"  # the worker group restarts (a rank or node failed)
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+FINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
+
+_ENDINGS = {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
+ALLOWED: dict[JobState, frozenset[JobState]] = {
+    # queued -> running: the API stopped between submitting and recording it, and the first
+    # metrics record is how it learns the job started.
+    JobState.QUEUED: frozenset({JobState.STARTING, JobState.RUNNING, JobState.FAILED, JobState.CANCELLED}),
+    JobState.STARTING: frozenset({JobState.RUNNING, JobState.RESTARTING} | _ENDINGS),
+    JobState.RUNNING: frozenset({JobState.RESTARTING} | _ENDINGS),
+    JobState.RESTARTING: frozenset({JobState.RUNNING} | _ENDINGS),
+}
+
+
+def can_move(current: str, to: str) -> bool:
+    return JobState(to) in ALLOWED.get(JobState(current), frozenset())

@@ -1,0 +1,120 @@
+"""The store's tables (SQLAlchemy 2 declarative).
+
+Times are unix seconds (float) so SQLite and Postgres store and compare them the same way; the
+API turns them into ISO 8601. JSON columns hold what the engine and the workers send as they
+sent it (non-finite floats are turned into null first: Postgres' json type rejects NaN).
+
+`jobs.version` is an optimistic lock: the reconciler thread, telemetry requests and cancel
+requests all update job rows, and a write based on a stale read fails (and is retried) instead
+of silently undoing another writer's change.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Token(Base):
+    """A bearer token; only its sha256 is stored. Tokens are 256-bit random, so a fast hash suffices."""
+
+    __tablename__ = "tokens"
+    __table_args__ = (UniqueConstraint("secret_hash", name="uq_tokens_secret_hash"),)
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)  # public handle, e.g. tok_3f9a2c1b
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    secret_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[float] = mapped_column(Float)
+    revoked_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    __table_args__ = (
+        UniqueConstraint("id", name="uq_jobs_id"),
+        UniqueConstraint("tenant", "idempotency_key", name="uq_jobs_tenant_idempotency_key"),
+    )
+
+    seq: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)  # list order, cursors
+    id: Mapped[str] = mapped_column(String(96))
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    name: Mapped[str] = mapped_column(String(64))
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(16), index=True)
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+    started_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True, index=True)
+    idempotency_key: Mapped[str | None] = mapped_column(String(255), nullable=True)
+    request_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # Launch: the submission id and the telemetry token's hash are written before Ray is called.
+    submission_id: Mapped[str | None] = mapped_column(String(160), nullable=True)
+    attempt: Mapped[int] = mapped_column(Integer, default=0)
+    launched_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    launch_failures: Mapped[int] = mapped_column(Integer, default=0)
+    telemetry_token_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    cancel_requested_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    stop_sent_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    # Progress, from telemetry.
+    train_iters: Mapped[int] = mapped_column(Integer)
+    current_iteration: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    iteration_epoch: Mapped[int] = mapped_column(Integer, default=0)
+    last_record: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    last_progress_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    restarts: Mapped[int] = mapped_column(Integer, default=0)
+    latest_checkpoint: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+    failure_cause: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # Counters and histograms behind the job's Prometheus series (service/metrics.py), kept
+    # here so a restarted API continues them instead of resetting them.
+    stats: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    version: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
+
+    __mapper_args__ = {"version_id_col": version}
+
+
+class JobEvent(Base):
+    __tablename__ = "job_events"
+    __table_args__ = (UniqueConstraint("job_id", "dedup_key", name="uq_job_events_dedup"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    ts: Mapped[float] = mapped_column(Float)  # when it happened (the sender's clock for telemetry)
+    recorded_at: Mapped[float] = mapped_column(Float)
+    kind: Mapped[str] = mapped_column(String(64))
+    iteration: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    data: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # Telemetry events are delivered at least once: the hash of the event's content.
+    dedup_key: Mapped[str | None] = mapped_column(String(64), nullable=True)
+
+
+class JobMetric(Base):
+    """One engine metrics record per (job, iteration); `epoch` = the job's restart count when stored."""
+
+    __tablename__ = "job_metrics"
+
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    iteration: Mapped[int] = mapped_column(Integer, primary_key=True)
+    epoch: Mapped[int] = mapped_column(Integer, default=0)
+    recorded_at: Mapped[float] = mapped_column(Float)
+    record: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+class Checkpoint(Base):
+    __tablename__ = "job_checkpoints"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    iteration: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    uri: Mapped[str | None] = mapped_column(Text, nullable=True)
+    bytes: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
+    result: Mapped[str] = mapped_column(String(16))  # success | failure
+    ts: Mapped[float] = mapped_column(Float)

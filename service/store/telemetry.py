@@ -1,0 +1,250 @@
+"""Apply one telemetry batch (service/METRICS.md's wire format) to a job, in one transaction.
+
+Delivery is at least once, so everything here is idempotent:
+- a record whose iteration is already stored is ignored, unless the stored one comes from an
+  earlier run of the job (its `attempt`, or the restarts reported before it, is lower): then the
+  run resumed from an earlier checkpoint and redid that iteration, and the newer record
+  replaces it;
+- an event is stored once, keyed by its `id` field when the sender gives one, else by a hash
+  of its content (the engine's events carry a timestamp, rank and host, so two real events
+  never hash alike).
+Events are applied before records: a batch holding a restart and the records after it counts
+those records in the new epoch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import insert, select, update
+from sqlalchemy.orm import Session
+
+from service.states import FINAL, JobState
+from service.store import stats as job_stats
+from service.store.jobs import add_event, transition
+from service.store.models import Checkpoint, Job, JobEvent, JobMetric
+
+# METRICS.md names `restart` (with `cause`); the workers' driver also says `restarting`.
+RESTART_KINDS = ("restart", "restarting")
+
+
+@dataclass
+class IngestResult:
+    records_accepted: int = 0
+    records_replaced: int = 0
+    records_ignored: int = 0
+    events_accepted: int = 0
+    events_duplicate: int = 0
+
+
+def finite(value: Any) -> Any:
+    """JSON-safe copy: NaN and infinities become null (Postgres json and strict JSON refuse them)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {str(k): finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite(v) for v in value]
+    return value
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if math.isfinite(value) else None
+
+
+def event_key(event: dict[str, Any]) -> str:
+    if isinstance(event.get("id"), str | int):
+        return hashlib.sha256(f"id:{event['id']}".encode()).hexdigest()
+    return hashlib.sha256(json.dumps(event, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def ingest(
+    session: Session, job: Job, records: list[dict[str, Any]], events: list[dict[str, Any]]
+) -> IngestResult:
+    result = IngestResult()
+    stats = job_stats.editable(job.stats)
+    _apply_events(session, job, [finite(e) for e in events], stats, result)
+    _apply_records(session, job, [finite(r) for r in records], stats, result)
+    job.stats = stats
+    job.updated_at = time.time()
+    return result
+
+
+def _event_message(kind: str, event: dict[str, Any]) -> str | None:
+    if kind in RESTART_KINDS:
+        return f"worker group restart: {event.get('cause') or event.get('reason') or 'unknown cause'}"
+    if kind == "diagnosis":
+        return f"rerun state machine diagnosis: {event.get('diagnosis')}"
+    if kind == "checkpoint_saved":
+        return f"checkpoint saved: {event.get('uri')}"
+    if kind == "checkpoint_failed":
+        return f"checkpoint save failed: {event.get('error') or event.get('message') or 'no detail'}"
+    text = event.get("message")
+    return text if isinstance(text, str) else None
+
+
+def _apply_events(session: Session, job: Job, events: list[dict], stats: dict, result: IngestResult) -> None:
+    if not events:
+        return
+    keyed = [(event_key(e), e) for e in events]
+    known = set(
+        session.scalars(
+            select(JobEvent.dedup_key).where(
+                JobEvent.job_id == job.id, JobEvent.dedup_key.in_({k for k, _ in keyed})
+            )
+        )
+    )
+    for key, event in keyed:
+        if key in known:
+            result.events_duplicate += 1
+            continue
+        known.add(key)
+        result.events_accepted += 1
+        kind = str(event["kind"])
+        iteration = event.get("iteration") if isinstance(event.get("iteration"), int) else None
+        ts = _number(event.get("ts"))
+        add_event(
+            session,
+            job,
+            kind,
+            _event_message(kind, event),
+            iteration=iteration,
+            data=event,
+            ts=ts,
+            dedup_key=key,
+        )
+        if kind in RESTART_KINDS:
+            cause = str(event.get("cause") or "unknown")[:64]
+            job.restarts += 1
+            job_stats.count(stats, "restarts", cause)
+            if job.state not in FINAL:
+                transition(session, job, JobState.RESTARTING, f"worker group restart: {cause}", stats=stats)
+        elif kind == "diagnosis" and event.get("diagnosis"):
+            job_stats.count(stats, "reruns", str(event["diagnosis"]))
+        elif kind in ("checkpoint_saved", "checkpoint_failed"):
+            _apply_checkpoint(session, job, kind, event, iteration, ts, stats)
+
+
+def _apply_checkpoint(
+    session: Session, job: Job, kind: str, event: dict, iteration: int | None, ts: float | None, stats: dict
+) -> None:
+    ok = kind == "checkpoint_saved"
+    seconds, size = _number(event.get("seconds")), _number(event.get("bytes"))
+    uri = event.get("uri") if isinstance(event.get("uri"), str) else None
+    row = Checkpoint(
+        job_id=job.id,
+        iteration=iteration,
+        uri=uri,
+        bytes=int(size) if size is not None else None,
+        seconds=seconds,
+        result="success" if ok else "failure",
+        ts=ts or time.time(),
+    )
+    session.add(row)
+    job_stats.count(stats, "checkpoints", row.result)
+    if not ok:
+        return
+    if seconds is not None:
+        job_stats.observe(stats, "ckpt_save", job_stats.CHECKPOINT_BUCKETS, seconds)
+    if size is not None:
+        stats["ckpt_bytes"] = size
+    latest = job.latest_checkpoint or {}
+    if iteration is None or latest.get("iteration") is None or iteration >= latest["iteration"]:
+        job.latest_checkpoint = {
+            "iteration": iteration,
+            "uri": uri,
+            "bytes": row.bytes,
+            "seconds": seconds,
+            "ts": row.ts,
+        }
+
+
+def _epoch(record: dict, job: Job) -> int:
+    """Which run of the job a record comes from: the workers' `attempt` when they send it (it grows
+    with every restart of the worker group), else the number of restarts reported so far."""
+    attempt = record.get("attempt")
+    return attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else job.restarts
+
+
+def _apply_records(
+    session: Session, job: Job, records: list[dict], stats: dict, result: IngestResult
+) -> None:
+    if not records:
+        return
+    batch: dict[int, tuple[int, dict]] = {}
+    for record in records:  # one record per iteration: the newest run's
+        epoch, iteration = _epoch(record, job), int(record["iteration"])
+        if iteration not in batch or epoch >= batch[iteration][0]:
+            batch[iteration] = (epoch, record)
+    stored = dict(
+        session.execute(
+            select(JobMetric.iteration, JobMetric.epoch).where(
+                JobMetric.job_id == job.id, JobMetric.iteration.in_(batch)
+            )
+        ).all()
+    )
+    now = time.time()
+    inserts, applied = [], []
+    for iteration in sorted(batch):
+        epoch, record = batch[iteration]
+        if iteration in stored:
+            if stored[iteration] >= epoch:
+                result.records_ignored += 1
+                continue
+            session.execute(
+                update(JobMetric)
+                .where(JobMetric.job_id == job.id, JobMetric.iteration == iteration)
+                .values(record=record, epoch=epoch, recorded_at=now)
+            )
+            result.records_replaced += 1
+        else:
+            inserts.append(
+                {
+                    "job_id": job.id,
+                    "iteration": iteration,
+                    "epoch": epoch,
+                    "recorded_at": now,
+                    "record": record,
+                }
+            )
+            result.records_accepted += 1
+        applied.append((epoch, iteration, record))
+        _count_record(stats, record)
+    if inserts:
+        session.execute(insert(JobMetric), inserts)
+    if not applied:
+        return
+    epoch, top, newest = max(applied, key=lambda a: (a[0], a[1]))
+    current = (job.iteration_epoch, job.current_iteration if job.current_iteration is not None else -1)
+    if (epoch, top) >= current:  # a newer run, or further in the same run
+        job.current_iteration, job.iteration_epoch = top, epoch
+        job.last_record = newest
+        job.last_progress_at = now
+    if job.state in (JobState.QUEUED, JobState.STARTING):
+        transition(session, job, JobState.RUNNING, f"first metrics record (iteration {top})", stats=stats)
+    elif job.state == JobState.RESTARTING:
+        transition(session, job, JobState.RUNNING, f"training resumed (iteration {top})", stats=stats)
+
+
+def _count_record(stats: dict, record: dict) -> None:
+    for field, key in (("tokens", "tokens"), ("energy_j", "energy_j")):
+        value = _number(record.get(field))
+        if value is not None:
+            job_stats.add(stats, key, value)
+    if record.get("skipped") is True:
+        job_stats.add(stats, "skipped", 1)
+    step = _number(record.get("step_time_s"))
+    if step is not None:
+        job_stats.observe(stats, "step", job_stats.STEP_BUCKETS, step)
+    if isinstance(record.get("timers"), dict) and record["timers"]:
+        stats["timers"] = record["timers"]
+    valid = _number(record.get("valid_loss"))
+    if valid is not None:
+        stats["valid_loss"] = valid

@@ -1,0 +1,99 @@
+"""Turn a submitted job specification into the one the job runs with.
+
+Two service-side rules on top of engine/jobspec.py:
+- with `ELASTRON_CHECKPOINT_DIR` set, a job without `checkpoint.path` checkpoints under
+  `<dir>/<tenant>`;
+- `checkpoint.resume_from: job:ID` (or `job:ID/iter_0000100`) starts from another job's
+  checkpoint: the reference is resolved to where that job wrote them, only among the jobs the
+  caller may see.
+Where a job writes: the workers namespace every job by its id (workers/driver.py
+`prepare_spec`: `<checkpoint.path>/<job id>/`, so two jobs with the same name never resume from
+each other's checkpoints) and the engine adds the job's name: `<checkpoint.path>/<job id>/<name>/`.
+The result is validated again with the same rules as the submission.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from typing import Any
+
+from sqlalchemy.orm import Session
+
+from engine.jobspec import JobSpec, JobSpecError, parse_job
+from service.settings import Settings
+from service.store.jobs import get_job
+from service.store.tokens import Principal
+
+_FIELD = re.compile(r"^([a-z_]+(?:\.[a-z_0-9]+|\[\d+\])*)")
+_ITER_DIR = re.compile(r"^iter_\d{7,}$")
+
+
+class SpecProblem(ValueError):
+    """A job specification the service cannot accept: (field path, message naming the fix)."""
+
+    def __init__(self, problems: list[tuple[str, str]]):
+        super().__init__("\n".join(m for _, m in problems))
+        self.problems = problems
+
+
+def problems_from_text(text: str) -> list[tuple[str, str]]:
+    """Split a JobSpecError's lines into (field, message); the field is where the line starts."""
+    out = []
+    for line in text.splitlines():
+        match = _FIELD.match(line)
+        out.append((match.group(1) if match and "." in match.group(1) else "", line))
+    return out
+
+
+def job_checkpoint_root(path: str, job_id: str, name: str) -> str:
+    """The folder holding a job's `iter_NNNNNNN` checkpoints, given its `checkpoint.path`."""
+    return f"{path.rstrip('/')}/{job_id}/{name}"
+
+
+def request_hash(spec: JobSpec) -> str:
+    return hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
+
+
+def effective_spec(
+    spec: JobSpec, *, job_id: str, caller: Principal, settings: Settings, session: Session
+) -> dict[str, Any]:
+    data = spec.model_dump(mode="json")
+    checkpoint = data["checkpoint"]
+    resume_from = checkpoint.get("resume_from") or ""
+    if resume_from.startswith("job:"):
+        checkpoint["resume_from"] = _resolve_job_checkpoint(resume_from, caller, session)
+    if checkpoint.get("path") is None and settings.checkpoint_dir:
+        checkpoint["path"] = f"{settings.checkpoint_dir.rstrip('/')}/{caller.tenant}"
+    try:
+        return parse_job(data).model_dump(mode="json")
+    except JobSpecError as err:
+        raise SpecProblem(problems_from_text(str(err))) from None
+
+
+def _resolve_job_checkpoint(ref: str, caller: Principal, session: Session) -> str:
+    field = "checkpoint.resume_from"
+    source_id, _, sub = ref.removeprefix("job:").partition("/")
+    source = get_job(session, source_id) if source_id else None
+    if source is None or not caller.can_see(source.tenant):
+        raise SpecProblem(
+            [(field, f"{field}: no job {source_id!r} to resume from (job:ID names one of your jobs)")]
+        )
+    root = (source.spec.get("checkpoint") or {}).get("path")
+    if not root:
+        raise SpecProblem(
+            [(field, f"{field}: job {source_id} has no checkpoint.path, so it saved no checkpoints")]
+        )
+    if sub and not _ITER_DIR.match(sub):
+        raise SpecProblem(
+            [
+                (
+                    field,
+                    f"{field}: {sub!r} is not a checkpoint folder: use job:{source_id} (newest) "
+                    f"or job:{source_id}/iter_NNNNNNN",
+                )
+            ]
+        )
+    location = job_checkpoint_root(root, source.id, source.spec["name"])
+    return f"{location}/{sub}" if sub else location
