@@ -24,6 +24,7 @@ import os
 import re
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -81,6 +82,7 @@ class Checkpointer:
         self._pending_error: BaseException | None = None
         self._group = None
         self._host_buffers: dict = {}
+        self._started = 0.0  # when the save in progress began (saves never overlap)
         if self.spec.path:
             self.storage = open_storage(
                 self.spec.path, endpoint_url=self.spec.endpoint_url, region=self.spec.region
@@ -95,10 +97,15 @@ class Checkpointer:
         if self.storage is None:
             raise RuntimeError("checkpoint.path is not set: nowhere to save")
         self.wait()
+        self._started = time.perf_counter()
         state = ckpt_state.build_state_dict(trainer)
         meta = self._meta()
         if not self.spec.async_save:
-            self._write(state, trainer.iteration, meta, group=None)
+            try:
+                self._write(state, trainer.iteration, meta, group=None)
+            except Exception as err:
+                self._failed(trainer.iteration, err)
+                raise
             return
         if self._group is None:  # its own group: background collectives never meet training's
             self._group = dist.new_group(backend="gloo")
@@ -122,7 +129,13 @@ class Checkpointer:
             self._write(state, iteration, meta, group=self._group)
         except BaseException as err:  # noqa: BLE001 - handed to the training thread by wait()
             log.exception("background checkpoint save of iteration %d failed", iteration)
+            self._failed(iteration, err)
             self._pending_error = err
+
+    def _failed(self, iteration: int, err: BaseException) -> None:
+        self.trainer.events.append(
+            "checkpoint_failed", iteration=iteration, message=f"{type(err).__name__}: {err}"
+        )
 
     def _write(self, state: dict, iteration: int, meta: dict, group) -> None:
         key = iteration_key(self.job_root, iteration)
@@ -142,6 +155,14 @@ class Checkpointer:
         if rank == 0:
             files = [e for per_rank in gathered for e in per_rank]
             commit_checkpoint(self.storage, self.job_root, iteration, files, meta, keep=self.spec.keep)
+            # The job's event record (and through the workers, the control plane) learns of it.
+            self.trainer.events.append(
+                "checkpoint_saved",
+                iteration=iteration,
+                seconds=time.perf_counter() - self._started,
+                bytes=sum(e.size for e in files),
+                uri=f"{self.spec.path.rstrip('/')}/{key}",
+            )
         dist.barrier(group=group)
 
     def _meta(self) -> dict:

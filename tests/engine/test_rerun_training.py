@@ -123,6 +123,10 @@ def test_transient_injection_continues_and_ends_on_the_clean_runs_loss(tmp_path)
     assert train_spawned(tmp_path, injected) == 0
 
     events = read_jsonl(tmp_path / "events.jsonl")
+    saved = [e for e in events if e["kind"] == "checkpoint_saved"]
+    assert [e["iteration"] for e in saved] == [2, 4, 6] and all(e["rank"] == 0 for e in saved)
+    assert all(e["bytes"] > 100_000 and e["seconds"] > 0 for e in saved)
+    assert saved[0]["uri"] == f"{tmp_path / 'ckpt'}/rerun/iter_0000002"
     diagnoses = [e for e in events if e["kind"] == "diagnosis"]
     assert {e["rank"] for e in diagnoses} == {0, 1}
     assert {(e["iteration"], e["diagnosis"]) for e in diagnoses} == {(bad_iteration, "transient_error")}
