@@ -640,7 +640,7 @@ class S3Storage(Storage):
         self._buffers = _SendBuffers(self.max_workers + 2)
         # Reads come from the caller's threads as well as from the pool: this keeps the GETs in
         # flight at max_workers however the two add up.
-        self._gets = threading.BoundedSemaphore(100)
+        self._gets = threading.BoundedSemaphore(self.max_workers)
 
     # A boto3 client, threads and locks do not pickle; rebuild them on the other side (Ray
     # actors, spawn workers, the resume fetcher's all-gather).
