@@ -171,7 +171,7 @@ def test_correct_result_injection_exits_16_until_moved_then_17(tmp_path):
     events = read_jsonl(tmp_path / "events.jsonl")
     exits = [(e["host"], e["exit_code"], e["diagnosis"]) for e in events if e["kind"] == "exit"]
     assert exits == [("node-a", 16, None), ("node-a", 16, None), ("node-b", 17, "correct_result")]
-    assert {e["iteration"] for e in events} == {bad_iteration}
+    assert {e["iteration"] for e in events if not e["kind"].startswith("checkpoint")} == {bad_iteration}
 
 
 # ---------------------------------------------------------------- a real NaN from the data
@@ -244,4 +244,7 @@ def test_nan_from_a_poisoned_sample_is_diagnosed_correct_result_and_skipped_when
     assert out["consumed"] == (6 + 1) * 4  # one global batch skipped
     assert out["summary"]["skipped_batches"] == 1
     assert all(v == v for v in out["losses"].values())  # no NaN trained on
-    assert read_jsonl(tmp_path / "events.jsonl")[-1]["kind"] == "batch_skipped"
+    kinds = [
+        e["kind"] for e in read_jsonl(tmp_path / "events.jsonl") if not e["kind"].startswith("checkpoint")
+    ]
+    assert kinds[-1] == "batch_skipped"
