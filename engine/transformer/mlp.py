@@ -7,10 +7,10 @@ so each TP rank holds [gate_r; up_r] and the activation needs no communication.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from engine.transformer.activations import activation
 from engine.transformer.config import TransformerConfig
 
 
@@ -39,10 +39,4 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear_fc1(x)
-        if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        else:
-            y = F.gelu(y)
-        return self.linear_fc2(y)
+        return self.linear_fc2(activation(self.linear_fc1(x), self.swiglu))

@@ -12,8 +12,9 @@ data-parallel group and every rank's experts count in the gradient norm.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from engine.transformer.activations import activation
 
 
 class ExpertMLP(nn.Module):
@@ -29,13 +30,7 @@ class ExpertMLP(nn.Module):
             p.expert = True
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear_fc1(x)
-        if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            y = F.silu(gate) * up
-        else:
-            y = F.gelu(y)
-        return self.linear_fc2(y)
+        return self.linear_fc2(activation(self.linear_fc1(x), self.swiglu))
 
 
 class LocalExperts(nn.Module):
