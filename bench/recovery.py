@@ -1,0 +1,295 @@
+"""Recovery and overhead of jobs on Ray (workers/), against references in the same process.
+
+Figures (one JSON line each):
+
+- recovery: a 2-rank job on local Ray, one rank killed with SIGKILL mid-interval between two
+  checkpoints (its pid from the rank's own report). `sigkill_to_first_step_s`: from the kill to
+  the first step completed after the resume, split into `detect_s` (kill -> the driver has the
+  failure), `restart_s` (-> the new ranks are up) and `resume_s` (-> the resumed job's first
+  step); `steps_reexecuted`: steps done before the kill that ran again (those after the last
+  committed checkpoint); `ratio_over_cold_start`: the recovery time over the same job's cold
+  start (fit() -> its first step) in the same run.
+- overhead: the same spec trained by the engine's local launcher (what `elastron train` runs:
+  `engine.launcher.spawn(train_rank)`) and by `workers` on Ray, steady-state iterations only,
+  alternating `--rounds` times; `ratio_ray_over_local` for the step time the engine measures
+  (`step_time_s`, the same code in both) and for the wall time per iteration (the loop,
+  telemetry included), per round and the median.
+- telemetry: what one `TelemetrySender.record()` call (rank 0's per-step cost) takes while the
+  sender thread POSTs batches to a live receiver.
+
+    python bench/recovery.py [--repeats 1] [--rounds 3] [--iterations 40] [--skip recovery|overhead]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SMALL = {
+    "name": "bench-recovery",
+    "model": {
+        "arch": "llama",
+        "num_layers": 2,
+        "hidden_size": 64,
+        "num_attention_heads": 4,
+        "seq_length": 32,
+    },
+    "data": {"source": "text"},
+    "training": {"global_batch_size": 4, "micro_batch_size": 2, "train_iters": 400, "seed": 5},
+    "optimizer": {"lr": 2e-3},
+    "checkpoint": {"interval": 10},
+    "resources": {"ranks": 2, "device": "cpu"},
+}
+# Big enough that a step is tens of milliseconds, so per-step overheads show.
+MEDIUM = {
+    "name": "bench-overhead",
+    "model": {
+        "arch": "llama",
+        "num_layers": 4,
+        "hidden_size": 256,
+        "num_attention_heads": 8,
+        "seq_length": 128,
+    },
+    "data": {"source": "synthetic"},
+    "training": {
+        "global_batch_size": 8,
+        "micro_batch_size": 2,
+        "train_iters": 60,
+        "seed": 5,
+        "log_interval": 1000,
+    },
+    "optimizer": {"lr": 1e-4},
+    "resources": {"ranks": 2, "device": "cpu"},
+}
+WARMUP = 5
+
+
+def emit(**fields) -> None:
+    print(json.dumps({"bench": "recovery", **fields}), flush=True)
+
+
+class Receiver:
+    """The control plane's telemetry endpoint, reduced to collecting what arrives."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+        self.events: list[dict] = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                batch = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.records.extend(batch["records"])
+                outer.events.extend(batch["events"])
+                self.send_response(200)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+
+
+def wait_for(what, timeout_s: float = 600):
+    deadline = time.monotonic() + timeout_s
+    while not (value := what()):
+        if time.monotonic() > deadline:
+            raise TimeoutError("bench: gave up waiting")
+        time.sleep(0.01)
+    return value
+
+
+def run_on_ray(job_id: str, spec: dict, storage: str):
+    from engine.jobspec import parse_job
+    from workers.driver import WorkerRunOptions, run_job
+
+    return run_job(
+        job_id, parse_job(spec), WorkerRunOptions(storage_path=storage, quiet=True, flush_interval_s=0.1)
+    )
+
+
+def recovery(receiver: Receiver, workdir: Path, repeat: int) -> None:
+    job_id = f"recovery-{repeat}"
+    spec = json.loads(json.dumps(SMALL))
+    spec["checkpoint"]["path"] = str(workdir / "ckpt")
+    spec["resilience"] = {"max_restarts": 1}
+    marks: dict = {}
+
+    def kill():
+        started = wait_for(lambda: [e for e in receiver.events if e["kind"] == "ranks_started"][-1:])
+        victim = next(r for r in started[0]["ranks"] if r["rank"] == 1)
+        # Mid-interval: the checkpoint at 10 is committed, the one at 20 is not yet due.
+        wait_for(lambda: any(r["iteration"] >= 15 for r in receiver.records))
+        marks["killed_at"] = time.time()
+        os.kill(victim["pid"], signal.SIGKILL)
+
+    receiver.records.clear()
+    receiver.events.clear()
+    killer = threading.Thread(target=kill, daemon=True)
+    killer.start()
+    marks["fit_at"] = time.time()
+    result = run_on_ray(job_id, spec, str(workdir / "runs"))
+    killer.join(timeout=60)
+    if result.exit_code != 0 or "killed_at" not in marks:
+        raise SystemExit(f"bench: the job did not recover: {result}")
+    records = receiver.records
+    before = [r for r in records if r["attempt"] == 0 and r["ts"] <= marks["killed_at"]]
+    after = [r for r in records if r["attempt"] == 1]
+    failed = next(e for e in receiver.events if e["kind"] == "attempt_failed")
+    restarted = next(e for e in receiver.events if e["kind"] == "ranks_started" and e["attempt"] == 1)
+    first_started = next(e for e in receiver.events if e["kind"] == "ranks_started" and e["attempt"] == 0)
+    cold = min(r["ts"] for r in records if r["attempt"] == 0) - marks["fit_at"]
+    seconds = after[0]["ts"] - marks["killed_at"]
+    resumed_from = after[0]["iteration"] - 1
+    emit(
+        figure="sigkill_to_first_step_s",
+        value=round(seconds, 2),
+        detect_s=round(failed["ts"] - marks["killed_at"], 2),
+        restart_s=round(restarted["ts"] - failed["ts"], 2),
+        resume_s=round(after[0]["ts"] - restarted["ts"], 2),
+        repeat=repeat,
+    )
+    emit(
+        figure="steps_reexecuted",
+        value=max(r["iteration"] for r in before) - resumed_from,
+        killed_after_iteration=max(r["iteration"] for r in before),
+        resumed_from_checkpoint=resumed_from,
+        checkpoint_interval=SMALL["checkpoint"]["interval"],
+        repeat=repeat,
+    )
+    emit(
+        figure="cold_start_to_first_step_s",
+        value=round(cold, 2),
+        ranks_up_s=round(first_started["ts"] - marks["fit_at"], 2),
+        repeat=repeat,
+    )
+    emit(figure="ratio_over_cold_start", value=round(seconds / cold, 3), repeat=repeat)
+
+
+def _stamp(record: dict) -> None:
+    record["ts"] = time.time()  # the same dict train_rank keeps and returns
+
+
+def local_run(spec: dict) -> list[dict]:
+    from engine.launcher import spawn
+    from engine.training import train_rank
+
+    return spawn(train_rank, 2, (spec, None, True, None, _stamp), timeout_s=1800)[0]
+
+
+def steady(records: list[dict]) -> tuple[float, float]:
+    """(median step_time_s, median wall seconds per iteration) after the warm-up."""
+    recs = [r for r in records if r["iteration"] > WARMUP]
+    walls = [
+        b["ts"] - a["ts"]
+        for a, b in zip(recs, recs[1:], strict=False)
+        if b["iteration"] == a["iteration"] + 1
+    ]
+    return statistics.median(r["step_time_s"] for r in recs), statistics.median(walls)
+
+
+def overhead(receiver: Receiver, workdir: Path, iterations: int, rounds: int) -> None:
+    """Local and Ray runs alternate, so load from elsewhere on the machine hits both."""
+    spec = json.loads(json.dumps(MEDIUM))
+    spec["training"]["train_iters"] = iterations
+    base = {"model": "llama-4L-h256-s128-b8", "ranks": 2}
+    ratios: dict[str, list[float]] = {"step_time_s": [], "wall_s_per_iteration": []}
+    for r in range(rounds):
+        local = steady(local_run(spec))
+        receiver.records.clear()
+        result = run_on_ray(f"overhead-{r}", spec, str(workdir / f"runs-{r}"))
+        if result.exit_code != 0:
+            raise SystemExit(f"bench: the Ray run failed: {result}")
+        on_ray = steady(receiver.records)
+        for i, figure in enumerate(ratios):
+            ratios[figure].append(on_ray[i] / local[i])
+            emit(
+                figure=figure,
+                **base,
+                round=r,
+                local=round(local[i], 4),
+                ray=round(on_ray[i], 4),
+                ratio_ray_over_local=round(on_ray[i] / local[i], 3),
+            )
+    for figure, values in ratios.items():
+        emit(
+            figure=f"{figure}_ratio_ray_over_local",
+            **base,
+            value=round(statistics.median(values), 3),
+            rounds=rounds,
+        )
+
+
+def telemetry_cost(receiver: Receiver, calls: int = 20000) -> None:
+    """What rank 0's per-step telemetry costs the training loop: one `record()` call, measured
+    while the sender thread batches and POSTs to a live receiver."""
+    from workers.telemetry import TelemetrySender, telemetry_url
+
+    with tempfile.TemporaryDirectory() as spool:
+        sender = TelemetrySender(
+            telemetry_url(receiver.url, "cost"), "cost", "rank-0", spool_dir=spool, flush_interval_s=0.05
+        ).start()
+        record = {"iteration": 0, "loss": 1.0, "timers": {"forward-backward": [0.1, 0.2]}, "rerun": {}}
+        samples = []
+        for i in range(calls):
+            t = time.perf_counter_ns()
+            sender.record({**record, "iteration": i, "ts": time.time()})
+            samples.append(time.perf_counter_ns() - t)
+        sender.close(30)
+    samples.sort()
+    emit(
+        figure="telemetry_record_call_us",
+        value=round(statistics.median(samples) / 1000, 2),
+        p99_us=round(samples[int(0.99 * len(samples))] / 1000, 2),
+        calls=calls,
+        delivered_batches=sender.delivered_batches,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=1, help="recovery measurements")
+    parser.add_argument("--rounds", type=int, default=3, help="local/Ray alternations for the overhead")
+    parser.add_argument("--iterations", type=int, default=40, help="iterations per overhead run")
+    parser.add_argument("--skip", choices=["recovery", "overhead"], default=None)
+    args = parser.parse_args()
+
+    receiver = Receiver()
+    ray_tmp = tempfile.mkdtemp(prefix="elr-bench-", dir="/tmp")  # a Ray of our own on this machine
+    os.environ.update(RAY_TMPDIR=ray_tmp, ELASTRON_API_URL=receiver.url)
+    os.environ.pop("ELASTRON_API_TOKEN", None)
+    import ray
+
+    with tempfile.TemporaryDirectory(prefix="elastron-bench-recovery-") as tmp:
+        os.environ["ELASTRON_SPOOL_DIR"] = str(Path(tmp) / "spool")
+        ray.init(address="local", num_cpus=2, include_dashboard=True, log_to_driver=False)
+        try:
+            telemetry_cost(receiver)
+            if args.skip != "recovery":
+                for repeat in range(args.repeats):
+                    recovery(receiver, Path(tmp) / f"recovery-{repeat}", repeat)
+            if args.skip != "overhead":
+                overhead(receiver, Path(tmp) / "overhead", args.iterations, args.rounds)
+        finally:
+            ray.shutdown()
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

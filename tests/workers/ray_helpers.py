@@ -1,0 +1,87 @@
+"""Helpers shared by the Ray test modules: run a job, read what it sent, check what it left."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from engine.jobspec import parse_job
+from engine.rerun_state_machine import Diagnosis, ErrorInjector
+from tests.workers.telemetry_server import TelemetryServer
+from workers.driver import JobResult, WorkerRunOptions, run_job
+
+ROOT = Path(__file__).resolve().parents[2]
+ELASTRON = [sys.executable, "-m", "service.cli"]
+
+
+def run(job_id: str, spec: dict, storage: Path) -> JobResult:
+    """The driver in this process, as `elastron worker-run` runs it."""
+    options = WorkerRunOptions(storage_path=str(storage), flush_interval_s=0.1, quiet=True)
+    return run_job(job_id, parse_job(spec), options)
+
+
+def wait_until(what: Callable[[], object], timeout_s: float = 300, message: str = "") -> object:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = what()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {message or what}")
+        time.sleep(0.05)
+
+
+def kinds(server: TelemetryServer, job_id: str, source: str = "driver") -> list[str]:
+    return [e["kind"] for e in server.events(job_id) if e.get("source") == source]
+
+
+def elastron_train(spec: dict, workdir: Path) -> list[dict]:
+    """`elastron train` on the same spec (local processes, no Ray): its metrics records."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    path = workdir / "job.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    metrics = workdir / "metrics.jsonl"
+    proc = subprocess.run(
+        [*ELASTRON, "train", str(path), "--quiet", "--metrics-out", str(metrics)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "ELASTRON_NODE_ID": "reference"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    return [json.loads(line) for line in metrics.read_text().splitlines()]
+
+
+def leftovers() -> dict[str, list]:
+    """Ray Train actors and placement groups still alive on the cluster this process is on."""
+    import ray
+    from ray.util.state import list_actors
+
+    actors = [
+        a.class_name
+        for a in list_actors(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+        if a.class_name in ("RayTrainWorker", "TrainController", "JobRegistry", "PlacementGroupCleaner")
+    ]
+    groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
+    return {"actors": actors, "placement_groups": groups}
+
+
+def seed_with_one_early_injection(rate: int = 4, iterations: int = 8, only: bool = True) -> int:
+    """A training seed whose injected fault first hits iteration 2 or 3 (fp32: two validations
+    per iteration, the loss and the grad norm) and, with `only`, never again in the run (so the
+    resumes after the diagnosis train on)."""
+    horizon = 2 * (iterations + 1)
+    for seed in range(5000):
+        inj = ErrorInjector(rate, Diagnosis.PERSISTENT_ERROR, seed)
+        hits = [d for d in range(1, horizon + 1) if inj.maybe_inject()]
+        if hits and 2 < hits[0] <= 6 and (len(hits) == 1 or not only):
+            return seed
+    raise AssertionError("no seed found")

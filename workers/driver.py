@@ -1,0 +1,495 @@
+"""The job driver: one process per training job (`elastron worker-run JOB_ID`), the entry point
+Ray Jobs starts, turning a JobSpec into Ray Train V2 runs until the job is done.
+
+Process model:
+
+    Ray Jobs supervisor ── elastron worker-run JOB_ID        (this module: the driver loop)
+                               ├─ job registry actor         (workers/registry.py, 0 CPU, on this node)
+                               └─ TorchTrainer.fit()  ×  attempts
+                                    ├─ Ray Train controller  (polls the ranks, resizes elastic groups)
+                                    └─ one RayTrainWorker actor per rank ── workers.rank.rank_main
+                                                                             └─ engine.training.train_rank
+
+The driver calls `fit()` with Ray's own retries off (`FailureConfig(max_failures=0)`), so every
+failure comes back here with its per-rank causes (`WorkerGroupError.worker_failures`, the rerun
+state machine's RerunExit among them). `workers.policy.RestartPolicy` decides: restart within
+`resilience.max_restarts`, resume elsewhere (exit 16), exclude a node (exit 17, persistent
+error), or fail. Each attempt is a new `fit()` under the same run name (the job id), and the
+engine resumes from the newest committed checkpoint in the job's storage every time. Elastic
+resizes happen inside one attempt: Ray Train's controller restarts the group with another size
+(`resources.min_ranks`..`max_ranks`), and the engine resumes with another data-parallel size.
+
+Each decision is an event, sent to the control plane (workers/telemetry.py) and printed as
+`[elastron] event {...}` on stdout (the Ray Jobs log).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from engine.jobspec import JobSpec, JobSpecError, parse_job
+from workers.policy import (
+    EXIT_BAD_INPUT,
+    EXIT_CANCELLED,
+    EXIT_FAILED,
+    Outcome,
+    RestartPolicy,
+    classify,
+)
+from workers.telemetry import TelemetrySender, telemetry_settings
+
+JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+SPEC_ENV = "ELASTRON_JOB_SPEC"
+
+# Set in this process unless already set; Ray Train passes them on to its controller.
+RAY_ENV_DEFAULTS = {
+    # After a lost node, Ray Train may first try the old size and wait this long for it to
+    # start (the 60 s default cost 74 s of downtime; 15 s cost 19 s).
+    "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "15",
+    # The controller's poll: how soon a failure or a finished group is noticed.
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "1",
+    # Ranks resolve paths themselves (made absolute here); no chdir into Ray's run folder.
+    "RAY_CHDIR_TO_TRIAL_DIR": "0",
+}
+
+
+@dataclass
+class WorkerRunOptions:
+    address: str | None = None  # Ray address; default: RAY_ADDRESS, else a running or new local Ray
+    storage_path: str | None = None  # Ray Train's run storage; default ELASTRON_RAY_STORAGE or ~/ray_results
+    metrics_out: str | None = None  # rank 0 also writes its records here (a path on rank 0's node)
+    quiet: bool = False
+    flush_interval_s: float = 1.0  # telemetry batching
+    resize_interval_s: float | None = None  # elastic: how often to check for room to grow (default 60 s)
+    cpus_per_rank: float = 1.0
+
+
+@dataclass
+class JobResult:
+    exit_code: int
+    reason: str
+    attempts: int = 0
+    restarts_used: int = 0
+    excluded_nodes: list[str] = field(default_factory=list)
+    last: dict[str, Any] | None = None  # rank 0's last record summary on success
+
+
+class JobInputError(ValueError):
+    """The job cannot be launched as given (exit 2)."""
+
+
+# ---------------------------------------------------------------------- the spec on Ray
+def _absolute(path: str) -> str:
+    if "://" in path and not path.startswith("file://"):
+        return path
+    if path.startswith("file://"):
+        return "file://" + str(Path(path[len("file://") :]).expanduser().resolve())
+    return str(Path(path).expanduser().resolve())
+
+
+def _join(root: str, name: str) -> str:
+    return f"{root.rstrip('/')}/{name}" if "://" in root else str(Path(root) / name)
+
+
+def prepare_spec(job_id: str, spec: JobSpec, storage_path: str | None = None) -> dict[str, Any]:
+    """The spec the ranks get: local paths made absolute (Ray workers do not share the driver's
+    working directory) and checkpoints namespaced by job id: `<checkpoint.path>/<job_id>/`
+    (default `<storage_path>/<job_id>/checkpoints`), so two jobs with the same name never
+    resume each other's checkpoints and a restarted driver of this job finds them."""
+    if not JOB_ID.match(job_id):
+        raise JobInputError(
+            f"job id {job_id!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    data = spec.model_dump(mode="json")
+    ckpt, d = data["checkpoint"], data["data"]
+    root = ckpt["path"] or _join(storage_path or default_storage_path(), f"{job_id}/checkpoints")
+    ckpt["path"] = _join(_absolute(root), job_id) if ckpt["path"] else _absolute(root)
+    if ckpt.get("resume_from"):
+        ckpt["resume_from"] = _absolute(ckpt["resume_from"])
+    for key in ("path", "cache_dir"):
+        if d.get(key):
+            d[key] = _absolute(d[key])
+    if d.get("blend"):
+        d["blend"] = [[w, _absolute(prefix)] for w, prefix in d["blend"]]
+    kind, sep, where = (d.get("tokenizer") or "").partition(":")
+    if sep and kind in ("hf", "sentencepiece"):
+        d["tokenizer"] = f"{kind}:{_absolute(where)}"
+    return data
+
+
+def default_storage_path() -> str:
+    return os.environ.get("ELASTRON_RAY_STORAGE") or str(Path("~/ray_results").expanduser())
+
+
+def valid_sizes(spec: JobSpec) -> list[int]:
+    """Rank counts this job can run on: multiples of TP x PP x CP in [min, max] that validate."""
+    r, p = spec.resources, spec.parallel
+    lo = r.min_ranks if r.min_ranks is not None else r.ranks
+    hi = r.max_ranks if r.max_ranks is not None else r.ranks
+    mp = p.tensor * p.pipeline * p.context
+    data = spec.model_dump(mode="json")
+    sizes = []
+    for size in range(lo, hi + 1):
+        if size % mp:
+            continue
+        data["resources"]["ranks"] = size
+        try:
+            parse_job(data)
+        except JobSpecError:
+            continue
+        sizes.append(size)
+    return sizes
+
+
+def lost_nodes(node_ids: set[str], timeout_s: float = 1.0) -> set[str]:
+    """Which of these Ray nodes are gone: marked dead, or still listed alive but with no raylet
+    answering on its port (Ray notices a vanished node only after its heartbeats time out)."""
+    import ray
+
+    lost = set()
+    for node in ray.nodes():
+        if node["NodeID"] not in node_ids:
+            continue
+        if not node.get("Alive"):
+            lost.add(node["NodeID"])
+            continue
+        try:
+            with socket.create_connection((node["NodeManagerAddress"], node["NodeManagerPort"]), timeout_s):
+                pass
+        except OSError:
+            lost.add(node["NodeID"])
+    return lost | (node_ids - {n["NodeID"] for n in ray.nodes()})
+
+
+def load_spec(spec_file: str | Path | None) -> JobSpec:
+    """From --spec FILE (YAML or JSON), else from $ELASTRON_JOB_SPEC (the spec as JSON)."""
+    from engine.jobspec import load_job
+
+    if spec_file is not None:
+        return load_job(spec_file)
+    text = os.environ.get(SPEC_ENV)
+    if not text:
+        raise JobInputError(f"no job spec: pass --spec FILE or set {SPEC_ENV} to the spec as JSON")
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise JobInputError(f"{SPEC_ENV} is not valid JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise JobInputError(f"{SPEC_ENV} must hold a JSON object (the job spec)")
+    return parse_job(data)
+
+
+# ---------------------------------------------------------------------- the driver loop
+class JobDriver:
+    def __init__(self, job_id: str, spec: JobSpec, options: WorkerRunOptions | None = None):
+        self.job_id, self.spec = job_id, spec
+        self.options = options or WorkerRunOptions()
+        self.sizes = valid_sizes(spec)
+        if not self.sizes:
+            raise JobInputError("no rank count between resources.min_ranks and max_ranks can run this job")
+        self.spec_dict = prepare_spec(job_id, spec, self.options.storage_path)
+        self.stop = threading.Event()
+        self.sender = TelemetrySender.from_env(
+            job_id,
+            "driver",
+            flush_interval_s=self.options.flush_interval_s,
+            event_defaults={"job_id": job_id},
+        )
+        self.registry = None
+        self.use_gpu = False
+        self.lost_nodes: set[str] = set()
+        self.policy = RestartPolicy(spec.resilience.max_restarts, self.room)
+
+    # -------------------------------------------------------------- events
+    def event(self, kind: str, **fields: Any) -> None:
+        ev = self.sender.event(kind, **fields)
+        print(f"[elastron] event {json.dumps(ev, default=str)}", flush=True)
+
+    # -------------------------------------------------------------- the cluster
+    def _per_rank(self) -> dict[str, float]:
+        return (
+            {"GPU": 1.0, "CPU": self.options.cpus_per_rank}
+            if self.use_gpu
+            else {"CPU": self.options.cpus_per_rank}
+        )
+
+    def room(self, blocked: set[str]) -> bool:
+        """Whether live nodes outside `blocked` have room for the job's smallest size."""
+        import ray
+
+        per = self._per_rank()
+        fits = 0
+        for node in ray.nodes():
+            if not node.get("Alive") or node["NodeID"] in blocked:
+                continue
+            have = node.get("Resources", {})
+            fits += int(min(have.get(k, 0.0) // v for k, v in per.items() if v > 0))
+        return fits >= self.sizes[0]
+
+    def _connect(self) -> None:
+        import ray
+
+        for key, value in RAY_ENV_DEFAULTS.items():
+            os.environ.setdefault(key, value)
+        if not ray.is_initialized():
+            ray.init(address=self.options.address, log_to_driver=True)
+        device = self.spec.resources.device
+        gpus = ray.cluster_resources().get("GPU", 0)
+        if device == "cuda" and not gpus:
+            raise JobInputError(
+                "resources.device is 'cuda' but the Ray cluster has no GPUs: use 'cpu' or 'auto'"
+            )
+        self.use_gpu = device == "cuda" or (device == "auto" and gpus > 0)
+
+    def _start_registry(self) -> None:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from workers.registry import NAMESPACE, JobRegistry, registry_name
+
+        name = registry_name(self.job_id)
+        try:
+            ray.get_actor(name, namespace=NAMESPACE)
+        except ValueError:
+            pass
+        else:
+            raise JobInputError(f"job {self.job_id} already has a running driver on this cluster")
+        here = ray.get_runtime_context().get_node_id()
+        self.registry = (
+            ray.remote(num_cpus=0, max_restarts=0)(JobRegistry)
+            .options(
+                name=name,
+                namespace=NAMESPACE,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=here, soft=False),
+            )
+            .remote(self.job_id, telemetry_settings())
+        )
+        ray.get(self.registry.ping.remote())
+
+    # -------------------------------------------------------------- signals
+    def _on_stop(self) -> None:
+        self.stop.set()
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        if not hasattr(self, "_previous_handlers"):
+            self._previous_handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+        def handler(signum, frame):
+            self._on_stop()
+
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+    # -------------------------------------------------------------- one attempt
+    def _trainer(self, attempt: int):
+        from ray.train import FailureConfig, RunConfig, ScalingConfig
+        from ray.train.torch import TorchConfig
+
+        from workers.rank import rank_main
+        from workers.trainer import ElastronTorchTrainer, GracefulShutdown
+
+        r = self.spec.resources
+        # Nodes the last attempt lost stay out of this one even while Ray still lists them
+        # (it marks a vanished node dead only after ~15 s of missed heartbeats; placing ranks on it
+        # meanwhile would cost RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S).
+        blocked = self.policy.blocked | self.lost_nodes
+        elastic = r.elastic
+        scaling = ScalingConfig(
+            num_workers=(self.sizes[0], self.sizes[-1]) if elastic else self.sizes[0],
+            use_gpu=self.use_gpu,
+            resources_per_worker=self._per_rank(),
+            label_selector=({"ray.io/node-id": f"!in({','.join(sorted(blocked))})"} if blocked else None),
+            elastic_resize_monitor_interval_s=self.options.resize_interval_s
+            or float(os.environ.get("ELASTRON_RESIZE_INTERVAL_S", 60.0)),
+        )
+        step_timeout = self.spec.resilience.step_timeout_s
+        setup_timeout = max(step_timeout, 600.0)
+        return ElastronTorchTrainer(
+            rank_main,
+            train_loop_config={
+                "job_id": self.job_id,
+                "attempt": attempt,
+                "spec": self.spec_dict,
+                "device": "cuda" if self.use_gpu else "cpu",
+                "metrics_out": self.options.metrics_out,
+                "quiet": self.options.quiet,
+                "flush_interval_s": self.options.flush_interval_s,
+                "setup_timeout_s": setup_timeout,
+            },
+            # A collective that outlives the step timeout is a hang: the watchdog fires first,
+            # the process group's own timeout is the backstop (also during setup).
+            torch_config=TorchConfig(timeout_s=int(max(setup_timeout, 2 * step_timeout))),
+            scaling_config=scaling,
+            run_config=RunConfig(
+                name=self.job_id,
+                storage_path=self.options.storage_path or default_storage_path(),
+                failure_config=FailureConfig(max_failures=0),
+                callbacks=[GracefulShutdown()],
+            ),
+            elastic_sizes=self.sizes if elastic else None,
+            blocked_nodes=blocked,
+            on_stop=self._on_stop,
+        )
+
+    def _attempt(self, attempt: int) -> tuple[Outcome, dict | None]:
+        import ray
+        from ray.train import ControllerError, WorkerGroupError
+
+        trainer = self._trainer(attempt)
+        self.lost_nodes = set()
+        try:
+            result = trainer.fit()
+            return Outcome(succeeded=True), result.return_value
+        except WorkerGroupError as err:
+            if self.stop.is_set():
+                return Outcome(cancelled=True), None
+            group = ray.get(self.registry.last_group.remote(attempt)) or {"ranks": []}
+            ranks = {r["rank"]: r for r in group["ranks"]}
+            pids = {r["pid"]: r["rank"] for r in group["ranks"]}
+            dogs = {
+                pids.get(w["pid"], w["rank"]): w["message"]
+                for w in ray.get(self.registry.watchdog_reports.remote(attempt))
+                if w["pid"] in pids
+            }
+            self.lost_nodes = lost_nodes({r["node_id"] for r in group["ranks"]})
+            causes = classify(err.worker_failures, ranks, dogs, self.lost_nodes)
+            return Outcome(causes=causes, nodes={r["node_id"] for r in group["ranks"]}), None
+        except ControllerError as err:
+            if self.stop.is_set():
+                return Outcome(cancelled=True), None
+            return Outcome(error=f"Ray Train controller: {err.controller_failure!r}"), None
+        except Exception as err:  # noqa: BLE001 - the controller died (e.g. aborted), the cluster went away
+            if self.stop.is_set():
+                return Outcome(cancelled=True), None
+            return Outcome(error=f"{type(err).__name__}: {err}"), None
+        finally:
+            self._install_signal_handlers()  # fit() installed its own for the run
+
+    # -------------------------------------------------------------- the job
+    def run(self) -> JobResult:
+        import ray
+
+        self._install_signal_handlers()
+        self.sender.start()
+        attempt, result = 0, None
+        try:
+            self._connect()
+            self._start_registry()
+            r = self.spec.resources
+            self.event(
+                "job_started",
+                ranks=r.ranks,
+                sizes=self.sizes,
+                elastic=r.elastic,
+                max_restarts=self.spec.resilience.max_restarts,
+                checkpoint_path=self.spec_dict["checkpoint"]["path"],
+                device="cuda" if self.use_gpu else "cpu",
+            )
+            while True:
+                if self.stop.is_set():
+                    result = self._finish(
+                        "cancelled", EXIT_CANCELLED, "cancelled before the next attempt", attempt
+                    )
+                    break
+                self.event(
+                    "attempt_started",
+                    attempt=attempt,
+                    excluded_nodes=sorted(self.policy.excluded),
+                    avoid_nodes=sorted(self.policy.avoid),
+                )
+                started = time.time()
+                outcome, last = self._attempt(attempt)
+                decision = self.policy.decide(outcome)
+                if not outcome.succeeded and not outcome.cancelled:
+                    self.event(
+                        "attempt_failed",
+                        attempt=attempt,
+                        seconds=round(time.time() - started, 3),
+                        causes=[c.to_json() for c in outcome.causes],
+                        error=outcome.error,
+                        summary=outcome.summary(),
+                    )
+                for kind, fields in decision.events:
+                    self.event(kind, attempt=attempt, **fields)
+                if decision.action == "restart":
+                    self.event(
+                        "restarting",
+                        attempt=attempt + 1,
+                        reason=decision.reason,
+                        counted=decision.counted,
+                        restarts_used=self.policy.restarts_used,
+                        max_restarts=self.policy.max_restarts,
+                    )
+                    attempt += 1
+                    continue
+                result = self._finish(decision.action, decision.exit_code, decision.reason, attempt, last)
+                break
+        except (JobInputError, JobSpecError) as err:
+            result = self._finish("failed", EXIT_BAD_INPUT, str(err), attempt)
+        except Exception as err:  # noqa: BLE001 - e.g. no Ray cluster to connect to
+            traceback.print_exc()
+            result = self._finish("failed", EXIT_FAILED, f"{type(err).__name__}: {err}", attempt)
+        finally:
+            if self.registry is not None:
+                try:
+                    ray.kill(self.registry)
+                except Exception:  # noqa: BLE001
+                    pass
+            for signum, previous in getattr(self, "_previous_handlers", {}).items():
+                signal.signal(signum, previous)
+            if not self.sender.close(10) and self.sender.enabled:
+                print(
+                    f"[elastron] the control plane did not take all telemetry ({self.sender.last_error}); "
+                    f"the rest is spooled in {self.sender.spool_path}",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        return result
+
+    def _finish(
+        self, action: str, code: int, reason: str, attempt: int, last: dict | None = None
+    ) -> JobResult:
+        kind = {"done": "job_succeeded", "cancelled": "job_cancelled"}.get(action, "job_failed")
+        self.event(
+            kind,
+            exit_code=code,
+            reason=reason,
+            attempts=attempt + 1,
+            restarts_used=self.policy.restarts_used,
+            excluded_nodes=sorted(self.policy.excluded),
+            last=last,
+        )
+        return JobResult(
+            exit_code=code,
+            reason=reason,
+            attempts=attempt + 1,
+            restarts_used=self.policy.restarts_used,
+            excluded_nodes=sorted(self.policy.excluded),
+            last=last,
+        )
+
+
+def run_job(job_id: str, spec: JobSpec, options: WorkerRunOptions | None = None) -> JobResult:
+    """Run the job to its end on the Ray cluster (see the module docstring); never raises for a
+    job that fails, it returns the exit code and the reason."""
+    from engine.training import check_supported
+
+    try:
+        check_supported(spec)
+        driver = JobDriver(job_id, spec, options)
+    except (JobInputError, JobSpecError) as err:
+        return JobResult(EXIT_BAD_INPUT, str(err))
+    return driver.run()

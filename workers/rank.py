@@ -1,0 +1,264 @@
+"""The per-rank function Ray Train runs in each worker actor: the engine's `train_rank`, plus
+only what Ray needs.
+
+Ray Train has already created the torch process group (gloo on CPU, NCCL on GPU, its timeout
+from the driver's TorchConfig) when this runs; the engine builds parallel_state on top of it,
+resumes from the newest committed checkpoint in the job's storage, and trains. Around that
+call this function:
+
+1. binds the device (the GPU Ray assigned, or CPU threads split between the node's ranks) and
+   sets ELASTRON_NODE_ID to the Ray node id (plus the GPU id on CUDA): the identity the rerun
+   state machine compares to tell "other hardware";
+2. gathers who runs where (node, pid) and registers the group with the job registry;
+3. starts a telemetry sender: rank 0 forwards every metrics record (with `attempt`, `group`,
+   `world_size`, `data_parallel_size`, `ts`); every rank forwards the events the engine appends
+   to its event record;
+4. starts the step watchdog (resilience.step_timeout_s) on the engine's Trainer; on a hang it
+   leaves its message with the registry and kills the process, so the group restarts;
+5. when Ray shuts the group down (resize, cancel), stops rank 0 at a step boundary and delivers
+   the telemetry (`on_worker_shutdown`, called from a Ray Train worker callback);
+6. returns rank 0's last record, which the driver reports as the job's outcome.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+
+class _RankState:
+    """What this worker process is doing, for Ray's worker-shutdown callback (another thread)."""
+
+    def __init__(self) -> None:
+        self.trainer: Any = None
+        self.sender: Any = None
+        self.rank: int | None = None
+        self.running = threading.Event()  # the training loop is in progress
+        self.shutting_down = threading.Event()  # Ray is shutting this worker group down
+        self.frozen = threading.Event()  # rank 0 stopped at a step boundary, telemetry sent
+
+
+_STATE = _RankState()
+
+# Ray Train gives workers 5 s between "shut down" and the kill
+# (worker_group/state.py: _shutdown_workers(patience_s=5)); we stay inside it.
+SHUTDOWN_GRACE_S = 4.0
+FREEZE_LIMIT_S = 120.0
+
+
+def on_worker_shutdown() -> None:
+    """Ray is about to kill this worker (a resize, a cancel, or the end of a failed attempt).
+
+    Rank 0 stops at the next step boundary (after the step's checkpoint, if one is due, has
+    committed) and delivers its telemetry, so the records a resize or cancel would lose arrive and
+    no checkpoint commits behind the last record; a checkpoint still being written in the
+    background gets the rest of the grace period. Returns at once when the loop is not running
+    (it finished, or failed with its peers)."""
+    state = _STATE
+    state.shutting_down.set()
+    deadline = time.monotonic() + SHUTDOWN_GRACE_S
+    while time.monotonic() < deadline and state.running.is_set():
+        pending = getattr(getattr(state.trainer, "checkpointer", None), "_pending", None)
+        saving = pending is not None and pending.is_alive()
+        if (state.rank != 0 or state.frozen.is_set()) and not saving:
+            break
+        time.sleep(0.02)
+    if state.sender is not None and state.rank != 0:
+        state.sender.flush(max(0.1, deadline - time.monotonic()))
+
+
+@contextlib.contextmanager
+def observe_trainers(callback: Callable[[Any], None]) -> Iterator[None]:
+    """Call `callback(trainer)` with every engine Trainer built inside the block, as it is built.
+
+    `engine.training.train_rank` builds its Trainer itself and does not hand it out; the
+    watchdog needs it, so the block swaps `engine.training.Trainer` for a subclass that reports
+    each instance (this process only). An `on_trainer` hook in train_rank would replace this."""
+    import engine.training as training
+
+    original = training.Trainer
+
+    class ObservedTrainer(original):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, **kwargs):
+            callback(self)
+            super().__init__(*args, **kwargs)
+
+    ObservedTrainer.__name__ = ObservedTrainer.__qualname__ = original.__name__
+    training.Trainer = ObservedTrainer
+    try:
+        yield
+    finally:
+        training.Trainer = original
+
+
+def _bind_device(device_type: str, local_world_size: int) -> str:
+    """Bind this process to its device; return its hardware identity for the rerun machine."""
+    import ray
+    import ray.train.torch
+    import torch
+
+    from engine import device
+
+    node_id = ray.get_runtime_context().get_node_id()
+    if device_type == "cuda":
+        dev = ray.train.torch.get_device()
+        device.set_device("cuda", dev.index or 0)
+        gpus = ray.get_runtime_context().get_accelerator_ids().get("GPU") or []
+        return f"{node_id}/gpu{gpus[0]}" if gpus else node_id
+    device.set_device("cpu")
+    torch.set_num_threads(device.cpu_threads_per_rank(local_world_size))
+    return node_id
+
+
+def _registry(job_id: str):
+    import ray
+
+    from workers.registry import NAMESPACE, registry_name
+
+    try:
+        return ray.get_actor(registry_name(job_id), namespace=NAMESPACE)
+    except ValueError:
+        return None
+
+
+def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
+    """Train this rank of the job (Ray Train's train_loop_per_worker)."""
+    import ray
+    import ray.train
+    import torch.distributed as dist
+
+    from engine.training import train_rank
+    from engine.watchdog import StepWatchdog
+    from workers.telemetry import TelemetrySender
+
+    job_id, attempt = config["job_id"], config["attempt"]
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    hardware = _bind_device(config["device"], ctx.get_local_world_size())
+    os.environ["ELASTRON_NODE_ID"] = hardware
+
+    me = {
+        "rank": rank,
+        "node_id": ray.get_runtime_context().get_node_id(),
+        "hardware": hardware,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+    }
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, me)
+    registry = _registry(job_id)
+    group = None  # this worker group's number in the job (restarts and resizes each start one)
+    if rank == 0 and registry is not None:
+        group = ray.get(registry.group_started.remote(attempt, everyone))
+
+    spec_dict = dict(config["spec"])
+    spec_dict["resources"] = {**spec_dict["resources"], "ranks": world}
+    p = spec_dict.get("parallel", {})
+    dp = world // (p.get("tensor", 1) * p.get("pipeline", 1) * p.get("context", 1))
+
+    fallback = ray.get(registry.telemetry_settings.remote()) if registry is not None else {}
+    sender = TelemetrySender.from_env(
+        job_id,
+        f"rank-{rank}",
+        fallback,
+        flush_interval_s=config.get("flush_interval_s", 1.0),
+        event_defaults={"attempt": attempt},
+    )
+    events_path = sender.spool_path.parent / f"events-attempt{attempt}-pid{os.getpid()}.jsonl"
+    events_path.parent.mkdir(parents=True, exist_ok=True)
+    sender.tail_events(events_path)
+    sender.start()
+    if rank == 0:
+        sender.event(
+            "ranks_started",
+            group=group,
+            world_size=world,
+            data_parallel_size=dp,
+            nodes=sorted({r["node_id"] for r in everyone}),
+            ranks=everyone,
+        )
+
+    def on_timeout(message: str) -> None:
+        sender.event("watchdog_timeout", rank=rank, message=message)
+        if registry is not None:
+            with contextlib.suppress(Exception):
+                ray.get(registry.report_watchdog.remote(attempt, rank, os.getpid(), message), timeout=5)
+        sender.flush(3)
+
+    def watch(trainer) -> None:
+        _STATE.trainer = trainer
+        watchdog.watch(trainer)
+
+    resilience = spec_dict.get("resilience", {})
+    step_timeout = float(resilience.get("step_timeout_s", 300.0))
+    watchdog = StepWatchdog(
+        step_timeout,
+        setup_timeout_s=config.get("setup_timeout_s", max(step_timeout, 600.0)),
+        on_timeout=on_timeout,
+    ).start()
+
+    def on_record(record: dict) -> None:
+        sender.record(
+            {
+                **record,
+                "attempt": attempt,
+                "group": group,
+                "world_size": world,
+                "data_parallel_size": dp,
+                "ts": time.time(),
+            }
+        )
+        if _STATE.shutting_down.is_set():  # stop at this step boundary until Ray kills the group
+            sender.flush(2.0)
+            _STATE.frozen.set()
+            time.sleep(FREEZE_LIMIT_S)  # Ray kills this process within seconds
+            raise RuntimeError("the worker group was shut down but this worker was not stopped")
+
+    records: list[dict] = []
+    finished = False
+    _STATE.sender, _STATE.rank = sender, rank
+    _STATE.shutting_down.clear()
+    _STATE.frozen.clear()
+    _STATE.running.set()
+    try:
+        with observe_trainers(watch):
+            records = train_rank(
+                spec_dict,
+                config.get("metrics_out") if rank == 0 else None,
+                config.get("quiet", False),
+                str(events_path),
+                on_record if rank == 0 else None,
+            )
+        finished = True
+    finally:
+        _STATE.running.clear()
+        watchdog.stop()
+        _STATE.trainer = None
+        # A failing rank does not hold up the restart for an unreachable control plane: what is
+        # not delivered within a few seconds stays in the spool.
+        if not sender.close(10.0 if finished else 3.0) and sender.enabled:
+            print(
+                f"[elastron] telemetry from rank {rank} is spooled in {sender.spool_path} "
+                f"({sender.last_error}); it is re-sent by the next process of this rank on this node",
+                file=sys.stderr,
+                flush=True,
+            )
+        if sender.enabled:  # its lines are delivered or spooled by now
+            with contextlib.suppress(OSError):
+                Path(events_path).unlink()
+    if rank != 0:
+        return None
+    last = records[-1] if records else {}
+    return {
+        "iteration": last.get("iteration"),
+        "loss": last.get("loss"),
+        "steps": len(records),
+        "time": time.time(),
+    }

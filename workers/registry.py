@@ -1,0 +1,64 @@
+"""The job registry: one small actor per running job, pinned to the driver's node.
+
+Ray Train tells the driver *that* ranks failed, not where they ran, and a rank killed by its
+watchdog cannot say why. Ranks therefore write here, and the driver (and tests, and the bench)
+read from here:
+
+- `group_started(attempt, ranks)`: rank 0 registers each worker group as it starts (also the
+  groups an elastic resize starts inside one attempt): per rank its node id, hardware id, pid
+  and host.
+- `report_watchdog(attempt, rank, pid, message)`: a rank's watchdog leaves its message before
+  killing the process.
+- `telemetry_settings()`: where to send telemetry, for ranks whose environment does not say.
+
+The actor is named `elastron-job-<job_id>` in namespace `elastron` (`registry_name`), holds no
+resources, and is killed by the driver when the job ends.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+NAMESPACE = "elastron"
+
+
+def registry_name(job_id: str) -> str:
+    return f"elastron-job-{job_id}"
+
+
+class JobRegistry:
+    def __init__(self, job_id: str, telemetry: dict[str, str] | None = None):
+        self.job_id = job_id
+        self._telemetry = dict(telemetry or {})
+        self._groups: list[dict[str, Any]] = []
+        self._watchdog: list[dict[str, Any]] = []
+
+    def ping(self) -> bool:
+        return True
+
+    def telemetry_settings(self) -> dict[str, str]:
+        """The driver's ELASTRON_API_URL / _TOKEN / ELASTRON_SPOOL_DIR, for ranks whose environment
+        lacks them (kept here rather than in the run's config, which Ray may display)."""
+        return dict(self._telemetry)
+
+    def group_started(self, attempt: int, ranks: list[dict[str, Any]]) -> int:
+        self._groups.append(
+            {"attempt": attempt, "index": len(self._groups), "started_at": time.time(), "ranks": ranks}
+        )
+        return len(self._groups) - 1
+
+    def groups(self) -> list[dict[str, Any]]:
+        return list(self._groups)
+
+    def last_group(self, attempt: int | None = None) -> dict[str, Any] | None:
+        for group in reversed(self._groups):
+            if attempt is None or group["attempt"] == attempt:
+                return group
+        return None
+
+    def report_watchdog(self, attempt: int, rank: int, pid: int, message: str) -> None:
+        self._watchdog.append({"attempt": attempt, "rank": rank, "pid": pid, "message": message})
+
+    def watchdog_reports(self, attempt: int) -> list[dict[str, Any]]:
+        return [w for w in self._watchdog if w["attempt"] == attempt]

@@ -1,0 +1,410 @@
+"""Telemetry from a job's processes to the control plane: batched, sent in the background, and
+spooled to a local file while the control plane cannot be reached.
+
+Who sends: rank 0 sends its per-step metrics record (one per iteration, the engine's
+`StepMetrics` plus `attempt`, `group`, `world_size`, `data_parallel_size`, `ts`); every rank sends the events
+the engine appends to its event record (rerun state machine); the job's driver (`elastron
+worker-run`) sends its own events (attempts, failures, restarts, exclusions, the outcome).
+Per-step metrics never go through `ray.train.report`, whose controller takes at most one report
+per poll (a few seconds) and would cap training at that rate.
+
+What the training loop pays: `record()` appends to an in-memory deque and returns; a daemon
+thread wakes every `flush_interval_s`, batches whatever accumulated and POSTs it. The training
+thread never waits on the network or the disk.
+
+Wire format (version 1) -- what the control plane implements:
+
+    POST {ELASTRON_API_URL}/v1/internal/jobs/{job_id}/telemetry
+    Authorization: Bearer {ELASTRON_API_TOKEN}          (omitted when no token is set)
+    Content-Type: application/json
+
+    {"version": 1,
+     "job_id": "job-123",
+     "source": "rank-0",                  # "driver" or "rank-<world rank>"
+     "batch_id": "rank-0-3f9c2a1b7d4e-17",# unique per batch: <source>-<sender incarnation>-<n>
+     "sent_at": 1767000000.0,             # unix seconds, when this POST was made
+     "records": [{...}, ...],             # rank 0's per-step metrics records, in step order
+     "events": [{...}, ...]}              # events, in the order they happened at the source
+
+    Every record has "iteration", "attempt" (the driver's attempt: a restart after a failure
+    starts the next) and "group" (the worker group's number in the job: every restart and every
+    elastic resize starts a new one, so it only grows); every event has "ts" (unix seconds),
+    "kind" and "source" (engine events also "rank", "host", "device", "iteration").
+
+Answers: any 2xx means accepted (the batch is forgotten). 408, 425, 429 and 5xx mean "try again
+later": the batch is kept and re-sent, in order, with backoff (0.5 s doubling to 30 s). 413 splits
+the batch in two halves (batch ids `<id>a`, `<id>b`) and sends those; a batch is at most ~1 MiB
+to begin with. Any other 4xx (bad token, unknown job, malformed) is permanent: the batch is
+dropped with one line on stderr, since re-sending cannot fix it. A connection error or timeout is
+"try again later".
+
+Delivery is at least once and in order per source: batches are sent one at a time, oldest
+first, and a batch whose answer was lost is sent again with the same batch_id, so the receiver
+de-duplicates on batch_id. Records can also repeat (a restart or a resize re-runs the steps
+after the last checkpoint): the receiver keeps, per iteration, the record with the highest
+"group" (equivalently the highest (attempt, group)).
+
+Spool: while the control plane is unreachable, unsent batches are appended to
+`{ELASTRON_SPOOL_DIR or <tmp>/elastron-telemetry}/{job_id}/{source}.jsonl` (one batch per
+line) and re-sent from there first when it answers again, including by the next process of the
+same source on that machine (a restarted rank or driver). The file is removed once empty.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+from typing import Any
+
+WIRE_VERSION = 1
+RETRYABLE_STATUS = {408, 425, 429}
+MAX_BACKOFF_S = 30.0
+
+
+def default_spool_dir() -> Path:
+    return Path(os.environ.get("ELASTRON_SPOOL_DIR") or Path(tempfile.gettempdir()) / "elastron-telemetry")
+
+
+TELEMETRY_ENV = ("ELASTRON_API_URL", "ELASTRON_API_TOKEN", "ELASTRON_SPOOL_DIR")
+
+
+def telemetry_settings() -> dict[str, str]:
+    """This process's telemetry environment (what the driver hands its ranks)."""
+    return {k: os.environ[k] for k in TELEMETRY_ENV if os.environ.get(k)}
+
+
+def telemetry_url(api_url: str, job_id: str) -> str:
+    return f"{api_url.rstrip('/')}/v1/internal/jobs/{job_id}/telemetry"
+
+
+class EventTail:
+    """Follows a JSON-lines file another writer appends to; yields only complete lines."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.offset = 0
+
+    def read_new(self) -> list[dict]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        end = data.rfind(b"\n")
+        if end < 0:
+            return []
+        self.offset += end + 1
+        out = []
+        for line in data[: end + 1].splitlines():
+            if line.strip():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    out.append({"kind": "unreadable_event", "line": line.decode(errors="replace")})
+        return out
+
+
+class TelemetrySender:
+    """Batches records and events from one source and delivers them in the background.
+
+    `url` is the full telemetry URL (see `telemetry_url`); None disables sending (every call is
+    then a no-op). Safe to call `record` and `event` from any thread.
+    """
+
+    def __init__(
+        self,
+        url: str | None,
+        job_id: str,
+        source: str,
+        *,
+        token: str | None = None,
+        spool_dir: str | Path | None = None,
+        flush_interval_s: float = 1.0,
+        max_batch: int = 1000,
+        max_batch_bytes: int = 1 << 20,
+        timeout_s: float = 5.0,
+        event_defaults: dict[str, Any] | None = None,
+    ):
+        self.url, self.job_id, self.source, self.token = url, job_id, source, token
+        self.flush_interval_s = flush_interval_s
+        self.max_batch = max_batch
+        self.max_batch_bytes = max_batch_bytes
+        self.timeout_s = timeout_s
+        self.event_defaults = {"source": source, **(event_defaults or {})}
+        self.spool_path = Path(spool_dir or default_spool_dir()) / job_id / f"{source}.jsonl"
+        self._incarnation = uuid.uuid4().hex[:12]
+        self._batches_made = 0
+        self._records: collections.deque[dict] = collections.deque()
+        self._events: collections.deque[dict] = collections.deque()
+        self._tails: list[EventTail] = []
+        self._pending: collections.deque[dict] = collections.deque()
+        self._spooled = 0  # how many of _pending (a prefix) are in the spool file
+        self._retry_at = 0.0
+        self._backoff = 0.0
+        self._lock = threading.Lock()  # one delivery at a time (the thread, or flush/close)
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.delivered_batches = 0
+        self.dropped_batches = 0
+        self.last_error: str | None = None
+        if self.enabled:
+            self._load_spool()
+
+    @classmethod
+    def from_env(
+        cls, job_id: str, source: str, fallback: dict[str, str] | None = None, **kwargs: Any
+    ) -> TelemetrySender:
+        """ELASTRON_API_URL (no URL: disabled), ELASTRON_API_TOKEN, ELASTRON_SPOOL_DIR from the
+        environment, else from `fallback` (the same keys)."""
+        env = {k: os.environ.get(k) or (fallback or {}).get(k) for k in TELEMETRY_ENV}
+        api = env["ELASTRON_API_URL"]
+        kwargs.setdefault("spool_dir", env["ELASTRON_SPOOL_DIR"])
+        return cls(
+            telemetry_url(api, job_id) if api else None,
+            job_id,
+            source,
+            token=env["ELASTRON_API_TOKEN"] or None,
+            **kwargs,
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.url is not None
+
+    # ------------------------------------------------------------------ the producers' side
+    def record(self, record: dict) -> None:
+        """Queue one metrics record (never blocks)."""
+        if self.enabled:
+            self._records.append(record)
+
+    def event(self, kind: str, **fields: Any) -> dict:
+        """Queue one event; returns it (also when sending is disabled, for logging)."""
+        ev = {"ts": time.time(), "kind": kind, **self.event_defaults, **fields}
+        if self.enabled:
+            self._events.append(ev)
+        return ev
+
+    def tail_events(self, path: str | Path) -> None:
+        """Also send every event appended to this JSON-lines file (the engine's event record)."""
+        if self.enabled:
+            self._tails.append(EventTail(path))
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> TelemetrySender:
+        if self.enabled and self._thread is None:
+            self._thread = threading.Thread(
+                target=self._run, name=f"elastron-telemetry-{self.source}", daemon=True
+            )
+            self._thread.start()
+        return self
+
+    def flush(self, timeout_s: float = 10.0) -> bool:
+        """Deliver everything queued so far, waiting up to timeout_s; True when nothing is left."""
+        if not self.enabled:
+            return True
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self._cycle(ignore_backoff=True)
+            if self._idle():
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(min(0.2, max(0.0, deadline - time.monotonic())))
+
+    def close(self, timeout_s: float = 10.0) -> bool:
+        """Stop the thread after a last delivery; what cannot be delivered stays in the spool."""
+        if not self.enabled:
+            return True
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=max(1.0, self.timeout_s + 1.0))
+            self._thread = None
+        done = self.flush(timeout_s)
+        with self._lock:
+            self._persist()
+        return done
+
+    def __enter__(self) -> TelemetrySender:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ delivery
+    def _idle(self) -> bool:
+        return not (self._pending or self._records or self._events)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(self.flush_interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                self._cycle()
+            except Exception as err:  # noqa: BLE001 - telemetry must never take a rank down
+                self.last_error = f"{type(err).__name__}: {err}"
+
+    def _take(self, queue: collections.deque, budget: list[int]) -> list[dict]:
+        """Items off the queue up to max_batch items and (roughly) max_batch_bytes in all."""
+        out = []
+        while queue and len(out) < self.max_batch:
+            size = len(json.dumps(queue[0], default=str))
+            if out and size > budget[0]:
+                break
+            budget[0] -= size
+            out.append(queue.popleft())
+        return out
+
+    def _batch(self) -> dict | None:
+        for tail in self._tails:
+            for ev in tail.read_new():
+                self._events.append({**self.event_defaults, **ev})
+        budget = [self.max_batch_bytes]
+        events = self._take(self._events, budget)
+        records = self._take(self._records, budget)
+        if not records and not events:
+            return None
+        self._batches_made += 1
+        return {
+            "version": WIRE_VERSION,
+            "job_id": self.job_id,
+            "source": self.source,
+            "batch_id": f"{self.source}-{self._incarnation}-{self._batches_made}",
+            "records": records,
+            "events": events,
+        }
+
+    def _cycle(self, ignore_backoff: bool = False) -> None:
+        with self._lock:
+            while (batch := self._batch()) is not None:
+                self._pending.append(batch)
+            if not self._pending or (not ignore_backoff and time.monotonic() < self._retry_at):
+                self._persist()
+                return
+            delivered = 0
+            while self._pending:
+                outcome = self._post(self._pending[0])
+                if outcome == "retry":
+                    break
+                if outcome == "too_large" and self._split_first():
+                    continue
+                self._pending.popleft()
+                delivered += 1
+                if outcome == "dropped":
+                    self.dropped_batches += 1
+                else:
+                    self.delivered_batches += 1
+            if self._pending:
+                self._backoff = min(MAX_BACKOFF_S, max(0.5, self._backoff * 2))
+                self._retry_at = time.monotonic() + self._backoff
+            else:
+                self._backoff, self._retry_at = 0.0, 0.0
+            on_disk = self._spooled
+            self._spooled = max(0, on_disk - delivered)
+            if delivered and on_disk:  # drop the delivered lines from the file
+                if self._spooled:
+                    self._rewrite_spool()
+                else:
+                    self.spool_path.unlink(missing_ok=True)
+            self._persist()
+
+    def _post(self, batch: dict) -> str:
+        body = json.dumps({**batch, "sent_at": time.time()}, default=str).encode()
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                response.read()
+            return "ok"
+        except urllib.error.HTTPError as err:
+            err.close()
+            if err.code in RETRYABLE_STATUS or err.code >= 500:
+                self.last_error = f"HTTP {err.code}"
+                return "retry"
+            if err.code == 413 and len(batch["records"]) + len(batch["events"]) > 1:
+                return "too_large"
+            print(
+                f"[elastron] telemetry: {self.url} refused batch {batch['batch_id']} with HTTP {err.code}; "
+                "dropping it (re-sending cannot fix a 4xx)",
+                file=sys.stderr,
+                flush=True,
+            )
+            return "dropped"
+        except (OSError, ValueError) as err:  # URLError, connection refused/reset, timeouts
+            self.last_error = f"{type(err).__name__}: {err}"
+            return "retry"
+
+    def _split_first(self) -> bool:
+        """Replace the first pending batch by its two halves (the receiver said 413)."""
+        batch = self._pending.popleft()
+        items = [("records", r) for r in batch["records"]] + [("events", e) for e in batch["events"]]
+        if len(items) < 2:
+            self._pending.appendleft(batch)
+            return False
+        halves = []
+        for suffix, part in (("a", items[: len(items) // 2]), ("b", items[len(items) // 2 :])):
+            halves.append(
+                {
+                    **batch,
+                    "batch_id": f"{batch['batch_id']}{suffix}",
+                    "records": [x for k, x in part if k == "records"],
+                    "events": [x for k, x in part if k == "events"],
+                }
+            )
+        self._pending.extendleft(reversed(halves))
+        if self._spooled:
+            self._spooled += 1
+            self._rewrite_spool()
+        return True
+
+    # ------------------------------------------------------------------ the spool file
+    def _load_spool(self) -> None:
+        try:
+            lines = self.spool_path.read_text().splitlines()
+        except FileNotFoundError:
+            return
+        for line in lines:
+            try:
+                batch = json.loads(line)
+            except json.JSONDecodeError:  # a line cut short by a crash mid-write
+                continue
+            if isinstance(batch, dict) and "batch_id" in batch:
+                self._pending.append(batch)
+        self._spooled = len(self._pending)
+        if self._spooled != len(lines):
+            self._rewrite_spool()
+
+    def _persist(self) -> None:
+        """Append the batches not yet on disk; remove the file once nothing is pending."""
+        if not self._pending:
+            self._spooled = 0
+            self.spool_path.unlink(missing_ok=True)
+            return
+        if self._spooled < len(self._pending):
+            self.spool_path.parent.mkdir(parents=True, exist_ok=True)
+            with open(self.spool_path, "a") as f:
+                for batch in list(self._pending)[self._spooled :]:
+                    f.write(json.dumps(batch, default=str) + "\n")
+            self._spooled = len(self._pending)
+
+    def _rewrite_spool(self) -> None:
+        keep = list(self._pending)[: self._spooled]
+        self.spool_path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.spool_path.with_suffix(".tmp")
+        tmp.write_text("".join(json.dumps(b, default=str) + "\n" for b in keep))
+        os.replace(tmp, self.spool_path)

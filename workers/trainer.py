@@ -1,0 +1,116 @@
+"""Ray Train V2 (ray 2.60) pieces the driver plugs in: a TorchTrainer whose stop signal is ours,
+an elastic scaling policy that only picks sizes the job can run on, and a worker callback that
+stops rank 0 at a step boundary when Ray shuts a group down.
+
+These lean on three Ray Train internals, each guarded so a Ray upgrade that moves them fails
+loudly in tests rather than silently:
+
+- `DataParallelTrainer._initialize_and_run_controller(**kwargs)`: where the trainer hands the
+  controller its scaling policy; we swap in `ElastronElasticPolicy`.
+- `DataParallelTrainer._register_sigint_handler(controller)`: Ray's handler aborts the run on
+  SIGINT only (and calls `sys.exit` from a signal handler when the controller is gone); ours
+  also takes SIGTERM (the default stop signal of Ray Jobs), records that a stop was asked, and
+  leaves the exit to the driver.
+- `ElasticScalingPolicy._count_possible_workers(reserved)`: how many workers the cluster has
+  room for; ours drops dead and excluded nodes and rounds down to a valid size.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from collections.abc import Callable
+
+import ray
+from ray.train.torch import TorchTrainer
+from ray.train.v2._internal.execution.callback import WorkerCallback
+from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+
+log = logging.getLogger(__name__)
+
+
+class ElastronElasticPolicy(ElasticScalingPolicy):
+    """Ray's elastic policy, restricted to the sizes this job can run on (`valid_sizes`: the
+    multiples of tensor x pipeline x context between min and max whose data-parallel size
+    splits the global batch) and to live nodes outside `blocked_nodes` (excluded after a
+    persistent error, or avoided to re-run a step on other hardware)."""
+
+    def __init__(self, scaling_config, valid_sizes: list[int], blocked_nodes: set[str] | frozenset[str] = ()):
+        super().__init__(scaling_config)
+        self.valid_sizes = sorted(valid_sizes)
+        self.blocked_nodes = set(blocked_nodes)
+
+    def _count_possible_workers(self, reserved_resources) -> int:
+        try:
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        except Exception:  # noqa: BLE001 - a GCS hiccup: trust the reservation as it is
+            alive = set(reserved_resources)
+        usable = {
+            node: res
+            for node, res in reserved_resources.items()
+            if node in alive and node not in self.blocked_nodes
+        }
+        room = super()._count_possible_workers(usable)
+        fits = [s for s in self.valid_sizes if s <= room]
+        return fits[-1] if fits else 0
+
+
+class ElastronTorchTrainer(TorchTrainer):
+    """TorchTrainer with our scaling policy and our stop signal handling.
+
+    `on_stop()` is called (once) on the first SIGINT or SIGTERM during fit(); the run is then
+    aborted through the controller (Ray Train's graceful path: workers get their shutdown
+    callbacks, the placement group is removed) and fit() raises or returns; the driver reads
+    its own stop flag to tell a cancel from a failure."""
+
+    def __init__(
+        self,
+        *args,
+        elastic_sizes: list[int] | None = None,
+        blocked_nodes: set[str] | None = None,
+        on_stop: Callable[[], None] | None = None,
+        **kwargs,
+    ):
+        super().__init__(*args, **kwargs)
+        self._elastic_sizes = elastic_sizes
+        self._blocked_nodes = set(blocked_nodes or ())
+        self._on_stop = on_stop
+
+    def _initialize_and_run_controller(self, **controller_init_kwargs):
+        if self.scaling_config.elasticity_enabled and self._elastic_sizes:
+            controller_init_kwargs["scaling_policy"] = ElastronElasticPolicy(
+                self.scaling_config, self._elastic_sizes, self._blocked_nodes
+            )
+        return super()._initialize_and_run_controller(**controller_init_kwargs)
+
+    def _register_sigint_handler(self, controller) -> None:
+        stopping = threading.Event()
+
+        def handler(signum, frame):
+            if stopping.is_set():
+                return  # one abort is enough; the driver exits when fit() ends
+            stopping.set()
+            log.info("elastron: %s received, aborting the run", signal.Signals(signum).name)
+            if self._on_stop is not None:
+                self._on_stop()
+            try:
+                ray.get(controller.abort.remote())
+            except ray.exceptions.RayActorError:
+                pass  # the controller exits as it aborts
+
+        signal.signal(signal.SIGINT, handler)
+        signal.signal(signal.SIGTERM, handler)
+
+
+class GracefulShutdown(WorkerCallback):
+    """Runs in each worker when Ray Train shuts the group down (a resize, a cancel, the end of a
+    failed attempt): rank 0 stops at the next step boundary with its telemetry delivered, and a
+    checkpoint being written gets the rest of Ray's shutdown patience to commit (one that needs
+    longer is abandoned: without its manifest no resume ever picks it up). See
+    workers.rank.on_worker_shutdown."""
+
+    def before_worker_shutdown(self) -> None:
+        from workers.rank import on_worker_shutdown
+
+        on_worker_shutdown()
