@@ -134,6 +134,9 @@ def start_ray_head(
     env = dict(os.environ)
     env.update(
         RAY_JOB_STOP_SIGNAL="SIGINT",
+        # Ray Jobs' default 3 s before SIGKILL is shorter than Ray Train's graceful abort and a
+        # checkpoint's commit: give a cancelled job time to finish cleanly.
+        RAY_JOB_STOP_WAIT_TIME_S=env.get("RAY_JOB_STOP_WAIT_TIME_S", "60"),
         RAY_AUTH_MODE=env.get("RAY_AUTH_MODE", "token"),
         RAY_USAGE_STATS_ENABLED="0",
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
