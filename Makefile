@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml constraints.txt
 install: $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/elastron train examples/llama_tiny_tp2.yaml --ranks 2 --metrics-out runs/demo/metrics.jsonl
+	$(VENV)/bin/elastron demo
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
