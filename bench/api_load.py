@@ -25,7 +25,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,17 +32,13 @@ import tempfile
 import time
 from pathlib import Path
 
+from engine.launcher import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 OPS = ("submit", "list", "get", "healthz")
 SPEC = {"name": "bench", "training": {"train_iters": 1000, "global_batch_size": 8}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -281,7 +276,7 @@ def main() -> None:
 
     home = Path(tempfile.mkdtemp(prefix="elastron-bench-"))
     token, ids = seed_store(home, args.jobs, args.running)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     server = subprocess.Popen(
         [sys.executable, __file__, "--serve", str(home), str(port)],

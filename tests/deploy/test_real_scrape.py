@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 import subprocess
 import threading
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +38,7 @@ pytest.importorskip("service.app", reason="service/app.py (the API with create_a
 
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
+from engine.launcher import free_port
 from service.app import create_app  # noqa: E402
 from service.launcher import LaunchStatus  # noqa: E402
 from service.settings import Settings  # noqa: E402
@@ -46,29 +46,12 @@ from service.store.db import make_engine, make_sessionmaker  # noqa: E402
 from service.store.migrate import upgrade  # noqa: E402
 from service.store.tokens import create_token  # noqa: E402
 from tests.service.launchers import FakeLauncher  # noqa: E402
+from tests.waiting import wait_for
 
 DEPLOY = ROOT / "deploy"
 DASHBOARDS = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))
 JOB_SPEC = yaml.safe_load((ROOT / "examples" / "llama_tiny_tp2.yaml").read_text())
 TIMERS = ["data", "forward", "backward", "forward-backward", "grads-finalize", "optimizer", "checkpoint-save"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(what: str, predicate: Callable[[], Any], timeout_s: float = 60.0) -> Any:
-    """Polls until predicate() is truthy; a generous deadline, not a timing assertion."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.2)
 
 
 def record(iteration: int) -> dict[str, Any]:
@@ -118,7 +101,7 @@ class Api:
         )
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()
-        wait_for("the API to start", lambda: self.server.started or not self.thread.is_alive())
+        wait_for(lambda: self.server.started or not self.thread.is_alive(), what="the API to start")
         assert self.server.started, "the API did not start"
         self.client = httpx.Client(base_url=self.url, headers={"Authorization": f"Bearer {self.admin_token}"})
 
@@ -138,7 +121,9 @@ class Api:
         return r.json()
 
     def wait_state(self, job_id: str, state: str) -> dict[str, Any]:
-        return wait_for(f"{job_id} to be {state}", lambda: (j := self.job(job_id))["state"] == state and j)
+        return wait_for(
+            lambda: (j := self.job(job_id))["state"] == state and j, what=f"{job_id} to be {state}"
+        )
 
     def telemetry(self, job_id: str, records: list[dict], events: list[dict]) -> None:
         token = self.launcher.env_of(job_id)["ELASTRON_API_TOKEN"]
@@ -177,7 +162,7 @@ class Prometheus:
             stdout=self.log,
             stderr=subprocess.STDOUT,
         )
-        wait_for("Prometheus to be ready", self.ready)
+        wait_for(self.ready, what="Prometheus to be ready")
 
     def ready(self) -> bool:
         assert self.process.poll() is None, f"Prometheus exited: {Path(self.log.name).read_text()[-2000:]}"
@@ -234,7 +219,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, prometheus_bin: Path) -> Ite
         )
         api.wait_state(trained, "running")
         prometheus = Prometheus(prometheus_bin, api.port, workdir)
-        wait_for("a scrape of the API", lambda: prometheus.query('up{job="elastron-api"} == 1'))
+        wait_for(lambda: prometheus.query('up{job="elastron-api"} == 1'), what="a scrape of the API")
         # A second batch after Prometheus has seen the first, so counters rise between scrapes.
         time.sleep(2)
         api.telemetry(
@@ -260,8 +245,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, prometheus_bin: Path) -> Ite
         api.wait_state(cancelled, "cancelled")
         # Wait until Prometheus has the second batch and has evaluated the rules on it.
         wait_for(
-            "the rules to see the restart",
             lambda: prometheus.query(f'elastron_job:restarts:increase1h{{job="{trained}"}} > 0'),
+            what="the rules to see the restart",
         )
         time.sleep(2)
         yield {
@@ -376,9 +361,10 @@ def test_alerts_fire_for_the_failed_job_and_the_persistent_error(stack: dict[str
             for s in prometheus.query(f'ALERTS{{alertname="{alert}", alertstate="firing"}}')
         }
 
-    wait_for("ElastronJobFailed", lambda: firing("ElastronJobFailed") == {jobs["failed"]})
+    wait_for(lambda: firing("ElastronJobFailed") == {jobs["failed"]}, what="ElastronJobFailed")
     wait_for(
-        "ElastronRerunPersistentError", lambda: firing("ElastronRerunPersistentError") == {jobs["trained"]}
+        lambda: firing("ElastronRerunPersistentError") == {jobs["trained"]},
+        what="ElastronRerunPersistentError",
     )
     assert firing("ElastronApiDown") == set()
     assert firing("ElastronJobStalled") == set()

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.service.conftest import wait_for
+from tests.waiting import wait_for
 
 ELASTRON = [sys.executable, "-m", "service.cli"]
 ROOT = Path(__file__).resolve().parents[2]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import http.client
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,17 +20,13 @@ from pathlib import Path
 
 import pytest
 
+from engine.launcher import free_port
+
 _DUMMY_CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "elastron-test",
     "AWS_SECRET_ACCESS_KEY": "elastron-test-secret",
     "AWS_DEFAULT_REGION": "us-east-1",
 }
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _moto_server_binary() -> str:
@@ -57,7 +52,7 @@ def _answers(port: int) -> bool:
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[str]:
     """Endpoint URL of a moto S3 server running in a subprocess for the whole test session."""
-    port = _free_port()
+    port = free_port()
     log = tempfile.NamedTemporaryFile(prefix="moto-server-", suffix=".log", delete=False)
     env = {**os.environ, **_DUMMY_CREDENTIALS}
     proc = subprocess.Popen(

@@ -53,7 +53,9 @@ def indexed_corpus(tmp_path_factory) -> str:
     return str(prefix)
 
 
-def test_resume_on_another_dp_size_and_micro_batch_feeds_the_uninterrupted_runs_tokens(tmp_path, indexed_corpus):
+def test_resume_on_another_dp_size_and_micro_batch_feeds_the_uninterrupted_runs_tokens(
+    tmp_path, indexed_corpus
+):
     def spec(ranks: int, mbs: int, name: str) -> dict:
         return job(
             ranks,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import threading
@@ -22,6 +21,7 @@ import httpx
 import pytest
 import uvicorn
 
+from engine.launcher import free_port
 from service.app import create_app
 from service.launcher import Launcher
 from service.settings import Settings
@@ -29,24 +29,7 @@ from service.store.db import make_engine, make_sessionmaker
 from service.store.migrate import upgrade
 from service.store.tokens import create_token
 from tests.service.launchers import FakeLauncher
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(predicate: Callable[[], object], timeout_s: float = 30.0, what: str = "condition") -> object:
-    """Poll until `predicate()` is truthy (a generous deadline, not a timing assertion)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
+from tests.waiting import wait_for
 
 
 class ApiServer:

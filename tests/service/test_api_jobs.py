@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 
 from service.launcher import LaunchStatus, SubmissionRejected
-from tests.service.conftest import wait_for
+from tests.waiting import wait_for
 
 TINY = {"name": "tiny", "training": {"train_iters": 4, "global_batch_size": 2}}
 

@@ -22,8 +22,8 @@ import httpx
 import pytest
 
 from service.launcher import LaunchStatus, RayJobsLauncher
-from tests.service.conftest import wait_for
 from tests.service.launchers import HERE
+from tests.waiting import wait_for
 
 ELASTRON = [sys.executable, "-m", "service.cli"]
 

@@ -9,9 +9,10 @@ import pytest
 from service.launcher import LaunchStatus
 from service.store.db import in_transaction
 from service.store.jobs import get_job
-from tests.service.conftest import ApiServer, wait_for
+from tests.service.conftest import ApiServer
 from tests.service.launchers import FakeLauncher, ProcessLauncher
 from tests.service.test_api_jobs import TINY
+from tests.waiting import wait_for
 
 
 @pytest.fixture

@@ -12,11 +12,13 @@ import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
 
+from engine.launcher import free_port
 from service.app import create_app
 from service.launcher import LaunchStatus
 from service.settings import Settings
-from tests.service.conftest import ApiServer, free_port, make_settings, make_tokens, wait_for
+from tests.service.conftest import ApiServer, make_settings, make_tokens
 from tests.service.launchers import FakeLauncher
+from tests.waiting import wait_for
 
 OPENAPI = create_app(Settings(database_url="sqlite://"), launcher=FakeLauncher()).openapi()
 schema = schemathesis.openapi.from_dict(OPENAPI)

@@ -6,8 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -25,17 +23,6 @@ def run(job_id: str, spec: dict, storage: Path) -> JobResult:
     """The driver in this process, as `elastron worker-run` runs it."""
     options = WorkerRunOptions(storage_path=str(storage), flush_interval_s=0.1, quiet=True)
     return run_job(job_id, parse_job(spec), options)
-
-
-def wait_until(what: Callable[[], object], timeout_s: float = 300, message: str = "") -> object:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = what()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {message or what}")
-        time.sleep(0.05)
 
 
 def kinds(server: TelemetryServer, job_id: str, source: str = "driver") -> list[str]:

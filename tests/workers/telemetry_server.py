@@ -8,20 +8,13 @@ back) and told to answer with an error status for a while.
 from __future__ import annotations
 
 import json
-import socket
 import threading
-import time
-from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from engine.launcher import free_port
 
 PATH_PREFIX = "/v1/internal/jobs/"
 PATH_SUFFIX = "/telemetry"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class TelemetryServer:
@@ -112,14 +105,3 @@ class TelemetryServer:
             if r["iteration"] not in out or r.get("group", 0) >= out[r["iteration"]].get("group", 0):
                 out[r["iteration"]] = r
         return dict(sorted(out.items()))
-
-    def wait_for(self, what: Callable[[], object], timeout_s: float = 300, message: str = "") -> object:
-        """Poll until what() is truthy; a test that waits longer than timeout_s fails (no hang)."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            value = what()
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {message or what}")
-            time.sleep(0.05)

@@ -238,7 +238,7 @@ def test_lost_nodes_are_the_dead_the_missing_and_those_whose_raylet_does_not_ans
 
     import ray
 
-    from tests.workers.telemetry_server import free_port
+    from engine.launcher import free_port
     from workers.driver import lost_nodes
 
     with socket.socket() as listening:

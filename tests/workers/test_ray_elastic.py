@@ -19,13 +19,13 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 
 from engine.checkpointing.commit import committed_iterations, latest_checkpoint
 from engine.checkpointing.storage import open_storage
+from tests.waiting import wait_for
 from tests.workers.conftest import environment, job, worker_nodes
 from tests.workers.ray_helpers import (
     kinds,
     leftovers,
     run,
     seed_with_one_early_injection,
-    wait_until,
 )
 
 
@@ -99,25 +99,21 @@ def test_elastic_job_shrinks_when_a_node_goes_and_grows_back_then_cancels(ray_cl
         return check
 
     try:
-        wait_until(
-            lambda: alive("training")() and len(telemetry.records(job_id)) >= 7, message="7 iterations"
-        )
+        wait_for(lambda: alive("training")() and len(telemetry.records(job_id)) >= 7, what="7 iterations")
         (full,) = started(2)
         victim = next(r["node_id"] for r in full["ranks"] if r["rank"] == 1)
         c.remove_node(next(n for n in worker_nodes(c) if n.node_id == victim), allow_graceful=False)
 
-        shrunk = wait_until(lambda: alive("shrinking")() and started(1), message="the job on 1 rank")[0]
-        small = wait_until(
-            lambda: len(records_after(shrunk)) >= 3 and records_after(shrunk), message="1-rank steps"
+        shrunk = wait_for(lambda: alive("shrinking")() and started(1), what="the job on 1 rank")[0]
+        small = wait_for(
+            lambda: len(records_after(shrunk)) >= 3 and records_after(shrunk), what="1-rank steps"
         )
         c.add_node(num_cpus=1)  # the node comes back
 
-        regrown = wait_until(
-            lambda: alive("growing")() and started(2)[1:], message="the job on 2 ranks again"
-        )[0]
-        wait_until(lambda: len(records_after(regrown)) >= 3, message="2-rank steps after growing back")
+        regrown = wait_for(lambda: alive("growing")() and started(2)[1:], what="the job on 2 ranks again")[0]
+        wait_for(lambda: len(records_after(regrown)) >= 3, what="2-rank steps after growing back")
         client.stop_job(job_id)  # SIGINT to the driver (RAY_JOB_STOP_SIGNAL on the head)
-        status = wait_until(
+        status = wait_for(
             lambda: (st := client.get_job_status(job_id)).is_terminal() and st, 120, "the job to stop"
         )
     finally:
@@ -145,7 +141,7 @@ def test_elastic_job_shrinks_when_a_node_goes_and_grows_back_then_cancels(ray_cl
         "causes"
     ]
     assert kinds(telemetry, job_id)[-1] == "job_cancelled"
-    assert wait_until(lambda: leftovers() == {"actors": [], "placement_groups": []} or None, 60, "cleanup")
+    assert wait_for(lambda: leftovers() == {"actors": [], "placement_groups": []} or None, 60, "cleanup")
     # Whatever save was in flight was committed or abandoned: the newest checkpoint is a committed one.
     storage = open_storage(str(tmp_path / "ckpt" / job_id))
     assert latest_checkpoint(storage, "rayjob") in committed_iterations(storage, "rayjob")

@@ -24,13 +24,13 @@ import pytest
 
 from engine.checkpointing.commit import latest_checkpoint
 from engine.checkpointing.storage import open_storage
+from tests.waiting import wait_for
 from tests.workers.conftest import JOB, job
 from tests.workers.ray_helpers import (
     elastron_train,
     kinds,
     run,
     seed_with_one_early_injection,
-    wait_until,
 )
 
 LOSS_RTOL = 1e-5
@@ -96,9 +96,9 @@ def test_a_killed_rank_and_then_a_hung_rank_both_resume_from_the_last_checkpoint
 
     def rank_1(attempt: int) -> dict:
         # The pid comes from the rank itself (its ranks_started report), not from a process name.
-        started = wait_until(
+        started = wait_for(
             lambda: [e for e in telemetry.events(job_id, "ranks_started") if e["attempt"] == attempt],
-            message=f"attempt {attempt} started",
+            what=f"attempt {attempt} started",
         )
         return next(r for r in started[0]["ranks"] if r["rank"] == 1)
 
@@ -108,11 +108,11 @@ def test_a_killed_rank_and_then_a_hung_rank_both_resume_from_the_last_checkpoint
     def interfere():
         victim = rank_1(0)
         # Mid-run: after the checkpoint at iteration 5 is committed (records come after saves).
-        wait_until(lambda: any(i >= 7 for i in records(0)), message="iteration 7")
+        wait_for(lambda: any(i >= 7 for i in records(0)), what="iteration 7")
         os.kill(victim["pid"], signal.SIGKILL)
         done["killed"] = victim["pid"]
         frozen = rank_1(1)
-        wait_until(lambda: len(records(1)) >= 2, message="attempt 1 training")
+        wait_for(lambda: len(records(1)) >= 2, what="attempt 1 training")
         os.kill(frozen["pid"], signal.SIGSTOP)  # Ray's shutdown SIGKILLs it later
         done["frozen"] = frozen["pid"]
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import threading
 
-from tests.workers.telemetry_server import TelemetryServer, free_port
+from engine.launcher import free_port
+from tests.waiting import wait_for
+from tests.workers.telemetry_server import TelemetryServer
 from workers.telemetry import EventTail, TelemetrySender, telemetry_url
 
 
@@ -131,7 +133,7 @@ def test_record_never_waits_on_the_network(tmp_path):
     try:
         s = sender(server, tmp_path).start()
         s.record({"iteration": 0})
-        server.wait_for(lambda: server.requests >= 1, 60, "the first POST")
+        wait_for(lambda: server.requests >= 1, 60, "the first POST")
         for i in range(1, 10001):  # the sender thread is stuck in a POST meanwhile
             s.record({"iteration": i})
         server.gate.set()
