@@ -28,14 +28,15 @@ PROCESS_GROUP_TIMEOUT_S = 1800.0
 
 class RankFailure(RuntimeError):
     """One or more ranks raised or died; `failures` maps rank -> traceback or exit description, and
-    `exit_codes` rank -> the exit code its exception asked for (see `agreed_exit_code`).
+    `exits` rank -> (exit code, message) for an exception that asked for an exit code (the rerun
+    state machine's RerunExit; see `agreed_exit`).
 
     The likely cause comes first: a rank that died without reporting (killed, os._exit), else
     the first rank that raised. The others are usually peers that lost their connection to it.
     """
 
-    def __init__(self, failures: dict[int, str], exit_codes: dict[int, int] | None = None):
-        self.exit_codes = dict(exit_codes or {})
+    def __init__(self, failures: dict[int, str], exits: dict[int, tuple[int, str]] | None = None):
+        self.exits = dict(exits or {})
         died = [r for r, msg in failures.items() if msg.startswith(DIED)]
         order = died + [r for r in failures if r not in died]
         self.failures = {r: failures[r] for r in order}
@@ -43,10 +44,12 @@ class RankFailure(RuntimeError):
         others = f" (then ranks {sorted(set(failures) - {first})})" if len(failures) > 1 else ""
         super().__init__(f"rank {first} failed{others}:\n{failures[first]}")
 
-    def agreed_exit_code(self) -> int | None:
-        """The exit code every failed rank asked for, when they all asked for the same one."""
-        codes = {self.exit_codes.get(r) for r in self.failures}
-        return codes.pop() if len(codes) == 1 else None
+    def agreed_exit(self) -> tuple[int, str] | None:
+        """(exit code, message) when every failed rank asked for the same exit code."""
+        codes = {self.exits.get(r, (None, ""))[0] for r in self.failures}
+        if len(codes) != 1 or None in codes:
+            return None
+        return next(self.exits[r] for r in self.failures)
 
 
 DIED = "process exited with code"
@@ -97,7 +100,8 @@ def _rank_main(
         results.put((rank, True, pickle.dumps(out)))
     except BaseException as err:  # noqa: BLE001 - everything a rank raises goes back to the parent
         # An exception carrying an exit code (the rerun state machine's 16/17) keeps it.
-        results.put((rank, False, (traceback.format_exc(), getattr(err, "exit_code", None))))
+        code = getattr(err, "exit_code", None)
+        results.put((rank, False, (traceback.format_exc(), None if code is None else (code, str(err)))))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -140,7 +144,7 @@ def spawn(
         p.start()
     outputs: dict[int, Any] = {}
     failures: dict[int, str] = {}
-    exit_codes: dict[int, int] = {}
+    exits: dict[int, tuple[int, str]] = {}
     deadline = time.monotonic() + timeout_s
     first_failure_at: float | None = None
     try:
@@ -170,9 +174,9 @@ def spawn(
             if ok:
                 outputs[rank] = pickle.loads(payload)
             else:
-                failures[rank], code = payload
-                if code is not None:
-                    exit_codes[rank] = code
+                failures[rank], asked = payload
+                if asked is not None:
+                    exits[rank] = asked
                 first_failure_at = first_failure_at or time.monotonic()
     finally:
         for p in procs:
@@ -185,5 +189,5 @@ def spawn(
                 p.kill()
                 p.join()
     if failures:
-        raise RankFailure(failures, exit_codes)
+        raise RankFailure(failures, exits)
     return [outputs[r] for r in range(world_size)]

@@ -162,6 +162,12 @@ class Trainer:
             expert_norm_group=ps.get_group("emp") if self.config.moe else None,
         )
         self.scheduler = OptimizerParamScheduler.from_spec(self.optimizer, spec.optimizer, t.train_iters)
+        moe = self.config.moe
+        self._biased_routers = (
+            [m for chunk in self.model_chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
+            if moe is not None and moe.expert_bias
+            else []
+        )
         self.pipeline = None
         if p.pipeline > 1:
             self.pipeline = PipelineRunner(
@@ -400,14 +406,12 @@ class Trainer:
                 raise RerunExit(
                     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
                     f"{decision.message}; but checkpoint.path is not set, so it cannot be re-run elsewhere",
-                    decision.diagnosis.value if decision.diagnosis else None,
+                    decision.diagnosis,
                 )
             self.checkpointer.save()
             self.checkpointer.wait()
         if decision.exit_code:
-            raise RerunExit(
-                decision.exit_code, decision.message, decision.diagnosis.value if decision.diagnosis else None
-            )
+            raise RerunExit(decision.exit_code, decision.message, decision.diagnosis)
         if decision.skip_batch:
             self.consumed_samples += gbs
             return True
@@ -417,12 +421,8 @@ class Trainer:
         """Aux-loss-free MoE balancing: after the step, every router moves its expert bias with the
         step's token counts summed over every rank of its pipeline stage (each routed its own
         tokens: DP ranks, and TP ranks under sequence parallelism)."""
-        if self.config.moe is None or not self.config.moe.expert_bias:
-            return
-        for chunk in self.model_chunks:
-            for module in chunk.modules():
-                if isinstance(module, TopKRouter):
-                    module.update_expert_bias(ps.get_group("tp_cp_dp"))
+        for router in self._biased_routers:
+            router.update_expert_bias(ps.get_group("tp_cp_dp"))
 
     def train_step(self) -> StepMetrics | None:
         """One iteration; None when the rerun state machine skipped its batch instead."""

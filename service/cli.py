@@ -87,10 +87,9 @@ def train(
             timeout_s=float("inf"),
         )[0]
     except RankFailure as err:
-        code = err.agreed_exit_code()
-        if code is not None:  # the rerun state machine's verdict, the same on every rank
-            last_line = next(iter(err.failures.values())).strip().splitlines()[-1]
-            _fail(f"rerun state machine: {last_line.split('RerunExit: ', 1)[-1]}", code=code)
+        agreed = err.agreed_exit()
+        if agreed is not None:  # the rerun state machine's verdict, the same on every rank
+            _fail(f"rerun state machine: {agreed[1]}", code=agreed[0])
         _fail(str(err), code=1)
     except KeyboardInterrupt:
         _fail("interrupted", code=130)

@@ -36,6 +36,7 @@ from engine.tensor_parallel.layers import set_partition
 from engine.transformer import context_parallel
 from engine.transformer.config import TransformerConfig
 from engine.transformer.dropout import dropout
+from engine.transformer.moe.moe_layer import local_experts
 from engine.transformer.rope import RotaryEmbedding
 from engine.transformer.transformer_layer import TransformerBlock
 
@@ -94,18 +95,12 @@ class GPTModel(nn.Module):
                 self.output_layer.weight.shared_embedding = True
                 self.output_layer.weight.embedding_copy = True
 
-    def _expert_offset(self) -> int:
-        moe = self.config.moe
-        if moe is None or not ps.model_parallel_is_initialized():
-            return 0
-        return ps.get_rank_in("ep") * (moe.num_experts // ps.get_grid().ep)
-
     def global_param_name(self, name: str) -> str:
         """The parameter's name in the whole (unsplit) model: layer numbers are global, and the
         last stage's tied output weight is the embedding."""
         e = _EXPERT.search(name)
         if e:  # local expert j of this expert-parallel rank -> its global index
-            j = int(e.group(1)) + self._expert_offset()
+            j = int(e.group(1)) + local_experts(self.config.moe.num_experts)[0]
             name = f"{name[: e.start()]}.experts.local_experts.{j}.{name[e.end() :]}"
         m = _LAYER.match(name)
         if m:

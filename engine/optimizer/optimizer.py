@@ -132,11 +132,9 @@ class TrainingOptimizer:
 
     @torch.no_grad()
     def step(self) -> StepResult:
-        grads, result = self._prepared if self._prepared is not None else (None, None)
-        if result is None:
+        if self._prepared is None:
             self.prepare()
-            grads, result = self._prepared
-        self._prepared = None
+        (grads, result), self._prepared = self._prepared, None
         if self.grad_scaler is not None:
             self.grad_scaler.update(result.skipped)
         if result.skipped:

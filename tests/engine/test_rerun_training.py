@@ -109,7 +109,8 @@ def train_spawned(tmp_path: Path, job: dict, node: str = "node-a") -> int:
             timeout_s=240,
         )
     except RankFailure as err:
-        return err.agreed_exit_code() or 1
+        agreed = err.agreed_exit()
+        return agreed[0] if agreed else 1
     return 0
 
 
@@ -221,10 +222,10 @@ def test_nan_from_a_poisoned_sample_is_diagnosed_correct_result_and_skipped_when
     job = make_job(tmp_path)
     with pytest.raises(RankFailure) as caught:
         run_poisoned(tmp_path, job, "node-a")
-    assert caught.value.agreed_exit_code() == 16
+    assert caught.value.agreed_exit()[0] == 16
     with pytest.raises(RankFailure) as caught:
         run_poisoned(tmp_path, job, "node-b")
-    assert caught.value.agreed_exit_code() == 17
+    assert caught.value.agreed_exit()[0] == 17
     assert "the data or the code produces it" in str(caught.value)
 
     events = read_jsonl(tmp_path / "events.jsonl")

@@ -39,20 +39,27 @@ def set_aux_loss_scale(scale: float) -> None:
     _AuxLossScaler.scale = scale
 
 
+def local_experts(num_experts: int) -> tuple[int, int]:
+    """(global index of this rank's first expert, how many it holds): experts are split evenly
+    and in order over the expert-parallel group."""
+    if not ps.model_parallel_is_initialized():
+        return 0, num_experts
+    count = num_experts // ps.get_grid().ep
+    return ps.get_rank_in("ep") * count, count
+
+
 class MoELayer(nn.Module):
     def __init__(self, config, moe: MoEConfig):
         super().__init__()
         from engine.transformer.mlp import MLP  # the dense MLP, for the shared expert
 
-        ep = ps.get_rank_in("ep") if ps.model_parallel_is_initialized() else 0
-        ep_size = ps.get_grid().ep if ps.model_parallel_is_initialized() else 1
+        self.expert_offset, self.local_count = local_experts(moe.num_experts)
+        ep_size = moe.num_experts // self.local_count
         self.moe = moe
         self.router = TopKRouter(
             config.hidden_size, moe, config.params_dtype, config.init_method_std, config.sequence_parallel
         )
         self.dispatcher = AllToAllDispatcher(moe.num_experts, ps.get_group("ep") if ep_size > 1 else None)
-        self.local_count = moe.num_experts // ep_size
-        self.expert_offset = ep * self.local_count
         self.experts = LocalExperts(
             self.local_count,
             hidden=config.hidden_size,

@@ -104,7 +104,8 @@ class TopKRouter(nn.Module):
         if moe.expert_bias and self.training:
             self.step_tokens_per_expert += counts.detach()
         aux = logits.new_zeros(())
-        n, tokens = self._global_counts(counts, x.shape[0])  # the whole micro-batch's
+        if moe.aux_loss_coeff > 0 or moe.z_loss_coeff > 0:
+            n, tokens = self._global_counts(counts, x.shape[0])  # the whole micro-batch's
         if moe.aux_loss_coeff > 0:
             scale = moe.aux_loss_coeff * moe.num_experts / (tokens * tokens * moe.top_k)
             aux = aux + scale * (scores.sum(dim=0) * n).sum()
