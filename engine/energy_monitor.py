@@ -210,15 +210,24 @@ class EnergyMonitor:
     def setup(self) -> None:
         """Start counting from now. A collective when torch.distributed is initialised and
         `contributes` was not given (one all-gather of host ids decides who counts a socket)."""
+        # Whether every rank has a counter: when one has none, every lap is None, known now, so
+        # laps skip their all-reduce (None: not agreed here, each lap finds out).
+        self._everyone_has_counter: bool | None = self._counter is not None
         if self._contributes_arg is not None:
             self.contributes = self._contributes_arg
+            if self._distributed():
+                self._everyone_has_counter = None
         elif self._distributed():
             world = dist.get_world_size(self._group)
-            mine = torch.tensor([host_id()], dtype=torch.int64, device=device.current_device())
-            ids = torch.empty(world, dtype=torch.int64, device=mine.device)
-            all_gather_into(ids, mine, group=self._group)
-            first = first_on_host(ids.cpu().tolist(), dist.get_rank(self._group))
+            mine = torch.tensor(
+                [host_id(), int(self._counter is not None)], dtype=torch.int64, device=device.current_device()
+            )
+            gathered = torch.empty(2 * world, dtype=torch.int64, device=mine.device)
+            all_gather_into(gathered, mine, group=self._group)
+            ids, has_counter = gathered.view(world, 2).cpu().t().tolist()
+            first = first_on_host(ids, dist.get_rank(self._group))
             self.contributes = self.source == "nvml" or first
+            self._everyone_has_counter = all(has_counter)
         else:
             self.contributes = True
         self._pause_depth = 0
@@ -281,8 +290,9 @@ class EnergyMonitor:
     def lap(self) -> EnergyLap | None:
         """Energy since the previous lap (or setup), summed over the group's ranks.
 
-        A collective when torch.distributed is initialised: every rank calls it the same number
-        of times, including ranks whose source is unavailable. One int64 SUM all-reduce carries
+        A collective when torch.distributed is initialised and every rank has a counter (agreed
+        in setup(); otherwise every lap is None and costs no communication): every rank calls
+        it the same number of times. One int64 SUM all-reduce carries
         [µJ, ranks missing a reading, contributors, lap ns]: a rank misses a reading when its
         source is unavailable or a read of its counter failed in this lap. If any rank missed
         one, the lap is None on every rank (a partial sum would be a silent under-count) and is
@@ -292,6 +302,9 @@ class EnergyMonitor:
         if self._pause_depth == 0:
             self._close_interval()
             self._started = self._clock()
+        if self._everyone_has_counter is False:  # agreed at setup: no lap can be complete
+            self._pending_uj, self._missing, self._seconds = 0, False, 0.0
+            return None
         missing = self._counter is None or (self._reads() and self._missing)
         local = [
             self._pending_uj if self._reads() else 0,
