@@ -713,20 +713,26 @@ def load_job(path: str | Path) -> JobSpec:
         text = path.read_text()
     except OSError as err:
         raise JobSpecError(f"cannot read job file {path}: {err.strerror}") from None
-    if path.suffix == ".json":
+    return parse_job_text(text, str(path), "json" if path.suffix == ".json" else "yaml")
+
+
+def parse_job_text(text: str, where: str, fmt: str = "yaml") -> JobSpec:
+    """A job spec from JSON or YAML text; `where` (a file, an environment variable) names the
+    source in the error."""
+    if fmt == "json":
         try:
             data = json.loads(text)
         except json.JSONDecodeError as err:
-            raise JobSpecError(f"{path} is not valid JSON: {err}") from None
+            raise JobSpecError(f"{where} is not valid JSON: {err}") from None
     else:
         import yaml
 
         try:
             data = yaml.safe_load(text)
         except yaml.YAMLError as err:
-            raise JobSpecError(f"{path} is not valid YAML: {err}") from None
+            raise JobSpecError(f"{where} is not valid YAML: {err}") from None
     if not isinstance(data, dict):
-        raise JobSpecError(f"{path}: a job file is a mapping with sections name, model, parallel, ...")
+        raise JobSpecError(f"{where}: a job spec is a mapping with sections name, model, parallel, ...")
     return parse_job(data)
 
 

@@ -34,11 +34,11 @@ import sys
 import threading
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.jobspec import JobSpec, JobSpecError, parse_job
+from engine.jobspec import JobSpec, JobSpecError, parse_job, parse_job_text
 from workers.policy import (
     EXIT_BAD_INPUT,
     EXIT_CANCELLED,
@@ -181,13 +181,7 @@ def load_spec(spec_file: str | Path | None) -> JobSpec:
     text = os.environ.get(SPEC_ENV)
     if not text:
         raise JobInputError(f"no job spec: pass --spec FILE or set {SPEC_ENV} to the spec as JSON")
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise JobInputError(f"{SPEC_ENV} is not valid JSON: {err}") from None
-    if not isinstance(data, dict):
-        raise JobInputError(f"{SPEC_ENV} must hold a JSON object (the job spec)")
-    return parse_job(data)
+    return parse_job_text(text, SPEC_ENV, "json")
 
 
 # ---------------------------------------------------------------------- the driver loop
@@ -463,8 +457,7 @@ class JobDriver:
         self, action: str, code: int, reason: str, attempt: int, last: dict | None = None
     ) -> JobResult:
         kind = {"done": "job_succeeded", "cancelled": "job_cancelled"}.get(action, "job_failed")
-        self.event(
-            kind,
+        result = JobResult(
             exit_code=code,
             reason=reason,
             attempts=attempt + 1,
@@ -472,14 +465,8 @@ class JobDriver:
             excluded_nodes=sorted(self.policy.excluded),
             last=last,
         )
-        return JobResult(
-            exit_code=code,
-            reason=reason,
-            attempts=attempt + 1,
-            restarts_used=self.policy.restarts_used,
-            excluded_nodes=sorted(self.policy.excluded),
-            last=last,
-        )
+        self.event(kind, **asdict(result))
+        return result
 
 
 def run_job(job_id: str, spec: JobSpec, options: WorkerRunOptions | None = None) -> JobResult:

@@ -202,7 +202,7 @@ def test_the_spec_comes_from_a_file_or_the_environment(tmp_path, monkeypatch):
     (tmp_path / "job.yaml").write_text("name: from-file\n")
     assert load_spec(tmp_path / "job.yaml").name == "from-file"  # --spec wins
     monkeypatch.setenv("ELASTRON_JOB_SPEC", "{not json")
-    with pytest.raises(JobInputError, match="not valid JSON"):
+    with pytest.raises(JobSpecError, match="ELASTRON_JOB_SPEC is not valid JSON"):
         load_spec(None)
     monkeypatch.delenv("ELASTRON_JOB_SPEC")
     with pytest.raises(JobInputError, match="--spec FILE or set ELASTRON_JOB_SPEC"):
