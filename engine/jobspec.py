@@ -732,7 +732,7 @@ def parse_job_text(text: str, where: str, fmt: str = "yaml") -> JobSpec:
         except yaml.YAMLError as err:
             raise JobSpecError(f"{where} is not valid YAML: {err}") from None
     if not isinstance(data, dict):
-        raise JobSpecError(f"{where}: a job spec is a mapping with sections name, model, parallel, ...")
+        raise JobSpecError(f"{where}: a job file is a mapping with sections name, model, parallel, ...")
     return parse_job(data)
 
 
