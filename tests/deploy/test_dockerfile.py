@@ -209,6 +209,5 @@ def test_image_starts_the_api_app_factory(name: str) -> None:
 
 def test_api_app_factory_exists() -> None:
     app = module_file("service.app")
-    if not app.exists():
-        pytest.skip("service/app.py (the API module with create_app) does not exist yet")
+    assert app.exists(), "service/app.py (the API's module) is missing"
     assert defines(app, "create_app"), "service/app.py defines no create_app"
