@@ -4,6 +4,7 @@ Everything lives under ELASTRON_HOME (default ~/.elastron):
   elastron.db       the SQLite store            token        the local admin token (0600)
   api.pid, api.log  the API (uvicorn)           api_url      where the API listens
   ray.pid, ray.log  the Ray head (ray start)    ray_address  its dashboard / Jobs API
+  ray_token         the local Ray head's auth token (0600)
   checkpoints/      default checkpoint root of jobs that set no checkpoint.path
 
 The Ray head runs as `ray start --head --block` under our own pid, so `down` stops exactly the
@@ -12,11 +13,18 @@ All of Ray's ports are picked free, so this head coexists with other local clust
 gets RAY_JOB_STOP_SIGNAL=SIGINT (a cancelled job's driver gets the signal Ray Train handles
 gracefully) and this Python's bin directory first on PATH (so the entrypoint `elastron
 worker-run` resolves inside Ray jobs).
+
+Ray 2.60 heads use token auth (RAY_AUTH_MODE=token), and `ray start` refuses to start one without
+a token. Unless the user brings one (RAY_AUTH_TOKEN or RAY_AUTH_TOKEN_PATH), the local head gets
+its own in ELASTRON_HOME/ray_token, handed to the head (so to its jobs) and to the API through
+RAY_AUTH_TOKEN_PATH: nothing is written to ~/.ray, whose token would switch every later `ray
+start` on this machine to token auth.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -95,6 +103,20 @@ def _tail(path: Path, lines: int = 15) -> str:
         return ""
 
 
+def ray_auth_env(home: Path) -> dict[str, str]:
+    """The auth settings for the local Ray head and its clients (see the module docstring)."""
+    env = {"RAY_AUTH_MODE": os.environ.get("RAY_AUTH_MODE", "token")}
+    if os.environ.get("RAY_AUTH_TOKEN") or os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        return env
+    path = home / "ray_token"
+    if not path.exists():
+        home.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+    return {**env, "RAY_AUTH_TOKEN_PATH": str(path)}
+
+
 def start_ray_head(
     home: Path, dashboard_port: int | None = None, num_cpus: int | None = None
 ) -> tuple[subprocess.Popen, str]:
@@ -131,13 +153,12 @@ def start_ray_head(
         cmd += ["--num-cpus", str(num_cpus)]
     for flag, port in ports.items():
         cmd += [flag, str(port)]
-    env = dict(os.environ)
+    env = {**os.environ, **ray_auth_env(home)}
     env.update(
         RAY_JOB_STOP_SIGNAL="SIGINT",
         # Ray Jobs' default 3 s before SIGKILL is shorter than Ray Train's graceful abort and a
         # checkpoint's commit: give a cancelled job time to finish cleanly.
         RAY_JOB_STOP_WAIT_TIME_S=env.get("RAY_JOB_STOP_WAIT_TIME_S", "60"),
-        RAY_AUTH_MODE=env.get("RAY_AUTH_MODE", "token"),
         RAY_USAGE_STATS_ENABLED="0",
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
     )
@@ -222,6 +243,8 @@ def up(
     _ensure_token(settings, echo)
 
     if ray_address is None:
+        # Our own head: this process (its readiness check) and the API use its token.
+        os.environ.update(ray_auth_env(home))
         ray_pid = _alive(home / "ray.pid", "ray")
         if ray_pid is not None and (home / "ray_address").exists():
             ray_address = (home / "ray_address").read_text().strip()
@@ -242,7 +265,7 @@ def up(
         ELASTRON_HOME=str(home),
         ELASTRON_RAY_ADDRESS=ray_address,
         ELASTRON_API_URL=api_url,
-        RAY_AUTH_MODE=env.get("RAY_AUTH_MODE", "token"),
+        RAY_AUTH_MODE=env.get("RAY_AUTH_MODE", "token"),  # for a --ray-address cluster too
     )
     env.setdefault("ELASTRON_CHECKPOINT_DIR", str(home / "checkpoints"))
     cmd = [

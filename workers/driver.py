@@ -420,8 +420,9 @@ class JobDriver:
                     self.event(kind, attempt=attempt, **fields)
                 if decision.action == "restart":
                     self.event(
-                        "restarting",
+                        "restart",
                         attempt=attempt + 1,
+                        cause=decision.cause,
                         reason=decision.reason,
                         counted=decision.counted,
                         restarts_used=self.policy.restarts_used,

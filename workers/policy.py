@@ -215,6 +215,10 @@ class Decision:
     exit_code: int = EXIT_OK
     reason: str = ""
     counted: bool = False  # a restart charged to resilience.max_restarts
+    # A restart's short cause, the API's `elastron_job_restarts_total{cause}` label: a rank
+    # cause's kind (died, raised, watchdog, peer), `error` (outside the group), or the rerun
+    # state machine's move (rerun_elsewhere, node_excluded).
+    cause: str = ""
     events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
 
@@ -262,6 +266,7 @@ class RestartPolicy:
         self.avoid = suspects
         return Decision(
             "restart",
+            cause="rerun_elsewhere",
             reason=f"{rerun.message}: resuming from the checkpoint it just saved, away from "
             f"{len(suspects)} suspect node(s)",
             events=[("rerun_elsewhere", {"exit_code": rerun.exit_code, "avoid_nodes": sorted(suspects)})],
@@ -286,6 +291,7 @@ class RestartPolicy:
                 )
             return Decision(
                 "restart",
+                cause="node_excluded",
                 reason=f"{rerun.message}: excluded {len(suspects) or 'no known'} node(s), resuming",
                 events=events,
             )
@@ -307,6 +313,7 @@ class RestartPolicy:
             )
         return Decision(
             "restart",
+            cause=outcome.causes[0].kind if outcome.causes else "error",
             reason=f"restart {self.restarts_used} of {self.max_restarts}: {outcome.summary()}",
             counted=True,
         )

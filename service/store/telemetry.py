@@ -2,9 +2,9 @@
 
 Delivery is at least once, so everything here is idempotent:
 - a record whose iteration is already stored is ignored, unless the stored one comes from an
-  earlier run of the job (its `attempt`, or the restarts reported before it, is lower): then the
-  run resumed from an earlier checkpoint and redid that iteration, and the newer record
-  replaces it;
+  earlier worker group of the job (its `group`, else `attempt`, else the restarts reported
+  before it, is lower): then the job resumed from an earlier checkpoint (a restart or an
+  elastic resize) and redid that iteration, and the newer record replaces it;
 - an event is stored once, keyed by its `id` field when the sender gives one, else by a hash
   of its content (the engine's events carry a timestamp, rank and host, so two real events
   never hash alike).
@@ -29,8 +29,8 @@ from service.store import stats as job_stats
 from service.store.jobs import add_event, transition
 from service.store.models import Checkpoint, Job, JobEvent, JobMetric
 
-# METRICS.md names `restart` (with `cause`); the workers' driver also says `restarting`.
-RESTART_KINDS = ("restart", "restarting")
+# METRICS.md: the workers' driver reports a worker-group restart as `restart` with `cause`.
+RESTART_KIND = "restart"
 
 
 @dataclass
@@ -78,7 +78,7 @@ def ingest(
 
 
 def _event_message(kind: str, event: dict[str, Any]) -> str | None:
-    if kind in RESTART_KINDS:
+    if kind == RESTART_KIND:
         return f"worker group restart: {event.get('cause') or event.get('reason') or 'unknown cause'}"
     if kind == "diagnosis":
         return f"rerun state machine diagnosis: {event.get('diagnosis')}"
@@ -120,7 +120,7 @@ def _apply_events(session: Session, job: Job, events: list[dict], stats: dict, r
             ts=ts,
             dedup_key=key,
         )
-        if kind in RESTART_KINDS:
+        if kind == RESTART_KIND:
             cause = str(event.get("cause") or "unknown")[:64]
             job.restarts += 1
             job_stats.count(stats, "restarts", cause)
@@ -167,10 +167,14 @@ def _apply_checkpoint(
 
 
 def _epoch(record: dict, job: Job) -> int:
-    """Which run of the job a record comes from: the workers' `attempt` when they send it (it grows
-    with every restart of the worker group), else the number of restarts reported so far."""
-    attempt = record.get("attempt")
-    return attempt if isinstance(attempt, int) and not isinstance(attempt, bool) else job.restarts
+    """Which run of the job a record comes from: the workers' `group` (it grows with every restart
+    and every elastic resize of the worker group), else their `attempt` (restarts only), else the
+    number of restarts reported so far."""
+    for field in ("group", "attempt"):
+        value = record.get(field)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return job.restarts
 
 
 def _apply_records(

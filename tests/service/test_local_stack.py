@@ -66,6 +66,7 @@ def stack(tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith("ELASTRON_")}
     env.update(
         ELASTRON_HOME=str(home),
+        HOME=str(home),  # a fresh user: no ~/.ray/auth_token; `up` brings the Ray head's token
         ELASTRON_WORKER_ENTRYPOINT=f"{shlex.quote(sys.executable)} {shlex.quote(str(HERE / 'fake_worker.py'))}",
         ELASTRON_RECONCILE_INTERVAL_S="0.5",
         # Inherited by the Ray head, so by its jobs: each job waits after 2 iterations for its gate file.
@@ -99,15 +100,20 @@ def test_up_runs_ray_and_the_api_with_a_private_token(stack):
     assert httpx.get(f"{stack.api_url}/healthz").json() == {"status": "ok"}
     assert wait_for(lambda: httpx.get(f"{stack.api_url}/readyz").status_code == 200, 30, "readyz")
     assert stat.S_IMODE((stack.home / "token").stat().st_mode) == 0o600
+    assert stat.S_IMODE((stack.home / "ray_token").stat().st_mode) == 0o600  # not ~/.ray
     assert httpx.get(f"{stack.api_url}/v1/jobs").status_code == 401  # auth is on
     again = stack.cli("up")
     assert again.returncode == 0 and "already up" in again.stdout
 
 
-def test_ray_jobs_launcher_against_real_ray(stack):
+def test_ray_jobs_launcher_against_real_ray(stack, monkeypatch):
     """Submit a trivial Ray job with RayJobsLauncher and watch it finish; logs, missing ids, an
     unreachable address. (Its graceful stop is test_cli_cancel_stops_a_ray_job_gracefully.)"""
-    os.environ.setdefault("RAY_AUTH_MODE", "token")
+    # The stack's Ray head wants its private token. RayJobsLauncher would set RAY_AUTH_MODE=token
+    # in os.environ for good; monkeypatch takes both back after the test, so no later Ray
+    # cluster in this process inherits them.
+    monkeypatch.setenv("RAY_AUTH_MODE", "token")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(stack.home / "ray_token"))
     script = "import os, sys; print('hello from', os.environ['ELASTRON_JOB_ID'], os.environ['GREETING']); sys.exit(0)"
     launcher = RayJobsLauncher(
         stack.ray_address, entrypoint=f"{shlex.quote(sys.executable)} -c {shlex.quote(script)}", timeout_s=30

@@ -96,7 +96,9 @@ def test_records_carrying_attempt_keep_the_newest_run(env, running):
     job_id, worker = running
     post(worker, job_id, [rec(i, attempt=0) for i in range(1, 5)])
     ack = post(
-        worker, job_id, events=[{"kind": "restarting", "attempt": 1, "reason": "rank 1 died", "ts": 5.0}]
+        worker,
+        job_id,
+        events=[{"kind": "restart", "attempt": 1, "cause": "died", "reason": "rank 1 died", "ts": 5.0}],
     )
     assert ack["state"] == "restarting"
     ack = post(worker, job_id, [rec(3, attempt=1, loss=7.0), rec(4, attempt=0, loss=8.0)])
@@ -104,6 +106,21 @@ def test_records_carrying_attempt_keep_the_newest_run(env, running):
     job = env.job(job_id)
     assert job["iteration"] == 3 and job["last_metrics"]["attempt"] == 1 and job["state"] == "running"
     assert job["restarts"] == 1
+    with env.client() as c:
+        losses = {r["iteration"]: r["loss"] for r in c.get(f"/v1/jobs/{job_id}/metrics").json()["records"]}
+    assert losses[3] == 7.0 and losses[4] == pytest.approx(4.6)
+
+
+def test_an_elastic_resize_replaces_redone_records_by_group(env, running):
+    """A resize starts a new worker group inside the same attempt (no restart event): the redone
+    iterations from the newer group replace the stored ones; a late one from the old group does
+    not; the restart counter does not move."""
+    job_id, worker = running
+    post(worker, job_id, [rec(i, attempt=0, group=0) for i in range(1, 5)])
+    ack = post(worker, job_id, [rec(3, attempt=0, group=1, loss=7.0), rec(4, attempt=0, group=0, loss=8.0)])
+    assert (ack["records_replaced"], ack["records_ignored"]) == (1, 1)
+    job = env.job(job_id)
+    assert job["iteration"] == 3 and job["last_metrics"]["group"] == 1 and job["restarts"] == 0
     with env.client() as c:
         losses = {r["iteration"]: r["loss"] for r in c.get(f"/v1/jobs/{job_id}/metrics").json()["records"]}
     assert losses[3] == 7.0 and losses[4] == pytest.approx(4.6)

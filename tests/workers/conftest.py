@@ -73,9 +73,14 @@ def job(**sections) -> dict:
 
 
 @contextlib.contextmanager
-def environment(**values: str) -> Iterator[None]:
+def environment(**values: str | None) -> Iterator[None]:
+    """Set (or, with None, unset) environment variables for the block; restore them after."""
     saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         yield
     finally:
@@ -88,11 +93,22 @@ def environment(**values: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def private_ray_env(tmp_root) -> Iterator[str]:
-    """RAY_TMPDIR of our own (short: Ray's socket paths have a length limit) + test settings."""
+    """RAY_TMPDIR of our own (short: Ray's socket paths have a length limit) + test settings.
+
+    The cluster runs without token auth, whatever earlier tests in this process did: they may
+    have left RAY_AUTH_MODE=token in os.environ (the cluster's processes would inherit it and
+    refuse this process) or in Ray's per-process auth state (RayConfig and the token cache, read
+    when a client first talked to a token-auth head; then this process' own gRPC server refuses
+    the cluster's workers, and actors die "before they started running"). So the variables are
+    unset and that state re-read from the environment, as Ray's own tests do between clusters."""
+    from ray._private.authentication_test_utils import reset_auth_token_state
+
     ray_tmp = tempfile.mkdtemp(prefix="elr-", dir="/tmp")
     spool = str(tmp_root / "spool")
+    no_auth = dict.fromkeys(("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"))
     try:
-        with environment(RAY_TMPDIR=ray_tmp, ELASTRON_SPOOL_DIR=spool, **RAY_TEST_ENV):
+        with environment(RAY_TMPDIR=ray_tmp, ELASTRON_SPOOL_DIR=spool, **no_auth, **RAY_TEST_ENV):
+            reset_auth_token_state()
             yield ray_tmp
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)

@@ -77,7 +77,7 @@ def test_failures_restart_within_the_budget_then_fail_with_the_cause():
     p = policy(max_restarts=1)
     died = Outcome(causes=classify({1: ActorDiedError("died")}, RANKS))
     first = p.decide(died)
-    assert first.action == "restart" and first.counted and p.restarts_used == 1
+    assert first.action == "restart" and first.counted and p.restarts_used == 1 and first.cause == "died"
     second = p.decide(Outcome(causes=classify({0: ValueError("bad data")}, RANKS)))
     assert second.action == "fail" and second.exit_code == EXIT_FAILED
     assert "max_restarts = 1" in second.reason and "rank 0" in second.reason and "bad data" in second.reason
@@ -87,7 +87,7 @@ def test_exit_16_resumes_away_from_its_nodes_without_charging_the_budget():
     p = policy(max_restarts=0)
     out = Outcome(causes=classify({0: RerunExit(16, "reproduced in place")}, RANKS), nodes={"a", "b"})
     decision = p.decide(out)
-    assert decision.action == "restart" and not decision.counted
+    assert decision.action == "restart" and not decision.counted and decision.cause == "rerun_elsewhere"
     assert p.avoid == {"a", "b"} and p.blocked == {"a", "b"}
     assert decision.events[0][0] == "rerun_elsewhere"
 
@@ -110,6 +110,7 @@ def test_exit_17_persistent_excludes_the_nodes_of_the_16_and_resumes():
         )
     )
     assert decision.action == "restart" and p.excluded == {"a"} and p.avoid == set()
+    assert decision.cause == "node_excluded"
     assert decision.events == [
         (
             "node_excluded",
