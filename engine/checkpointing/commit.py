@@ -48,7 +48,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.checkpointing.storage import Buffer, LocalStorage, Storage, check_key
+from engine.checkpointing.local_storage import LocalStorage
+from engine.checkpointing.storage import Buffer, Storage, check_key
 
 logger = logging.getLogger(__name__)
 

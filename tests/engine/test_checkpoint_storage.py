@@ -38,7 +38,9 @@ from engine.checkpointing.commit import (
     resolve_checkpoint,
     sha256_file,
 )
-from engine.checkpointing.storage import LocalStorage, MiB, S3Storage, Storage, open_storage
+from engine.checkpointing.local_storage import LocalStorage
+from engine.checkpointing.s3_storage import S3Storage
+from engine.checkpointing.storage import MiB, Storage, open_storage
 
 JOB = "myjob"
 
@@ -223,7 +225,7 @@ def test_local_writes_are_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     def crash(*_args, **_kwargs):
         raise OSError("simulated crash before rename")
 
-    monkeypatch.setattr("engine.checkpointing.storage.os.replace", crash)
+    monkeypatch.setattr("engine.checkpointing.local_storage.os.replace", crash)
     with pytest.raises(OSError, match="simulated"):
         storage.put_bytes("d/k", b"new")
     with pytest.raises(OSError, match="simulated"):
@@ -250,7 +252,7 @@ def test_local_put_of_a_file_already_in_place_is_a_no_op(tmp_path: Path, monkeyp
     def no_copy(*_args, **_kwargs):
         raise AssertionError("copied a file onto itself")
 
-    monkeypatch.setattr("engine.checkpointing.storage.shutil.copyfile", no_copy)
+    monkeypatch.setattr("engine.checkpointing.local_storage.shutil.copyfile", no_copy)
     storage.put_file(target, "job/iter_0000001/__0_0.distcp")
     storage.get_file("job/iter_0000001/__0_0.distcp", target)
     assert target.stat().st_ino == inode
