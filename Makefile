@@ -23,7 +23,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=30 tests
 
 bench: $(STAMP)
 	$(PY) bench/engine_step.py
