@@ -150,7 +150,12 @@ class StepWatchdog:
         rank = _rank()
         where = f"rank {rank}" if rank is not None else f"pid {os.getpid()}"
         step = (iteration or 0) + 1
-        what = "setup before the first step" if phase == "setup" else f"step {step}"
+        if phase == "setup":
+            what = "setup before the first step"
+        elif phase == "checkpoint-save":  # the step is done; its checkpoint is being written
+            what, step = f"the checkpoint save after step {iteration}", iteration
+        else:
+            what = f"step {step}"
         return (
             f"elastron watchdog: {where} made no progress for {waited:.0f} s in {what} "
             f"(iteration {step}, phase {phase!r}; resilience.step_timeout_s = {limit:g})"

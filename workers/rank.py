@@ -59,8 +59,10 @@ def on_worker_shutdown() -> None:
     Rank 0 stops at the next step boundary (after the step's checkpoint, if one is due, has
     committed) and delivers its telemetry, so the records a resize or cancel would lose arrive and
     no checkpoint commits behind the last record; a checkpoint still being written in the
-    background gets the rest of the grace period. Returns at once when the loop is not running
-    (it finished, or failed with its peers)."""
+    background gets the rest of the grace period. Then every rank delivers what its sender still
+    holds within that period, rank 0 too: when the loop has already failed (a peer died), its
+    own closing flush runs concurrently and Ray's kill would otherwise cut it short, losing the
+    record of the step that just saved its checkpoint."""
     state = _STATE
     state.shutting_down.set()
     deadline = time.monotonic() + SHUTDOWN_GRACE_S
@@ -70,7 +72,7 @@ def on_worker_shutdown() -> None:
         if (state.rank != 0 or state.frozen.is_set()) and not saving:
             break
         time.sleep(0.02)
-    if state.sender is not None and state.rank != 0:
+    if state.sender is not None:
         state.sender.flush(max(0.1, deadline - time.monotonic()))
 
 

@@ -41,6 +41,16 @@ def test_setup_that_overruns_is_reported_as_setup():
     assert "setup before the first step" in dog.check(now=31)
 
 
+
+def test_a_stuck_checkpoint_save_names_the_step_it_saves():
+    """Saving happens after step N with trainer.iteration == N: the message names step N's save,
+    not step N + 1 (which has not started)."""
+    trainer = SimpleNamespace(iteration=10, phase="checkpoint-save")
+    dog = StepWatchdog(timeout_s=10, kill=False, clock=lambda: 0.0)
+    dog.watch(trainer)
+    message = dog.check(now=11)
+    assert "the checkpoint save after step 10" in message and "(iteration 10," in message
+
 def test_nothing_is_watched_until_watch_is_called():
     dog = StepWatchdog(timeout_s=1, kill=False, clock=lambda: 0.0)
     assert dog.check(now=1e9) is None

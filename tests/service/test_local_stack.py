@@ -106,14 +106,34 @@ def test_up_runs_ray_and_the_api_with_a_private_token(stack):
     assert again.returncode == 0 and "already up" in again.stdout
 
 
-def test_ray_jobs_launcher_against_real_ray(stack, monkeypatch):
+@pytest.fixture
+def stack_ray_auth(stack):
+    """This process as a client of the stack's Ray head: token mode with the head's private token.
+
+    Ray reads the auth mode and token once per process (RayConfig, the token cache), maybe before
+    this test (another test, an import): they are re-read after the variables are set and again
+    after they are restored, so neither this test nor a later Ray cluster in this process (tests/
+    workers) sees a stale mode. RayJobsLauncher's own setdefault leaves these values alone."""
+    from ray._private.authentication_test_utils import reset_auth_token_state
+
+    values = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(stack.home / "ray_token")}
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    reset_auth_token_state()
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        reset_auth_token_state()
+
+
+def test_ray_jobs_launcher_against_real_ray(stack, stack_ray_auth):
     """Submit a trivial Ray job with RayJobsLauncher and watch it finish; logs, missing ids, an
     unreachable address. (Its graceful stop is test_cli_cancel_stops_a_ray_job_gracefully.)"""
-    # The stack's Ray head wants its private token. RayJobsLauncher would set RAY_AUTH_MODE=token
-    # in os.environ for good; monkeypatch takes both back after the test, so no later Ray
-    # cluster in this process inherits them.
-    monkeypatch.setenv("RAY_AUTH_MODE", "token")
-    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(stack.home / "ray_token"))
     script = "import os, sys; print('hello from', os.environ['ELASTRON_JOB_ID'], os.environ['GREETING']); sys.exit(0)"
     launcher = RayJobsLauncher(
         stack.ray_address, entrypoint=f"{shlex.quote(sys.executable)} -c {shlex.quote(script)}", timeout_s=30

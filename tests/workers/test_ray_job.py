@@ -136,9 +136,9 @@ def test_a_killed_rank_and_then_a_hung_rank_both_resume_from_the_last_checkpoint
 
     for attempt in (1, 2):  # each resumed from a checkpoint its predecessor had committed
         resumed_from = records(attempt)[0] - 1
-        # Rank 0 sends a step's record after that step's save: the record of the step that
-        # saved can still be in its sender when the group is torn down, so allow one more.
-        assert resumed_from % 5 == 0 and 5 <= resumed_from <= max(records(attempt - 1)) + 1
+        # Rank 0 sends a step's record after that step's save; it is delivered even when the
+        # group is torn down right after (workers.rank.on_worker_shutdown flushes every rank).
+        assert resumed_from % 5 == 0 and 5 <= resumed_from <= max(records(attempt - 1))
     assert records(2) == list(range(records(2)[0], ITERS + 1))
     got = losses(telemetry, job_id)
     assert list(got.values()) == pytest.approx(list(reference.values()), rel=LOSS_RTOL)
