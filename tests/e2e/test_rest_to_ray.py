@@ -12,19 +12,14 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.tiny_jobs import TINY_LLAMA
 from tests.waiting import wait_for
 
 ELASTRON = [sys.executable, "-m", "service.cli"]
 ROOT = Path(__file__).resolve().parents[2]
 JOB = {
     "name": "e2e",
-    "model": {
-        "arch": "llama",
-        "num_layers": 2,
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "seq_length": 32,
-    },
+    "model": dict(TINY_LLAMA),
     "training": {"global_batch_size": 4, "micro_batch_size": 2, "train_iters": 4, "log_interval": 2},
     "resources": {"ranks": 2, "device": "cpu"},
 }

@@ -10,19 +10,14 @@ from pathlib import Path
 import yaml
 
 from engine.jobspec import json_schema
+from tests.tiny_jobs import TINY_LLAMA
 
 ELASTRON = [sys.executable, "-m", "service.cli"]
 ROOT = Path(__file__).resolve().parents[2]
 
 TINY_JOB = {
     "name": "cli-tiny",
-    "model": {
-        "arch": "llama",
-        "num_layers": 2,
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "seq_length": 64,
-    },
+    "model": {**TINY_LLAMA, "seq_length": 64},
     "parallel": {"tensor": 2, "sequence_parallel": True},
     "training": {"global_batch_size": 4, "micro_batch_size": 2, "train_iters": 12, "log_interval": 4},
     "optimizer": {"lr": 3e-3, "lr_warmup_iters": 2},

@@ -25,19 +25,14 @@ from engine.jobspec import JobSpec
 from engine.launcher import RankFailure, spawn
 from engine.rerun_state_machine import Diagnosis, ErrorInjector
 from engine.training import Trainer, train_rank
+from tests.tiny_jobs import TINY_LLAMA
 
 ROOT = Path(__file__).resolve().parents[2]
 ELASTRON = [sys.executable, "-m", "service.cli"]
 
 JOB = {
     "name": "rerun",
-    "model": {
-        "arch": "llama",
-        "num_layers": 2,
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "seq_length": 32,
-    },
+    "model": dict(TINY_LLAMA),
     "data": {"source": "text"},
     "training": {
         "global_batch_size": 4,

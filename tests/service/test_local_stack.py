@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from service.launcher import LaunchStatus, RayJobsLauncher
+from tests.environ import environment
 from tests.service.launchers import HERE
 from tests.waiting import wait_for
 
@@ -116,19 +117,12 @@ def stack_ray_auth(stack):
     workers) sees a stale mode. RayJobsLauncher's own setdefault leaves these values alone."""
     from ray._private.authentication_test_utils import reset_auth_token_state
 
-    values = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(stack.home / "ray_token")}
-    saved = {name: os.environ.get(name) for name in values}
-    os.environ.update(values)
-    reset_auth_token_state()
-    try:
-        yield
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with environment(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(stack.home / "ray_token")):
         reset_auth_token_state()
+        try:
+            yield
+        finally:
+            reset_auth_token_state()  # once the block has put the variables back
 
 
 def test_ray_jobs_launcher_against_real_ray(stack, stack_ray_auth):

@@ -14,25 +14,20 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import os
 import shutil
 import tempfile
 from collections.abc import Iterator
 
 import pytest
 
+from tests.environ import environment
+from tests.tiny_jobs import TINY_LLAMA
 from tests.workers.telemetry_server import TelemetryServer
 
 # Small and quick: 2 layers, hidden 64, seq 32; 2 ranks of data parallelism.
 JOB = {
     "name": "rayjob",
-    "model": {
-        "arch": "llama",
-        "num_layers": 2,
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "seq_length": 32,
-    },
+    "model": dict(TINY_LLAMA),
     "data": {"source": "text"},
     "training": {
         "global_batch_size": 4,
@@ -70,25 +65,6 @@ def job(**sections) -> dict:
         else:
             out[section] = fields
     return out
-
-
-@contextlib.contextmanager
-def environment(**values: str | None) -> Iterator[None]:
-    """Set (or, with None, unset) environment variables for the block; restore them after."""
-    saved = {k: os.environ.get(k) for k in values}
-    for k, v in values.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 @contextlib.contextmanager

@@ -19,8 +19,9 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 
 from engine.checkpointing.commit import committed_iterations, latest_checkpoint
 from engine.checkpointing.storage import open_storage
+from tests.environ import environment
 from tests.waiting import wait_for
-from tests.workers.conftest import environment, job, worker_nodes
+from tests.workers.conftest import job, worker_nodes
 from tests.workers.ray_helpers import (
     kinds,
     leftovers,
