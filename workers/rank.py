@@ -206,6 +206,8 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
         on_timeout=on_timeout,
     ).start()
 
+    checkpoint_interval = (spec_dict.get("checkpoint") or {}).get("interval")
+
     def on_record(record: dict) -> None:
         sender.record(
             {
@@ -217,6 +219,10 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
                 "ts": time.time(),
             }
         )
+        # The record of a step that checkpointed is the one a resume never redoes: deliver it
+        # now (one POST per checkpoint), so even a hard kill of this rank cannot lose it.
+        if checkpoint_interval and record["iteration"] % checkpoint_interval == 0:
+            sender.flush(2.0)
         if _STATE.shutting_down.is_set():  # stop at this step boundary until Ray kills the group
             sender.flush(2.0)
             _STATE.frozen.set()
