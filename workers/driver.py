@@ -61,6 +61,9 @@ RAY_ENV_DEFAULTS = {
     "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "1",
     # Ranks resolve paths themselves (made absolute here); no chdir into Ray's run folder.
     "RAY_CHDIR_TO_TRIAL_DIR": "0",
+    # Ray Train's print patch both tees a rank's print to stdout and logs it to stderr (Ray's
+    # workers replace sys.stdout), so every progress line reached the job's log twice.
+    "RAY_TRAIN_ENABLE_PRINT_PATCH": "0",
 }
 
 

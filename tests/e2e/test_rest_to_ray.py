@@ -64,6 +64,12 @@ def test_job_over_rest_trains_on_ray_checkpoints_and_shows_on_metrics(stack):
     saves = httpx.get(f"{api}/v1/jobs/{job_id}/checkpoints", headers=auth, timeout=30).json()["checkpoints"]
     assert sorted(c["iteration"] for c in saves if c["result"] == "success") == [2, 4]
 
+    # The job's log (Ray Jobs, through the API) has rank 0's progress line once per log interval.
+    log = httpx.get(f"{api}/v1/jobs/{job_id}/logs", headers=auth, timeout=30).text
+    assert [line.count("iter     2/4 | loss") for line in log.splitlines() if "iter     2/4" in line] == [
+        1
+    ], log
+
     scrape = httpx.get(f"{api}/metrics", headers=auth, timeout=30).text
     series = [
         line
