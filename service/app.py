@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -45,6 +46,11 @@ def create_app(
     engine = make_engine(settings.resolved_database_url)
     sessions = make_sessionmaker(engine)
     if launcher is None:
+        # REFERENCE.md: Ray 2.60 clusters use token auth by default and Ray Job clients need
+        # RAY_AUTH_MODE=token to send the token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
+        # ~/.ray/auth_token). Ray reads the mode once per process, so the API process sets it
+        # before its first Ray call; an explicit RAY_AUTH_MODE (e.g. disabled) is respected.
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
         launcher = RayJobsLauncher(
             settings.ray_address, entrypoint=settings.worker_entrypoint, timeout_s=settings.ray_timeout_s
         )

@@ -113,7 +113,11 @@ def worker_env(job_id: str, spec_json: str, api_url: str, api_token: str) -> dic
 
 
 class RayJobsLauncher(Launcher):
-    """Ray Jobs: entrypoint `elastron worker-run {job_id}` (configurable), env in runtime_env."""
+    """Ray Jobs: entrypoint `elastron worker-run {job_id}` (configurable), env in runtime_env.
+
+    Its client sends Ray's auth token only when RAY_AUTH_MODE=token is in this process'
+    environment before Ray reads it: the process entry point sets that (create_app,
+    `elastron up`), not this class, so building one never changes a process-wide setting."""
 
     def __init__(
         self, address: str, *, entrypoint: str = "elastron worker-run {job_id}", timeout_s: float = 5.0
@@ -123,11 +127,6 @@ class RayJobsLauncher(Launcher):
         self.timeout_s = timeout_s
         self._client_obj: Any = None
         self._lock = threading.Lock()
-        # REFERENCE.md: Ray 2.60 clusters use token auth by default and Ray Job clients need
-        # RAY_AUTH_MODE=token to send the token (~/.ray/auth_token, RAY_AUTH_TOKEN or
-        # RAY_AUTH_TOKEN_PATH). Ray reads the mode when it is first imported, so set it before
-        # any Ray import in this process; an explicit RAY_AUTH_MODE (e.g. disabled) is respected.
-        os.environ.setdefault("RAY_AUTH_MODE", "token")
 
     def describe(self) -> str:
         return f"Ray at {self.address}"

@@ -153,7 +153,7 @@ def start_ray_head(
         cmd += ["--num-cpus", str(num_cpus)]
     for flag, port in ports.items():
         cmd += [flag, str(port)]
-    env = {**os.environ, **ray_auth_env(home)}
+    env = dict(os.environ)  # with the auth settings `up` exported (ray_auth_env)
     env.update(
         RAY_JOB_STOP_SIGNAL="SIGINT",
         # Ray Jobs' default 3 s before SIGKILL is shorter than Ray Train's graceful abort and a

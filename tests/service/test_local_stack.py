@@ -114,7 +114,7 @@ def stack_ray_auth(stack):
     Ray reads the auth mode and token once per process (RayConfig, the token cache), maybe before
     this test (another test, an import): they are re-read after the variables are set and again
     after they are restored, so neither this test nor a later Ray cluster in this process (tests/
-    workers) sees a stale mode. RayJobsLauncher's own setdefault leaves these values alone."""
+    workers) sees a stale mode."""
     from ray._private.authentication_test_utils import reset_auth_token_state
 
     with environment(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(stack.home / "ray_token")):
