@@ -5,7 +5,8 @@ moves those bytes through this interface and the commit protocol (`commit.py`) p
 DCP's own FileSystemWriter only knows POSIX paths and fsspec's S3 layer would add a dependency
 without giving us what a training job needs from object storage, so the few operations used are
 written here: the interface in this module, the backends in `local_storage.py` and
-`s3_storage.py`, and `open_storage` to pick one from a URI.
+`s3_storage.py`, and `open_storage` in `backends.py` to pick one from a URI (the factory sits
+above both backends, so neither of them imports it back).
 
 - Keys are '/'-separated strings relative to the storage root (`"job/iter_0000010/__0_0.distcp"`).
   `list` and `delete_prefix` treat the prefix as a folder: `"job"` covers `"job/..."` but never
@@ -24,7 +25,6 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
 
 MiB = 1024 * 1024
 
@@ -158,55 +158,3 @@ class Storage(abc.ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.uri!r})"
-
-
-def _redact(uri: str) -> str:
-    """The URI with any user:password@ part masked, fit for an error message."""
-    scheme, sep, rest = uri.partition("://")
-    authority, slash, path = rest.partition("/")
-    if sep and "@" in authority:
-        return f"{scheme}://***@{authority.rsplit('@', 1)[1]}{slash}{path}"
-    return uri
-
-
-def open_storage(uri: str, *, endpoint_url: str | None = None, region: str | None = None) -> Storage:
-    """A plain path or file:// URI -> LocalStorage; s3://bucket[/prefix] -> S3Storage (imported
-    only then: boto3 is an optional dependency of the engine).
-
-    S3 credentials come from boto3's chain (env, config files, roles), never from the URI.
-    """
-    accepted = "accepted forms: a local path, file:///abs/path (or file://rel/path), s3://bucket[/prefix]"
-    if not isinstance(uri, str) or not uri.strip():
-        raise ValueError(f"checkpoint storage URI {uri!r} is empty; {accepted}")
-    if "://" not in uri:
-        from engine.checkpointing.local_storage import LocalStorage
-
-        return LocalStorage(Path(uri))
-    shown = _redact(uri)
-    scheme = uri.split("://", 1)[0].lower()
-    if scheme == "file":
-        rest = unquote(uri[len("file://") :])
-        if rest.startswith("localhost/"):
-            rest = rest[len("localhost") :]
-        if not rest:
-            raise ValueError(f"checkpoint storage URI {uri!r} has no path; {accepted}")
-        from engine.checkpointing.local_storage import LocalStorage
-
-        return LocalStorage(Path(rest))
-    if scheme == "s3":
-        parts = urlsplit(uri)
-        if "@" in parts.netloc:
-            raise ValueError(
-                f"checkpoint storage URI {shown!r} carries credentials; give them through the AWS "
-                f"environment or config files instead; {accepted}"
-            )
-        if not parts.netloc:
-            raise ValueError(f"checkpoint storage URI {shown!r} has no bucket; {accepted}")
-        if parts.query or parts.fragment:
-            raise ValueError(
-                f"checkpoint storage URI {shown!r} must not have a query or fragment; {accepted}"
-            )
-        from engine.checkpointing.s3_storage import S3Storage
-
-        return S3Storage(parts.netloc, parts.path.strip("/"), endpoint_url=endpoint_url, region=region)
-    raise ValueError(f"unsupported checkpoint storage URI {shown!r}; {accepted}")

@@ -10,8 +10,8 @@ import os
 
 import pytest
 
+from engine.checkpointing.backends import open_storage
 from engine.checkpointing.commit import committed_iterations, latest_checkpoint
-from engine.checkpointing.storage import open_storage
 from engine.launcher import RankFailure, spawn
 from tests.engine.parallel_harness import assert_continues, job, train_until
 

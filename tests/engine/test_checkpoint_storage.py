@@ -21,6 +21,7 @@ import torch.distributed.checkpoint as dcp
 
 from engine.checkpointing import commit as ckpt
 from engine.checkpointing import raw_io
+from engine.checkpointing.backends import open_storage
 from engine.checkpointing.commit import (
     CheckpointCorruptError,
     FileEntry,
@@ -40,7 +41,7 @@ from engine.checkpointing.commit import (
 )
 from engine.checkpointing.local_storage import LocalStorage
 from engine.checkpointing.s3_storage import S3Storage
-from engine.checkpointing.storage import MiB, Storage, open_storage
+from engine.checkpointing.storage import MiB, Storage
 
 JOB = "myjob"
 

@@ -17,8 +17,8 @@ import sys
 
 from ray.job_submission import JobStatus, JobSubmissionClient
 
+from engine.checkpointing.backends import open_storage
 from engine.checkpointing.commit import committed_iterations, latest_checkpoint
-from engine.checkpointing.storage import open_storage
 from tests.environ import environment
 from tests.waiting import wait_for
 from tests.workers.conftest import job, worker_nodes

@@ -22,8 +22,8 @@ import threading
 
 import pytest
 
+from engine.checkpointing.backends import open_storage
 from engine.checkpointing.commit import latest_checkpoint
-from engine.checkpointing.storage import open_storage
 from tests.waiting import wait_for
 from tests.workers.conftest import JOB, job
 from tests.workers.ray_helpers import (
