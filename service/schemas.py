@@ -2,17 +2,28 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from service.states import JobState
 from service.store.models import Checkpoint, Job, JobEvent
 
+log = logging.getLogger(__name__)
+
 
 def _time(ts: float | None) -> datetime | None:
-    return None if ts is None else datetime.fromtimestamp(ts, UTC)
+    """A stored unix time as a datetime; None (and a log line) for one no datetime can hold, which
+    rows written before telemetry was bounded may carry: a bad row must not make a job unreadable."""
+    if ts is None:
+        return None
+    try:
+        return datetime.fromtimestamp(ts, UTC)
+    except (OverflowError, OSError, ValueError):
+        log.warning("stored timestamp %r is out of range: served as null", ts)
+        return None
 
 
 class Problem(BaseModel):
@@ -119,7 +130,7 @@ class JobList(BaseModel):
 
 class EventOut(BaseModel):
     id: int
-    time: datetime
+    time: datetime | None = Field(description="When it happened; null only for an unreadable stored time.")
     kind: str = Field(description="state, launch, reconciled, restart, diagnosis, checkpoint_saved, ...")
     iteration: int | None
     message: str | None
@@ -151,24 +162,103 @@ class CheckpointList(BaseModel):
     checkpoints: list[CheckpointOut]
 
 
-class TelemetryRecord(BaseModel):
+# What a telemetry batch may hold. Every value a client writes is stored and served back on
+# every later read (events, metrics, /metrics), so the bounds are those of the store and of
+# the read path: a record that gets in must never make the job's record unreadable.
+MAX_INT = 2**53  # exact in JSON and in a float; far beyond any count, byte size or id we send
+ITERATION_MAX = 2**31 - 1  # the store's iteration columns
+# Unix seconds of 1970-01-01 .. 2100-01-01: every platform's datetime can represent them.
+TS_MIN, TS_MAX = 0.0, 4_102_444_800.0
+MAX_STRING = 65536  # a watchdog message carries every thread's stack
+MAX_KEY = 128
+MAX_ITEMS = 512  # per list and per mapping
+MAX_DEPTH = 6  # a record's `timers` is two levels deep; events are flat
+
+Iteration = Annotated[int, Field(ge=0, le=ITERATION_MAX, strict=True)]
+Counter = Annotated[int, Field(ge=0, le=MAX_INT, strict=True)]
+Timestamp = Annotated[
+    float, Field(ge=TS_MIN, le=TS_MAX, description="Unix seconds, between 1970 and 2100.")
+]
+Text = Annotated[str, Field(max_length=MAX_STRING)]
+
+
+def _check_free_value(value: Any, where: str, depth: int = 0) -> None:
+    """Values of fields the schema does not name: JSON scalars, lists and mappings within bounds.
+    Non-finite floats are allowed (a diverged loss is a real observation) and stored as null."""
+    if value is None or isinstance(value, bool | float):
+        return
+    if isinstance(value, int):
+        if not -MAX_INT <= value <= MAX_INT:
+            raise ValueError(f"{where}: integer {value} is outside +-2**53: send a float for such sizes")
+        return
+    if isinstance(value, str):
+        if len(value) > MAX_STRING:
+            raise ValueError(f"{where}: text of {len(value)} characters, at most {MAX_STRING}")
+        return
+    if depth >= MAX_DEPTH:
+        raise ValueError(f"{where}: nested deeper than {MAX_DEPTH} levels")
+    if isinstance(value, list):
+        if len(value) > MAX_ITEMS:
+            raise ValueError(f"{where}: {len(value)} items, at most {MAX_ITEMS}")
+        for i, item in enumerate(value):
+            _check_free_value(item, f"{where}[{i}]", depth + 1)
+        return
+    if isinstance(value, dict):
+        if len(value) > MAX_ITEMS:
+            raise ValueError(f"{where}: {len(value)} keys, at most {MAX_ITEMS}")
+        for key, item in value.items():
+            if len(key) > MAX_KEY:
+                raise ValueError(f"{where}: a key of {len(key)} characters, at most {MAX_KEY}")
+            _check_free_value(item, f"{where}.{key}", depth + 1)
+        return
+    raise ValueError(f"{where}: {type(value).__name__} is not a JSON value")
+
+
+class _TelemetryItem(BaseModel):
+    """Named fields are typed and bounded; the others are kept as sent, within the same bounds."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _bounded_extras(self) -> _TelemetryItem:
+        extra = self.model_extra or {}
+        if len(extra) > MAX_ITEMS:
+            raise ValueError(f"{len(extra)} fields, at most {MAX_ITEMS}")
+        for key, value in extra.items():
+            if len(key) > MAX_KEY:
+                raise ValueError(f"a field name of {len(key)} characters, at most {MAX_KEY}")
+            _check_free_value(value, key)
+        return self
+
+
+class TelemetryRecord(_TelemetryItem):
     """One engine metrics record; fields beyond these are kept as sent."""
 
-    model_config = ConfigDict(extra="allow")
-    iteration: int = Field(ge=0, le=2**31 - 1)
+    iteration: Iteration
     loss: float | None = None
-    tokens: int | None = Field(None, ge=0)
+    tokens: Counter | None = None
     step_time_s: float | None = Field(None, ge=0)
     skipped: bool | None = None
+    group: Iteration | None = Field(None, description="The worker group's number within the job.")
+    attempt: Iteration | None = None
+    ts: Timestamp | None = None
 
 
-class TelemetryEvent(BaseModel):
+class TelemetryEvent(_TelemetryItem):
     """One event line: the engine's (rerun diagnoses, checkpoint_saved) or the workers' (restart)."""
 
-    model_config = ConfigDict(extra="allow")
     kind: str = Field(min_length=1, max_length=64)
-    iteration: int | None = Field(None, ge=0, le=2**31 - 1)
-    ts: float | None = None
+    iteration: Iteration | None = None
+    ts: Timestamp | None = None
+    id: Annotated[str, Field(max_length=256)] | Counter | None = Field(
+        None, description="Deduplication key; default: a hash of the event."
+    )
+    seconds: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False)
+    bytes: Counter | None = None
+    uri: Text | None = None
+    cause: Text | None = None
+    diagnosis: Text | None = None
+    message: Text | None = None
 
 
 class TelemetryIn(BaseModel):

@@ -32,9 +32,9 @@ Wire format (version 1) -- what the control plane implements:
     "kind" and "source" (engine events also "rank", "host", "device", "iteration").
 
 Answers: any 2xx means accepted (the batch is forgotten). 408, 425, 429 and 5xx mean "try again
-later": the batch is kept and re-sent, in order, with backoff (0.5 s doubling to 30 s). 413 splits
-the batch in two halves (batch ids `<id>a`, `<id>b`) and sends those; a batch is at most ~1 MiB
-to begin with. Any other 4xx (bad token, unknown job, malformed) is permanent: the batch is
+later": the batch is kept and re-sent, in order, with backoff (0.5 s doubling to 30 s). 413 and
+422 split the batch in two halves (batch ids `<id>a`, `<id>b`) and send those, so a refused item
+is dropped alone (a batch is at most ~1 MiB to begin with). Any other 4xx (bad token, unknown job, malformed) is permanent: the batch is
 dropped with one line on stderr, since re-sending cannot fix it. A connection error or timeout is
 "try again later".
 
@@ -67,6 +67,9 @@ from typing import Any
 
 WIRE_VERSION = 1
 RETRYABLE_STATUS = {408, 425, 429}
+# Split and re-send: too large (413), or one item the API refuses (422): halving isolates it,
+# so only that item is dropped, not the records batched with it.
+SPLIT_STATUS = {413, 422}
 MAX_BACKOFF_S = 30.0
 
 
@@ -336,7 +339,7 @@ class TelemetrySender:
             if err.code in RETRYABLE_STATUS or err.code >= 500:
                 self.last_error = f"HTTP {err.code}"
                 return "retry"
-            if err.code == 413 and len(batch["records"]) + len(batch["events"]) > 1:
+            if err.code in SPLIT_STATUS and len(batch["records"]) + len(batch["events"]) > 1:
                 return "too_large"
             print(
                 f"[elastron] telemetry: {self.url} refused batch {batch['batch_id']} with HTTP {err.code}; "

@@ -40,6 +40,25 @@ router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 AUTH = {401: {"model": Problem, "description": "Missing, invalid or revoked token."}}
 NOT_FOUND = {404: {"model": Problem, "description": "No such job among the caller's tenant's jobs."}}
 
+# OpenAPI links from a created job to the operations on it: documentation for clients, and what
+# lets a stateful fuzzer (tests/service/test_schemathesis.py) chain a submission to them.
+_JOB_ID = {"job_id": "$response.body#/id"}
+JOB_LINKS = {
+    "GetJob": {"operationId": "get_job_details_v1_jobs__job_id__get", "parameters": _JOB_ID},
+    "CancelJob": {"operationId": "cancel_job_v1_jobs__job_id__cancel_post", "parameters": _JOB_ID},
+    "JobEvents": {"operationId": "job_events_v1_jobs__job_id__events_get", "parameters": _JOB_ID},
+    "JobMetrics": {"operationId": "job_metrics_v1_jobs__job_id__metrics_get", "parameters": _JOB_ID},
+    "JobCheckpoints": {
+        "operationId": "job_checkpoints_v1_jobs__job_id__checkpoints_get",
+        "parameters": _JOB_ID,
+    },
+    "JobLogs": {"operationId": "job_logs_v1_jobs__job_id__logs_get", "parameters": _JOB_ID},
+    "PostTelemetry": {
+        "operationId": "post_telemetry_v1_internal_jobs__job_id__telemetry_post",
+        "parameters": _JOB_ID,
+    },
+}
+
 IdempotencyKey = Annotated[
     str | None,
     Header(
@@ -56,6 +75,7 @@ IdempotencyKey = Annotated[
     status_code=status.HTTP_201_CREATED,
     response_model=JobOut,
     responses={
+        201: {"description": "The job, recorded and queued.", "links": JOB_LINKS},
         **AUTH,
         413: {"model": Problem, "description": "Body over ELASTRON_MAX_BODY_BYTES."},
         422: {

@@ -1,15 +1,17 @@
 """/v1/internal/jobs/{job_id}/telemetry: metrics records and events from a job's workers.
 
 Accepted credentials: the job's own token (minted per launch attempt and passed to the workers
-as ELASTRON_API_TOKEN; it is good for this one job's telemetry and nothing else), or a user
-token of the job's tenant, or an admin token (for replaying a job's records by hand).
+as ELASTRON_API_TOKEN; it is good for this one job's telemetry and nothing else), or an admin
+token (for replaying a job's records by hand). A user token is refused (403), its own tenant's
+job included: telemetry decides a job's state, metrics and events, and a user who could post it
+could forge them. Users have no need to: their workers hold the job token.
 """
 
 from __future__ import annotations
 
 import hmac
 
-from fastapi import APIRouter
+from fastapi import APIRouter, HTTPException, status
 from sqlalchemy.orm import Session
 
 from service.auth import INVALID, MISSING, unauthorized
@@ -27,7 +29,13 @@ router = APIRouter(prefix="/v1/internal", tags=["internal"])
 @router.post(
     "/jobs/{job_id}/telemetry",
     response_model=TelemetryAck,
-    responses={401: {"model": Problem}, 404: {"model": Problem}, 413: {"model": Problem}},
+    responses={
+        401: {"model": Problem},
+        403: {"model": Problem, "description": "A user token: only the job token or an admin token may post."},
+        404: {"model": Problem},
+        413: {"model": Problem},
+        422: {"model": Problem, "description": "A field out of its bounds (named), or a malformed batch."},
+    },
 )
 def post_telemetry(job_id: JobId, body: TelemetryIn, ctx: Ctx, credentials: Credentials) -> TelemetryAck:
     """Ingest a batch (service/METRICS.md): idempotent, so the workers may resend after any error."""
@@ -53,6 +61,12 @@ def post_telemetry(job_id: JobId, body: TelemetryIn, ctx: Ctx, credentials: Cred
                 )
         elif not principal.can_see(job.tenant):
             raise not_found(job_id)
+        elif not principal.admin:
+            raise HTTPException(
+                status.HTTP_403_FORBIDDEN,
+                detail=f"job {job_id}'s telemetry is written by its workers (the job token they are "
+                "given) or with an admin token; a user token may only read it",
+            )
         result = ingest(session, job, records, events)
         return TelemetryAck(**vars(result), state=JobState(job.state))
 

@@ -696,3 +696,18 @@ def test_import_does_not_pull_in_torch():
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]", f"importing engine.jobspec imported {done.stdout.strip()}"
+
+
+def test_huge_or_infinite_numbers_are_refused_cheaply():
+    """The spec is validated on the API's request path: a number a client makes up must cost a
+    bounded amount of work (a divisor hint over 10**12 once hung the API) and infinities are
+    no setting. An O(n) hint over 2**31 - 1 would run into pytest's timeout here."""
+    with pytest.raises(JobSpecError) as err:
+        parse_job({"model": {"hidden_size": 2**31 - 1, "num_attention_heads": 2}})
+    assert "model.hidden_size" in str(err.value) and "pick heads from 1, 2147483647" in str(err.value)
+    with pytest.raises(JobSpecError, match="parallel.pipeline"):
+        parse_job({"parallel": {"pipeline": 10**12}})
+    with pytest.raises(JobSpecError, match="optimizer.lr"):
+        parse_job({"optimizer": {"lr": float("inf")}})
+    with pytest.raises(JobSpecError, match="training.initial_loss_scale"):
+        parse_job({"training": {"initial_loss_scale": float("nan")}})

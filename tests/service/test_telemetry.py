@@ -314,3 +314,65 @@ def test_label_values_from_workers_are_escaped(env, running):
         got = samples(c.get("/metrics").text, job_id)  # parses: the text format stays valid
     assert got[("elastron_job_phase_seconds", frozenset({("phase", odd), ("stat", "max")}))] == 0.2
     assert got[("elastron_job_restarts_total", frozenset({("cause", 'a "quoted" cause')}))] == 1
+
+
+@pytest.mark.parametrize(
+    "body, field",
+    [
+        ({"events": [{"kind": "x", "ts": 1e18}]}, "ts"),  # the fuzzer's find: year out of range
+        ({"events": [{"kind": "x", "ts": -1e12}]}, "ts"),
+        ({"records": [{"iteration": 1, "ts": 9e15}]}, "ts"),
+        ({"events": [{"kind": "checkpoint_saved", "bytes": 2**70}]}, "bytes"),
+        ({"events": [{"kind": "checkpoint_saved", "seconds": 1e300}]}, "seconds"),
+        ({"records": [{"iteration": 1, "tokens": 2**64}]}, "tokens"),
+        ({"records": [{"iteration": 1, "group": 2**40}]}, "group"),
+        ({"records": [{"iteration": 1, "anything": 10**30}]}, "anything"),
+        ({"records": [{"iteration": 1, "deep": [[[[[[[[1]]]]]]]]}]}, "deep"),
+        ({"events": [{"kind": "x", "cause": "c" * 70_000}]}, "cause"),
+    ],
+)
+def test_out_of_bounds_telemetry_is_422_naming_the_field(env, running, body, field):
+    job_id, worker = running
+    r = worker.post(f"/v1/internal/jobs/{job_id}/telemetry", json=body)
+    assert r.status_code == 422, r.text
+    assert field in r.text
+    with env.client() as c:  # nothing of it was stored, and the job still reads
+        assert c.get(f"/v1/jobs/{job_id}/events").status_code == 200
+        assert c.get(f"/v1/jobs/{job_id}/metrics").json()["records"] == []
+
+
+def test_a_stored_row_with_an_impossible_time_does_not_break_reads(env, running):
+    """Rows written before the bounds existed: the read paths serve them (time null) instead of 500."""
+    job_id, worker = running
+    post(worker, job_id, [rec(1)], [{"kind": "checkpoint_saved", "iteration": 1, "uri": "/c", "ts": 5.0}])
+    from sqlalchemy import update
+
+    from service.store.db import in_transaction
+    from service.store.models import Checkpoint, JobEvent
+
+    def corrupt(session):
+        session.execute(update(JobEvent).where(JobEvent.job_id == job_id).values(ts=1e18))
+        session.execute(update(Checkpoint).where(Checkpoint.job_id == job_id).values(ts=-1e18))
+
+    in_transaction(env.server.ctx.sessions, corrupt)
+    with env.client() as c:
+        r = c.get(f"/v1/jobs/{job_id}/events")
+        assert r.status_code == 200, r.text
+        assert r.json()["events"] and all(e["time"] is None for e in r.json()["events"])
+        r = c.get(f"/v1/jobs/{job_id}/checkpoints")
+        assert r.status_code == 200 and r.json()["checkpoints"][0]["time"] is None
+        assert c.get(f"/v1/jobs/{job_id}").status_code == 200
+
+
+def test_user_tokens_cannot_post_telemetry(env, running):
+    """Telemetry decides a job's state and metrics: only its workers' job token and admins post it."""
+    job_id, _ = running
+    with env.client("alice") as owner:
+        r = owner.post(f"/v1/internal/jobs/{job_id}/telemetry", json={"records": [rec(1)]})
+        assert r.status_code == 403 and "job token" in r.json()["detail"]
+    with env.client("bob") as other:  # another tenant does not even learn the job exists
+        assert other.post(f"/v1/internal/jobs/{job_id}/telemetry", json={"records": []}).status_code == 404
+    with env.client("admin") as admin:
+        r = admin.post(f"/v1/internal/jobs/{job_id}/telemetry", json={"records": [rec(1)]})
+        assert r.status_code == 200, r.text
+    assert env.job(job_id)["iteration"] == 1
