@@ -53,7 +53,6 @@ def _job(path: str, layers: int, hidden: int, endpoint: str | None, async_save: 
 def _measure(job: dict) -> dict:
     """Two saves (timed: blocked and total), then a resume into a fresh trainer (timed)."""
     from engine import parallel_state as ps
-    from engine.checkpointing.checkpointer import Checkpointer
     from engine.jobspec import JobSpec
     from engine.training import Trainer
 
@@ -74,7 +73,7 @@ def _measure(job: dict) -> dict:
     fresh = Trainer(fresh_spec)  # built and initialised without timing: the load is what we time
     fresh.spec = spec
     start = time.perf_counter()
-    assert Checkpointer(fresh).maybe_resume() == 2
+    assert fresh.make_checkpointer().maybe_resume() == 2
     out["load_s"] = time.perf_counter() - start
     ps.destroy_model_parallel()
     return out

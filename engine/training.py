@@ -21,7 +21,16 @@ import torch.distributed as dist
 
 from engine import device
 from engine import parallel_state as ps
-from engine.checkpointing.checkpointer import Checkpointer
+from engine.checkpointing.checkpointer import Checkpointer, layout_signature
+from engine.checkpointing.state import ModelState, OptimizerState, RNGState
+from engine.checkpointing.stateful import (
+    DataPosition,
+    GradScalerState,
+    JobRecord,
+    RerunMachineState,
+    SchedulerState,
+    Stateful,
+)
 from engine.data.builder import build_datasets
 from engine.data.sources import micro_batch
 from engine.data.tokenizer import build_tokenizer
@@ -197,7 +206,7 @@ class Trainer:
         # Last: a resume overwrites the counters, weights, optimizer, schedule and rerun state.
         self.checkpointer = None
         if spec.checkpoint.path or spec.checkpoint.resume_from:
-            self.checkpointer = Checkpointer(self)
+            self.checkpointer = self.make_checkpointer()
             self.checkpointer.maybe_resume()
         if self.rerun.state == RerunState.NOT_RUNNING_YET:
             self.rerun.current_iteration = self.iteration
@@ -220,6 +229,30 @@ class Trainer:
             box[0] = peak_flops(self.device.type, self.config.params_dtype).flops_per_s
         dist.broadcast_object_list(box, src=0)
         return float(box[0])
+
+    def checkpoint_parts(self) -> dict[str, Stateful]:
+        """What a checkpoint of this rank holds, by part name (the first component of the part's
+        shard keys: "model/...", "optim/...", "rng/..."), in the order every rank saves them."""
+        return {
+            "model": ModelState(self.model_chunks),
+            "optim": OptimizerState(self.optimizer, self.model_chunks, self.ddp_chunks),
+            "rng": RNGState(self.spec.training.seed),
+            "data": DataPosition(self),
+            "scheduler": SchedulerState(self.scheduler),
+            "grad_scaler": GradScalerState(self.grad_scaler),
+            "rerun": RerunMachineState(self.rerun),
+            "job": JobRecord(lambda: self.spec.model_dump(mode="json")),
+        }
+
+    def make_checkpointer(self) -> Checkpointer:
+        """A checkpointer of this rank's parts, as the job's checkpoint section says."""
+        return Checkpointer(
+            self.checkpoint_parts(),
+            self.spec.checkpoint,
+            job_name=self.spec.name,
+            events=self.events,
+            layout=layout_signature(self.spec.parallel),
+        )
 
     def save_checkpoint_if_due(self) -> bool:
         """Save after iterations that are a multiple of checkpoint.interval, and after the last."""
@@ -498,12 +531,22 @@ def train_rank(
     quiet: bool = False,
     events_out: str | None = None,
     on_record: Callable[[dict], None] | None = None,
+    *,
+    on_trainer: Callable[[Trainer], None] | None = None,
 ) -> list[dict]:
     """Per-rank entry point: train the whole job; rank 0 writes and returns the metrics records.
 
     Every rank appends its events (rerun state machine) to `events_out`. A rerun verdict that
     stops the job raises RerunExit on every rank, carrying exit code 16 or 17. `on_record` gets
-    rank 0's record of every iteration (how Ray workers forward metrics without a file)."""
+    rank 0's record of every iteration (how Ray workers forward metrics without a file).
+
+    `on_trainer` gets every rank's Trainer, from the training thread, once it is built (and
+    resumed) and before the first step, because a launcher's watchdog and shutdown hook must
+    read its progress (`iteration`, `phase`) and its checkpointer from their own threads. It is
+    called after construction, never with a half-built Trainer, so that no caller depends on
+    the order in which `Trainer.__init__` sets attributes. Setup (model build, data, resume) can
+    hang too; a caller that watches for that watches its own stand-in in phase "setup" until
+    on_trainer replaces it (workers/rank.py does), which costs the engine no second hook."""
     spec = JobSpec.model_validate(spec_dict)
     trainer = Trainer(spec, events_path=events_out)
     is_logger = dist.get_rank() == 0
@@ -514,6 +557,8 @@ def train_rank(
         # A resumed job appends to the metrics it already wrote.
         sink = open(metrics_out, "a" if trainer.iteration else "w")  # noqa: SIM115 - closed below
     try:
+        if on_trainer is not None:
+            on_trainer(trainer)
         if is_logger and not quiet:
             c, g = trainer.config, ps.get_grid()
             n_params = sum(p.numel() for chunk in trainer.model_chunks for p in chunk.parameters())

@@ -54,3 +54,39 @@ def test_device_handling_lives_in_one_place():
         if "torch.cuda" in p.read_text() and p.name != "device.py"
     ]
     assert not offenders, offenders
+
+
+def test_only_workers_touch_ray_train_internals():
+    """Ray Train's `_internal` packages change without notice between releases: workers/trainer.py
+    is the one place that leans on them (and tests/workers/test_ray_internals.py, which pins
+    them), so an upgrade breaks one module, caught by one test."""
+    allowed = {ROOT / "tests" / "workers" / "test_ray_internals.py"}
+
+    def internal(name: str) -> bool:
+        parts = name.split(".")
+        return parts[:2] == ["ray", "train"] and "_internal" in parts[2:]
+
+    offenders = []
+    for package in ("engine", "service", "bench", "tests", "scripts", "deploy", "examples"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            if path in allowed:
+                continue
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                if isinstance(node, ast.Import):
+                    names = [a.name for a in node.names]
+                elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    # `from ray.train.v2 import _internal` names the package in the alias
+                    names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                elif (
+                    isinstance(node, ast.Call)  # importlib.import_module("...") / __import__("...")
+                    and getattr(node.func, "attr", getattr(node.func, "id", None))
+                    in ("import_module", "__import__")
+                    and node.args
+                    and isinstance(node.args[0], ast.Constant)
+                    and isinstance(node.args[0].value, str)
+                ):
+                    names = [node.args[0].value]
+                else:
+                    continue
+                offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if internal(n)]
+    assert not offenders, offenders

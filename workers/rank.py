@@ -13,8 +13,10 @@ call this function:
 3. starts a telemetry sender: rank 0 forwards every metrics record (with `attempt`, `group`,
    `world_size`, `data_parallel_size`, `ts`); every rank forwards the events the engine appends
    to its event record;
-4. starts the step watchdog (resilience.step_timeout_s) on the engine's Trainer; on a hang it
-   leaves its message with the registry and kills the process, so the group restarts;
+4. starts the step watchdog (resilience.step_timeout_s) on the engine's Trainer, which
+   `train_rank` hands over through `on_trainer` (setup, before the Trainer exists, is watched
+   on a stand-in); on a hang it leaves its message with the registry and kills the process, so
+   the group restarts;
 5. when Ray shuts the group down (resize, cancel), stops rank 0 at a step boundary and delivers
    the telemetry (`on_worker_shutdown`, called from a Ray Train worker callback);
 6. returns rank 0's last record, which the driver reports as the job's outcome.
@@ -28,8 +30,8 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 
@@ -51,6 +53,10 @@ _STATE = _RankState()
 # (worker_group/state.py: _shutdown_workers(patience_s=5)); we stay inside it.
 SHUTDOWN_GRACE_S = 4.0
 FREEZE_LIMIT_S = 120.0
+
+# What the watchdog watches while train_rank builds the Trainer (model, data, resume), which can
+# hang in a collective as well as a step can: the phase given the setup budget, no iteration.
+_SETTING_UP = SimpleNamespace(iteration=None, phase="setup")
 
 
 def on_worker_shutdown() -> None:
@@ -74,30 +80,6 @@ def on_worker_shutdown() -> None:
         time.sleep(0.02)
     if state.sender is not None:
         state.sender.flush(max(0.1, deadline - time.monotonic()))
-
-
-@contextlib.contextmanager
-def observe_trainers(callback: Callable[[Any], None]) -> Iterator[None]:
-    """Call `callback(trainer)` with every engine Trainer built inside the block, as it is built.
-
-    `engine.training.train_rank` builds its Trainer itself and does not hand it out; the
-    watchdog needs it, so the block swaps `engine.training.Trainer` for a subclass that reports
-    each instance (this process only). An `on_trainer` hook in train_rank would replace this."""
-    import engine.training as training
-
-    original = training.Trainer
-
-    class ObservedTrainer(original):  # type: ignore[misc, valid-type]
-        def __init__(self, *args, **kwargs):
-            callback(self)
-            super().__init__(*args, **kwargs)
-
-    ObservedTrainer.__name__ = ObservedTrainer.__qualname__ = original.__name__
-    training.Trainer = ObservedTrainer
-    try:
-        yield
-    finally:
-        training.Trainer = original
 
 
 def _bind_device(device_type: str, local_world_size: int) -> str:
@@ -194,7 +176,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
                 ray.get(registry.report_watchdog.remote(attempt, rank, os.getpid(), message), timeout=5)
         sender.flush(3)
 
-    def watch(trainer) -> None:
+    def on_trainer(trainer) -> None:
         _STATE.trainer = trainer
         watchdog.watch(trainer)
 
@@ -236,14 +218,15 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     _STATE.frozen.clear()
     _STATE.running.set()
     try:
-        with observe_trainers(watch):
-            records = train_rank(
-                spec_dict,
-                config.get("metrics_out") if rank == 0 else None,
-                config.get("quiet", False),
-                str(events_path),
-                on_record if rank == 0 else None,
-            )
+        watchdog.watch(_SETTING_UP)
+        records = train_rank(
+            spec_dict,
+            config.get("metrics_out") if rank == 0 else None,
+            config.get("quiet", False),
+            str(events_path),
+            on_record if rank == 0 else None,
+            on_trainer=on_trainer,
+        )
         finished = True
     finally:
         _STATE.running.clear()

@@ -2,8 +2,11 @@
 an elastic scaling policy that only picks sizes the job can run on, and a worker callback that
 stops rank 0 at a step boundary when Ray shuts a group down.
 
-These lean on three Ray Train internals, each guarded so a Ray upgrade that moves them fails
-loudly in tests rather than silently:
+These lean on three private methods of Ray Train, and on two classes Ray keeps in
+`ray.train.v2._internal`. This is the one module of the project that may touch them
+(tests/test_layering.py keeps everything outside workers/ off `ray.train.*._internal`), and
+tests/workers/test_ray_internals.py fails, naming the installed Ray, when an upgrade moves one
+or changes its signature, rather than a job failing (or quietly losing a stop signal):
 
 - `DataParallelTrainer._initialize_and_run_controller(**kwargs)`: where the trainer hands the
   controller its scaling policy; we swap in `ElastronElasticPolicy`.
@@ -13,6 +16,9 @@ loudly in tests rather than silently:
   leaves the exit to the driver.
 - `ElasticScalingPolicy._count_possible_workers(reserved)`: how many workers the cluster has
   room for; ours drops dead and excluded nodes and rounds down to a valid size.
+- `ElasticScalingPolicy` and `WorkerCallback` themselves are imported from
+  `ray.train.v2._internal` (Ray exports neither); the comment at each use says what public API
+  would replace it.
 """
 
 from __future__ import annotations
@@ -24,7 +30,13 @@ from collections.abc import Callable
 
 import ray
 from ray.train.torch import TorchTrainer
+
+# Internal: Ray's public callback (`ray.train.UserCallback`) runs on the controller only; a public
+# worker-side callback with a shutdown hook would replace this import.
 from ray.train.v2._internal.execution.callback import WorkerCallback
+
+# Internal: a public scaling-policy interface (or ScalingConfig taking the allowed worker counts
+# and a node filter) would replace this import and the `_count_possible_workers` override.
 from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 
 log = logging.getLogger(__name__)
@@ -41,6 +53,7 @@ class ElastronElasticPolicy(ElasticScalingPolicy):
         self.valid_sizes = sorted(valid_sizes)
         self.blocked_nodes = set(blocked_nodes)
 
+    # Private: what a public "allowed sizes" / "eligible nodes" option in ScalingConfig would do.
     def _count_possible_workers(self, reserved_resources) -> int:
         try:
             alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
@@ -77,6 +90,8 @@ class ElastronTorchTrainer(TorchTrainer):
         self._blocked_nodes = set(blocked_nodes or ())
         self._on_stop = on_stop
 
+    # Private: a public `scaling_policy=` argument to the trainer (or ScalingConfig) would
+    # replace this override.
     def _initialize_and_run_controller(self, **controller_init_kwargs):
         if self.scaling_config.elasticity_enabled and self._elastic_sizes:
             controller_init_kwargs["scaling_policy"] = ElastronElasticPolicy(
@@ -84,6 +99,9 @@ class ElastronTorchTrainer(TorchTrainer):
             )
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
+    # Private: a public way to abort a running fit() from the driver (e.g. a run handle with
+    # abort(), or configurable stop signals) would let the driver install its own handlers; the
+    # `controller.abort` below is the internal TrainController actor's method.
     def _register_sigint_handler(self, controller) -> None:
         stopping = threading.Event()
 

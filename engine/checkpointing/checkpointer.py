@@ -1,4 +1,11 @@
-"""Save and resume a Trainer's checkpoint: DCP shards + the commit protocol + storage.
+"""Save and resume the named stateful parts of training: DCP shards + the commit protocol + storage.
+
+The checkpointer knows no trainer: it is handed a mapping of named parts, each a `Stateful`
+(stateful.py: model weights, optimizer state, RNG streams, data position, LR schedule, loss
+scaler, rerun state machine, the job record), and splits each part's state dict into shards
+(tensors, under "<part>/<key>") and manifest meta (everything else). So a new kind of state
+(FSDP, an import from another format, an in-memory copy) plugs in as a part; the checkpointer
+only needs its own settings, the job's name (its storage root), the event log and the layout.
 
 A save: every rank streams its DCP shard files straight to storage (raw_io; on S3 multipart
 uploads fed from memory, no staging copy), checksumming them as they go, reports (name, size,
@@ -7,14 +14,18 @@ checkpoint without a manifest never loads, so a crash at any point leaves the pr
 
 The manifest's `meta` holds the non-tensor state in plain JSON (iteration, consumed samples, LR
 schedule, loss scaler, Adam's step, the layout, the job spec, the rerun state machine's state),
-readable without torch.
+readable without torch. Its `iteration` (the data position's) names the checkpoint.
 
 A resume: pick the checkpoint (newest under this job's root with `resume: auto`, or
-`resume_from`), have one process per machine check that every file is there (commit.open_checkpoint),
-then DCP loads exactly the slices this layout needs, straight from storage, each checked against
-the manifest's checksums as it is read; a corrupt or missing shard fails the load on every rank
-(falling back to the previous committed checkpoint, for `auto`). RNG states come back only when
-the layout is the one that saved them; on any other layout each rank reseeds from (seed, iteration).
+`resume_from`), have one process per machine check that every file is there (commit.open_checkpoint)
+and read which parts it holds tensors of, then DCP loads exactly the slices this layout needs,
+straight from storage, each checked against the manifest's checksums as it is read; a corrupt or
+missing shard fails the load on every rank (falling back to the previous committed checkpoint, for
+`auto`). Parts get their loaded state only once every tensor has loaded. State of a part this
+checkpointer was not given, or a part the checkpoint has no tensors of, is an error rather than a
+silently partial resume. Parts learn whether the layout is the one that saved them
+(stateful.SavedCheckpoint): RNG states come back only then; on any other layout each rank reseeds
+from (seed, iteration).
 """
 
 from __future__ import annotations
@@ -25,14 +36,18 @@ import re
 import tempfile
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from engine import parallel_state as ps
 from engine.checkpointing import raw_io
 from engine.checkpointing import state as ckpt_state
+from engine.checkpointing.backends import open_storage
 from engine.checkpointing.commit import (
     CheckpointCorruptError,
     OpenCheckpoint,
@@ -46,8 +61,12 @@ from engine.checkpointing.commit import (
     open_checkpoint,
     resolve_checkpoint,
 )
-from engine.checkpointing.storage import Storage, open_storage
-from engine.tensor_parallel import model_parallel_manual_seed
+from engine.checkpointing.stateful import PlansItsLoad, SavedCheckpoint, Stateful
+from engine.checkpointing.storage import Storage
+
+if TYPE_CHECKING:
+    from engine.jobspec import CheckpointSpec, ParallelSpec
+    from engine.rerun_state_machine import EventLog
 
 log = logging.getLogger(__name__)
 _ITER = re.compile(r"^(.*?)/?(iter_\d{7})/?$")
@@ -60,10 +79,14 @@ WRITER_THREADS = 4
 _FAULT_HOOK = None
 
 
-def layout_signature(trainer) -> str:
-    g = ps.get_grid()
-    p = trainer.spec.parallel
-    return f"tp{g.tp}-pp{g.pp}-vp{p.virtual_pipeline or 1}-cp{g.cp}-dp{g.dp}-layers{p.pipeline_layers}"
+# Meta keys the checkpointer writes itself; every other one comes from a part.
+_OWN_META = ("shard_format", "layout")
+
+
+def layout_signature(parallel: ParallelSpec) -> str:
+    """The layout of the initialised rank grid: per-rank state is valid only on an equal one."""
+    g, vp = ps.get_grid(), parallel.virtual_pipeline or 1
+    return f"tp{g.tp}-pp{g.pp}-vp{vp}-cp{g.cp}-dp{g.dp}-layers{parallel.pipeline_layers}"
 
 
 def _broadcast(obj):
@@ -72,11 +95,41 @@ def _broadcast(obj):
     return box[0]
 
 
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)  # DTensor included
+
+
+def _stored_parts(opened: OpenCheckpoint) -> set[str]:
+    """The parts a checkpoint holds tensors of: the first component of its DCP keys."""
+    metadata = raw_io.RawStorageReader(opened).read_metadata()
+    return {key.split("/", 1)[0] for key in metadata.state_dict_metadata}
+
+
 class Checkpointer:
-    def __init__(self, trainer):
-        self.trainer = trainer
-        self.spec = trainer.spec.checkpoint
-        self.job_root = trainer.spec.name
+    """Checkpoints `parts` under `job_name` as `spec` (the job's checkpoint section) says.
+
+    `parts` is in the order every rank calls them (state dicts may be collectives); `events`
+    gets checkpoint_saved / checkpoint_failed; `layout` is this rank grid's `layout_signature`."""
+
+    def __init__(
+        self,
+        parts: Mapping[str, Stateful],
+        spec: CheckpointSpec,
+        *,
+        job_name: str,
+        events: EventLog,
+        layout: str,
+    ):
+        for name, part in parts.items():
+            if not name or "/" in name:
+                raise ValueError(f"checkpoint part name {name!r}: must be non-empty and without '/'")
+            if not isinstance(part, Stateful):
+                raise TypeError(f"checkpoint part {name!r} has no state_dict() / load_state_dict()")
+        self.parts = dict(parts)
+        self.spec = spec
+        self.job_root = job_name
+        self.events = events
+        self.layout = layout
         self.storage: Storage | None = None
         self._pending: threading.Thread | None = None
         self._pending_error: BaseException | None = None
@@ -93,27 +146,48 @@ class Checkpointer:
         """Checkpoint the current iteration. With checkpoint.async_save the call returns once the
         state is copied to host memory and the writing goes on in the background; either way a
         previous save still in flight is finished first."""
-        trainer = self.trainer
         if self.storage is None:
             raise RuntimeError("checkpoint.path is not set: nowhere to save")
         self.wait()
         self._started = time.perf_counter()
-        state = ckpt_state.build_state_dict(trainer)
-        meta = self._meta()
+        state, meta = self._collect()
+        iteration = meta["iteration"]
         if not self.spec.async_save:
             try:
-                self._write(state, trainer.iteration, meta, group=None)
+                self._write(state, iteration, meta, group=None)
             except Exception as err:
-                self._failed(trainer.iteration, err)
+                self._failed(iteration, err)
                 raise
             return
         if self._group is None:  # its own group: background collectives never meet training's
             self._group = dist.new_group(backend="gloo")
         snapshot = ckpt_state.snapshot(state, self._host_buffers)
         self._pending = threading.Thread(
-            target=self._write_in_background, args=(snapshot, trainer.iteration, meta), daemon=True
+            target=self._write_in_background, args=(snapshot, iteration, meta), daemon=True
         )
         self._pending.start()
+
+    def _collect(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Every part's state: its tensors keyed "<part>/<key>" for DCP, the rest as meta."""
+        tensors: dict[str, Any] = {}
+        meta: dict[str, Any] = {"shard_format": raw_io.FORMAT, "layout": self.layout}
+        owners = dict.fromkeys(meta, "the checkpointer")
+        for name, part in self.parts.items():
+            for key, value in part.state_dict().items():
+                if _is_tensor(value):
+                    tensors[f"{name}/{key}"] = value
+                elif key in meta:
+                    raise ValueError(
+                        f"checkpoint meta key {key!r} is written by {owners[key]} and by part {name!r}"
+                    )
+                else:
+                    meta[key] = value
+                    owners[key] = f"part {name!r}"
+        if not isinstance(meta.get("iteration"), int):
+            raise ValueError(
+                "no checkpoint part gives the iteration that names the checkpoint (DataPosition does)"
+            )
+        return tensors, meta
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; re-raise its failure."""
@@ -133,7 +207,7 @@ class Checkpointer:
             self._pending_error = err
 
     def _failed(self, iteration: int, err: BaseException) -> None:
-        self.trainer.events.append(
+        self.events.append(
             "checkpoint_failed", iteration=iteration, message=f"{type(err).__name__}: {err}"
         )
 
@@ -156,7 +230,7 @@ class Checkpointer:
             files = [e for per_rank in gathered for e in per_rank]
             commit_checkpoint(self.storage, self.job_root, iteration, files, meta, keep=self.spec.keep)
             # The job's event record (and through the workers, the control plane) learns of it.
-            self.trainer.events.append(
+            self.events.append(
                 "checkpoint_saved",
                 iteration=iteration,
                 seconds=time.perf_counter() - self._started,
@@ -164,30 +238,6 @@ class Checkpointer:
                 uri=f"{self.spec.path.rstrip('/')}/{key}",
             )
         dist.barrier(group=group)
-
-    def _meta(self) -> dict:
-        t = self.trainer
-        opt = t.optimizer
-        adam_steps = [int(s["step"]) for s in opt.inner.state.values() if "step" in s]
-        return {
-            "shard_format": raw_io.FORMAT,
-            "iteration": t.iteration,
-            "consumed_samples": t.consumed_samples,
-            "adam_step": max(adam_steps, default=0),
-            "has_master": any(opt.needs_copy_back),
-            "layout": layout_signature(t),
-            "scheduler": t.scheduler.state_dict(),
-            "grad_scaler": t.grad_scaler.state_dict() if t.grad_scaler is not None else None,
-            "job": t.spec.model_dump(mode="json"),
-            "rerun": self._rerun_state(),
-        }
-
-    def _rerun_state(self) -> dict:
-        """The rerun state machine's common state and every rank's own (gathered: it is small)."""
-        common, mine = self.trainer.rerun.state_dict()
-        ranks = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, mine)
-        return {"common": common, "ranks": ranks}
 
     # ---------------------------------------------------------------- resume
     def _open(self, uri: str) -> Storage:
@@ -222,7 +272,7 @@ class Checkpointer:
             raise FileNotFoundError(choice)
         uri, job_root, iterations = choice
         storage = self._open(uri)
-        cache = Path(tempfile.gettempdir()) / "elastron-ckpt-cache" / f"{self.trainer.spec.name}"
+        cache = Path(tempfile.gettempdir()) / "elastron-ckpt-cache" / f"{self.job_root}"
         fetcher = int(os.environ.get("LOCAL_RANK", dist.get_rank())) == 0
         for iteration in iterations:
             # One process per machine reads the manifest and checks the files are all there; the
@@ -230,11 +280,14 @@ class Checkpointer:
             outcome = None
             if fetcher:
                 try:
-                    outcome = open_checkpoint(
+                    opened = open_checkpoint(
                         storage, job_root, iteration, cache, check_now=[raw_io.METADATA]
                     )
+                    outcome = (opened, _stored_parts(opened))
                 except CheckpointCorruptError as err:
                     outcome = err
+                except ShardCorruptError as err:  # its .metadata changed since it was checked
+                    outcome = corrupt_error(storage, job_root, iteration, err.problems)
             results = [None] * dist.get_world_size()
             dist.all_gather_object(results, outcome)
             errors = [r for r in results if isinstance(r, CheckpointCorruptError)]
@@ -243,9 +296,9 @@ class Checkpointer:
                     raise errors[0]
                 log.warning("%s; falling back to the previous committed checkpoint", errors[0])
                 continue
-            opened = next(r for r in results if isinstance(r, OpenCheckpoint))
+            opened, stored_parts = next(r for r in results if isinstance(r, tuple))
             try:
-                self._load(opened, opened.meta)
+                self._load(opened, stored_parts)
             except ShardCorruptError as err:  # found while reading, on every rank at once
                 error = corrupt_error(storage, job_root, iteration, err.problems)
                 if self.spec.resume_from or iteration == iterations[-1]:
@@ -255,28 +308,44 @@ class Checkpointer:
             return iteration
         return None
 
-    def _load(self, opened: OpenCheckpoint, meta: dict) -> None:
-        t = self.trainer
-        same_layout = meta["layout"] == layout_signature(t)
-        with_master = bool(meta["has_master"]) and any(t.optimizer.needs_copy_back)
-        target, buffers = ckpt_state.empty_state_dict(t, with_master=with_master, with_rng=same_layout)
+    def _load(self, opened: OpenCheckpoint, stored_parts: set[str]) -> None:
+        meta = opened.meta
         if meta.get("shard_format") != raw_io.FORMAT:
             raise ValueError(f"checkpoint shard format {meta.get('shard_format')!r} is not {raw_io.FORMAT!r}")
-        raw_io.load(target, opened)
-        ckpt_state.apply_state_dict(t, target, buffers, meta["adam_step"], with_master, with_rng=same_layout)
-        t.iteration = meta["iteration"]
-        t.consumed_samples = meta["consumed_samples"]
-        changed = t.scheduler.load_state_dict(meta["scheduler"], strict=False)
-        if changed and dist.get_rank() == 0:
-            log.warning(
-                "resumed with this job's lr / weight-decay schedule, not the checkpoint's: %s",
-                "; ".join(changed),
+        saved = SavedCheckpoint(opened.iteration, meta, same_layout=meta["layout"] == self.layout)
+        targets = {
+            name: part.load_target(saved) if isinstance(part, PlansItsLoad) else part.state_dict()
+            for name, part in self.parts.items()
+        }
+        self._check_parts(opened, stored_parts, targets)
+        raw_io.load(
+            {f"{name}/{k}": v for name, t in targets.items() for k, v in t.items() if _is_tensor(v)}, opened
+        )
+        # Tensors were loaded in place; every other value is the manifest's (the target's value
+        # stands in for a key an older checkpoint lacks).
+        for name, part in self.parts.items():
+            part.load_state_dict(
+                {k: v if _is_tensor(v) else meta.get(k, v) for k, v in targets[name].items()}
             )
-        if t.grad_scaler is not None and meta["grad_scaler"] is not None:
-            t.grad_scaler.load_state_dict(meta["grad_scaler"])
-        if meta.get("rerun"):
-            mine = meta["rerun"]["ranks"][dist.get_rank()] if same_layout else None
-            t.rerun.load_state_dict(meta["rerun"]["common"], mine)
-        if not same_layout:
-            # A new layout has new RNG positions: seed them from (seed, iteration), deterministically.
-            model_parallel_manual_seed(t.spec.training.seed + t.iteration)
+
+    def _check_parts(self, opened: OpenCheckpoint, stored_parts: set[str], targets: dict[str, dict]) -> None:
+        """Every part the checkpoint holds is one of ours, and every part of ours with tensors to
+        load has them in the checkpoint: a resume restores all that was saved, or says why not."""
+        where = f"checkpoint iteration {opened.iteration} of {opened.job_root!r}"
+        claimed = set(_OWN_META)
+        for target in targets.values():
+            claimed.update(k for k, v in target.items() if not _is_tensor(v))
+        foreign = [f"tensors of part {name!r}" for name in sorted(stored_parts - self.parts.keys())]
+        foreign += [f"meta {key!r}" for key in sorted(opened.meta.keys() - claimed)]
+        if foreign:
+            raise ValueError(
+                f"{where} holds state that none of this job's checkpoint parts ({', '.join(self.parts)}) "
+                f"restores: {', '.join(foreign)}; it was saved with other parts"
+            )
+        missing = [
+            name
+            for name, target in targets.items()
+            if name not in stored_parts and any(_is_tensor(v) for v in target.values())
+        ]
+        if missing:
+            raise ValueError(f"{where} has no tensors of checkpoint part(s) {', '.join(map(repr, missing))}")

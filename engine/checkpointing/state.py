@@ -1,28 +1,36 @@
-"""The sharded state of a rank, in global coordinates, and putting a loaded one back.
+"""The tensor parts of a rank's checkpoint (model weights, optimizer state, RNG streams), in
+global coordinates, and putting loaded ones back.
 
-Every tensor is keyed by its name in the whole model (global layer numbers on every pipeline
-stage; the last stage's tied output weight is `embedding.weight`, so it deduplicates with the
-first stage's) and described by its global shape and this rank's place in it:
+Each part is a `Stateful` (stateful.py) whose keys the checkpointer prefixes with the part's
+name ("model/", "optim/", "rng/"). Every tensor is keyed by its name in the whole model (global
+layer numbers on every pipeline stage; the last stage's tied output weight is `embedding.weight`,
+so it deduplicates with the first stage's) and described by its global shape and this rank's
+place in it:
 - a TP-sharded parameter becomes a DTensor sharded on a mesh over its TP group, so
   torch.distributed.checkpoint (DCP) records each piece's global offset and a different layout
   reads exactly the slices it needs;
 - a parameter made of `partition_stride` independently split chunks (SwiGLU's gate|up) is
   stored as one key per chunk (`name#k`), because a single DTensor cannot express a strided
   split; the keys do not depend on the layout;
-- replicated tensors (norms, DP replicas) are plain tensors; DCP writes one replica.
+- replicated tensors (norms, DP replicas, MoE routers' expert bias) are plain tensors; DCP
+  writes one replica.
 
 Optimizer state (fp32 master weights when they are copies, Adam's two moments) is stored with
 the parameter's own shape and sharding, whatever the data-parallel size. Under the distributed
 optimizer each DP rank owns arbitrary flat ranges of each parameter, which DCP cannot describe,
-so those ranges are assembled to parameter shape over DP before saving (a sum of disjoint
-pieces) and cut back to the new layout's ranges after loading. That costs one transient
-parameter-sized copy per state during a save; writing the flat ranges directly is the next step
-when checkpoint memory matters.
+so those ranges are assembled to parameter shape over the chunk's DP group before saving (a sum
+of disjoint pieces) and cut back to the new layout's ranges after loading. That costs one
+transient parameter-sized copy per state during a save; writing the flat ranges directly is the
+next step when checkpoint memory matters. Loading does not assemble anything: the optimizer
+part loads into fresh parameter-shaped buffers (`load_target`).
 
-Non-tensor state goes into the manifest (see checkpointer.py), and RNG states are per rank.
+RNG states are per rank, keyed by the rank's place in the grid, and restored only on the
+layout that saved them.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,7 +40,13 @@ from torch.distributed.tensor import DTensor, Shard
 
 from engine import device
 from engine import parallel_state as ps
+from engine.checkpointing.stateful import SavedCheckpoint
+from engine.tensor_parallel import model_parallel_manual_seed
 from engine.tensor_parallel.random import get_rng_tracker
+
+if TYPE_CHECKING:
+    from engine.distributed.data_parallel import DataParallel
+    from engine.optimizer.optimizer import TrainingOptimizer
 
 STATE_NAMES = ("exp_avg", "exp_avg_sq", "master")
 
@@ -58,92 +72,235 @@ def _pieces(key: str, local: torch.Tensor, param: nn.Parameter, mesh: DeviceMesh
     return out
 
 
-def named_params(trainer) -> list[tuple[str, nn.Parameter, object]]:
-    """(global name, param, owning DataParallel chunk) for every parameter on this rank."""
-    out = []
-    for model, ddp in zip(trainer.model_chunks, trainer.ddp_chunks, strict=True):
-        for name, p in model.named_parameters():
-            out.append((model.global_param_name(name), p, ddp))
-    return out
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _adam_state(opt, main: torch.Tensor, name: str) -> torch.Tensor:
-    """Adam's moment for a master; zeros before the first step (Adam creates its state lazily),
-    which is exactly what a fresh Adam starts from, so a checkpoint of iteration 0 loads right."""
-    state = opt.inner.state.get(main)
-    return state[name] if state and name in state else torch.zeros_like(main)
+def named_params(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
+    """(global name, param) for every parameter of this rank's model chunks."""
+    return [(model.global_param_name(name), p) for model in chunks for name, p in model.named_parameters()]
 
 
-@torch.no_grad()
-def optimizer_state_by_param(trainer) -> dict[int, dict[str, torch.Tensor]]:
-    """id(param) -> {state name: parameter-shaped fp32 tensor}, assembled over DP for ZeRO-1."""
-    opt = trainer.optimizer
-    segments = {id(p): [] for _, p, _ in named_params(trainer)}
-    for i, (p, lo, hi) in enumerate(opt.segments):
-        segments[id(p)].append((i, lo, hi))
-    out = {}
-    for _, p, ddp in named_params(trainer):
-        # The shards span the chunk's data-parallel group: DP, or DP x CP under context parallelism.
-        sharded = ddp.shard and ddp.dp > 1
-        states = {}
-        for name in STATE_NAMES:
-            if name == "master" and not any(opt.needs_copy_back):
-                continue
-            segs = segments[id(p)]
-            if not sharded and len(segs) == 1 and segs[0][1:] == (0, p.numel()):
-                i = segs[0][0]  # this rank holds the whole state: a view, no copy
-                m = opt.main_params[i]
-                states[name] = (m if name == "master" else _adam_state(opt, m, name)).view(p.shape)
-                continue
-            flat = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)  # all-reduced: NCCL on GPU
-            for i, lo, hi in segs:
-                m = opt.main_params[i]
-                flat[lo:hi] = m if name == "master" else _adam_state(opt, m, name)
-            if sharded:
-                dist.all_reduce(flat, group=ddp.group)
-            states[name] = flat.view(p.shape)
-        out[id(p)] = states
-    return out
-
-
-def named_buffers(trainer) -> list[tuple[str, torch.Tensor]]:
+def named_buffers(chunks: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
     """(global name, buffer) of the model state that is not a parameter but must survive a
     restart: MoE routers' expert bias (aux-loss-free balancing). Replicated on every rank that
     holds the layer, so DCP writes it once."""
     out = []
-    for model in trainer.model_chunks:
+    for model in chunks:
         for name, buf in model.named_buffers():
             if name.endswith("expert_bias"):
                 out.append((model.global_param_name(name), buf))
     return out
 
 
-def rng_key() -> str:
-    g = ps.get_grid()
-    c = g.coords(dist.get_rank())
-    return f"rng/pp{c['pp']}-tp{c['tp']}-cp{c['cp']}-dp{c['dp']}"
+class ModelState:
+    """This rank's model chunks: every parameter and the buffers that must survive a restart.
+
+    Its state dict is views of the parameters themselves, so a save copies nothing (an async
+    save snapshots it) and a load lands straight in the parameters."""
+
+    def __init__(self, chunks: list[nn.Module]) -> None:
+        self.chunks = chunks
+
+    def state_dict(self) -> dict[str, Any]:
+        mesh = _tp_mesh()
+        out: dict[str, Any] = {}
+        for gname, p in named_params(self.chunks):
+            out.update(_pieces(gname, p.detach(), p, mesh))
+        for gname, buf in named_buffers(self.chunks):
+            out[gname] = buf
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # What was loaded into state_dict()'s views is in place already; other tensors are copied in.
+        for key, mine in self.state_dict().items():
+            dst, src = _local(mine), _local(state_dict[key])
+            if dst.data_ptr() != src.data_ptr():
+                dst.copy_(src)
 
 
-def _rng_state() -> dict[str, torch.Tensor]:
-    states = {"default": device.get_rng_state()}
-    states.update({f"tracker.{k}": v for k, v in get_rng_tracker().get_states().items()})
-    return states
+def _adam_state(opt: TrainingOptimizer, main: torch.Tensor, name: str) -> torch.Tensor:
+    """Adam's moment for a master; zeros before the first step (Adam creates its state lazily),
+    which is exactly what a fresh Adam starts from, so a checkpoint of iteration 0 loads right."""
+    state = opt.inner.state.get(main)
+    return state[name] if state and name in state else torch.zeros_like(main)
 
 
-def build_state_dict(trainer) -> dict[str, object]:
-    """Everything tensor-valued a checkpoint holds for this rank, DCP-ready."""
-    mesh = _tp_mesh()
-    state: dict[str, object] = {}
-    opt_states = optimizer_state_by_param(trainer)
-    for gname, p, _ in named_params(trainer):
-        state.update(_pieces(f"model/{gname}", p.detach(), p, mesh))
-        for name, tensor in opt_states[id(p)].items():
-            state.update(_pieces(f"optim/{gname}/{name}", tensor, p, mesh))
-    for gname, buf in named_buffers(trainer):
-        state[f"model/{gname}"] = buf
-    for name, tensor in _rng_state().items():
-        state[f"{rng_key()}/{name}"] = tensor
-    return state
+class OptimizerState:
+    """AdamW's state for this rank's parameters, parameter-shaped, with `adam_step` and
+    `has_master` (whether the masters are copies, so saved) in the meta."""
+
+    def __init__(
+        self, optimizer: TrainingOptimizer, chunks: list[nn.Module], ddp_chunks: list[DataParallel]
+    ) -> None:
+        self.optimizer, self.chunks, self.ddp_chunks = optimizer, chunks, ddp_chunks
+        self._loading: dict[str, torch.Tensor] | None = None  # load_target's buffers
+
+    def _named(self) -> list[tuple[str, nn.Parameter, DataParallel]]:
+        """(global name, param, owning DataParallel chunk) for every parameter on this rank."""
+        return [
+            (gname, p, ddp)
+            for model, ddp in zip(self.chunks, self.ddp_chunks, strict=True)
+            for gname, p in named_params([model])
+        ]
+
+    def _with_master(self) -> bool:
+        return any(self.optimizer.needs_copy_back)
+
+    @torch.no_grad()
+    def _by_param(self) -> dict[int, dict[str, torch.Tensor]]:
+        """id(param) -> {state name: parameter-shaped fp32 tensor}, assembled over DP for ZeRO-1."""
+        opt = self.optimizer
+        named = self._named()
+        segments = {id(p): [] for _, p, _ in named}
+        for i, (p, lo, hi) in enumerate(opt.segments):
+            segments[id(p)].append((i, lo, hi))
+        with_master = self._with_master()
+        out = {}
+        for _, p, ddp in named:
+            # The shards span the chunk's data-parallel group: DP, or DP x CP under context parallelism.
+            sharded = ddp.shard and ddp.dp > 1
+            states = {}
+            for name in STATE_NAMES:
+                if name == "master" and not with_master:
+                    continue
+                segs = segments[id(p)]
+                if not sharded and len(segs) == 1 and segs[0][1:] == (0, p.numel()):
+                    i = segs[0][0]  # this rank holds the whole state: a view, no copy
+                    m = opt.main_params[i]
+                    states[name] = (m if name == "master" else _adam_state(opt, m, name)).view(p.shape)
+                    continue
+                # On the param's device: all-reduced, so NCCL on GPU.
+                flat = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+                for i, lo, hi in segs:
+                    m = opt.main_params[i]
+                    flat[lo:hi] = m if name == "master" else _adam_state(opt, m, name)
+                if sharded:
+                    dist.all_reduce(flat, group=ddp.group)
+                states[name] = flat.view(p.shape)
+            out[id(p)] = states
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """A collective under the distributed optimizer (the assembly over DP)."""
+        mesh = _tp_mesh()
+        out: dict[str, Any] = {}
+        states = self._by_param()
+        for gname, p, _ in self._named():
+            for name, tensor in states[id(p)].items():
+                out.update(_pieces(f"{gname}/{name}", tensor, p, mesh))
+        adam_steps = [int(s["step"]) for s in self.optimizer.inner.state.values() if "step" in s]
+        out["adam_step"] = max(adam_steps, default=0)
+        out["has_master"] = self._with_master()
+        return out
+
+    def load_target(self, saved: SavedCheckpoint) -> dict[str, Any]:
+        """Fresh parameter-shaped buffers in this layout's sharding (masters only when both the
+        checkpoint and this job have them: otherwise they come from the loaded weights); strided
+        pieces are views of one buffer, so nothing is concatenated after the load."""
+        with_master = bool(saved.meta["has_master"]) and self._with_master()
+        mesh = _tp_mesh()
+        target: dict[str, Any] = {}
+        buffers: dict[str, torch.Tensor] = {}
+        for gname, p, _ in self._named():
+            for name in STATE_NAMES:
+                if name != "master" or with_master:
+                    key = f"{gname}/{name}"
+                    # On the param's device: the optimizer keeps these as its state.
+                    buffers[key] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+                    target.update(_pieces(key, buffers[key], p, mesh))
+        self._loading = buffers
+        target["adam_step"] = None
+        target["has_master"] = None
+        return target
+
+    def _whole(self, state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
+        """Parameter-shaped local tensors from a state dict that did not come from load_target."""
+        out = {}
+        for gname, p, _ in self._named():
+            for name in STATE_NAMES:
+                key = f"{gname}/{name}"
+                if key in state_dict:
+                    out[key] = _local(state_dict[key])
+                elif f"{key}#0" in state_dict:
+                    stride = getattr(p, "partition_stride", 1)
+                    pieces = [_local(state_dict[f"{key}#{k}"]) for k in range(stride)]
+                    out[key] = torch.cat(pieces, dim=p.partition_dim)
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Cut the loaded state to this layout's ranges; the weights (model part) are already in
+        the parameters, and masters that were not saved are taken from them."""
+        buffers, self._loading = self._loading, None
+        if buffers is None:
+            buffers = self._whole(state_dict)
+        opt = self.optimizer
+        adam_step = state_dict["adam_step"]
+        full = {
+            id(p): {n: buffers[f"{gname}/{n}"] for n in STATE_NAMES if f"{gname}/{n}" in buffers}
+            for gname, p, _ in self._named()
+        }
+        for i, (p, lo, hi) in enumerate(opt.segments):
+            m = opt.main_params[i]
+            states = full[id(p)]
+            if opt.needs_copy_back[i]:
+                source = states["master"] if "master" in states else p.detach().float()
+                m.copy_(source.reshape(-1)[lo:hi])
+            # A whole parameter keeps the loaded tensor; a slice is copied, or its view would pin
+            # the whole parameter-sized tensor in memory.
+            whole = (lo, hi) == (0, p.numel())
+            moments = {
+                name: states[name].reshape(-1) if whole else states[name].reshape(-1)[lo:hi].clone()
+                for name in ("exp_avg", "exp_avg_sq")
+            }
+            opt.inner.state[m] = {"step": torch.tensor(float(adam_step)), **moments}
+        for ddp in self.ddp_chunks:
+            ddp.gather_params()
+
+
+def _grid_position() -> str:
+    c = ps.get_grid().coords(dist.get_rank())
+    return f"pp{c['pp']}-tp{c['tp']}-cp{c['cp']}-dp{c['dp']}"
+
+
+class RNGState:
+    """This rank's random streams: the device default and the TP tracker's, keyed by the rank's
+    place in the grid. They mean something only on the layout that saved them; on any other one
+    nothing is loaded and every rank reseeds from (seed, iteration), deterministically."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._reseed_at: int | None = None
+
+    def state_dict(self) -> dict[str, Any]:
+        pos = _grid_position()
+        out = {f"{pos}/default": device.get_rng_state()}
+        out.update({f"{pos}/tracker.{k}": v for k, v in get_rng_tracker().get_states().items()})
+        return out
+
+    def load_target(self, saved: SavedCheckpoint) -> dict[str, Any]:
+        if not saved.same_layout:
+            self._reseed_at = saved.iteration
+            return {}
+        self._reseed_at = None
+        return {key: torch.empty_like(t) for key, t in self.state_dict().items()}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        reseed_at, self._reseed_at = self._reseed_at, None
+        if reseed_at is not None:
+            model_parallel_manual_seed(self.seed + reseed_at)
+            return
+        prefix = f"{_grid_position()}/"
+        device.set_rng_state(state_dict[f"{prefix}default"])
+        get_rng_tracker().set_states(
+            {
+                k.removeprefix(f"{prefix}tracker."): v
+                for k, v in state_dict.items()
+                if k.startswith(f"{prefix}tracker.")
+            }
+        )
 
 
 def snapshot(state: dict[str, object], buffers: dict[str, torch.Tensor]) -> dict[str, object]:
@@ -164,73 +321,3 @@ def snapshot(state: dict[str, object], buffers: dict[str, torch.Tensor]) -> dict
         else:
             out[key] = host
     return out
-
-
-def empty_state_dict(
-    trainer, with_master: bool, with_rng: bool
-) -> tuple[dict[str, object], dict[str, torch.Tensor]]:
-    """The same keys with this layout's shapes for DCP to load into, and the parameter-shaped
-    local tensors behind them. Model weights load straight into the parameters; optimizer
-    state into fresh buffers; strided pieces are views of one buffer, so nothing is
-    concatenated or copied after the load."""
-    mesh = _tp_mesh()
-    state: dict[str, object] = {}
-    buffers: dict[str, torch.Tensor] = {}
-    for gname, p, _ in named_params(trainer):
-        mine = {f"model/{gname}": p.detach()}
-        for name in STATE_NAMES:
-            if name != "master" or with_master:
-                # On the param's device: the optimizer keeps these as its state.
-                mine[f"optim/{gname}/{name}"] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
-        for key, local in mine.items():
-            state.update(_pieces(key, local, p, mesh))
-        buffers.update(mine)
-    for gname, buf in named_buffers(trainer):
-        state[f"model/{gname}"] = buf  # loads in place
-    if with_rng:
-        for name, tensor in _rng_state().items():
-            state[f"{rng_key()}/{name}"] = torch.empty_like(tensor)
-    return state, buffers
-
-
-@torch.no_grad()
-def apply_state_dict(
-    trainer,
-    state: dict[str, object],
-    buffers: dict[str, torch.Tensor],
-    adam_step: int,
-    with_master: bool,
-    with_rng: bool,
-) -> None:
-    """Put a loaded state into the optimizer (this layout's ranges) and the RNGs; the weights
-    are already in the parameters."""
-    opt = trainer.optimizer
-    full = {
-        id(p): {n: buffers[f"optim/{gname}/{n}"] for n in STATE_NAMES if f"optim/{gname}/{n}" in buffers}
-        for gname, p, _ in named_params(trainer)
-    }
-    for i, (p, lo, hi) in enumerate(opt.segments):
-        m = opt.main_params[i]
-        states = full[id(p)]
-        if opt.needs_copy_back[i]:
-            source = states["master"] if with_master else p.detach().float()
-            m.copy_(source.reshape(-1)[lo:hi])
-        # A whole parameter keeps the loaded tensor; a slice is copied, or its view would pin
-        # the whole parameter-sized tensor in memory.
-        whole = (lo, hi) == (0, p.numel())
-        moments = {
-            name: states[name].reshape(-1) if whole else states[name].reshape(-1)[lo:hi].clone()
-            for name in ("exp_avg", "exp_avg_sq")
-        }
-        opt.inner.state[m] = {"step": torch.tensor(float(adam_step)), **moments}
-    for ddp in trainer.ddp_chunks:
-        ddp.gather_params()
-    if with_rng:
-        prefix = rng_key()
-        device.set_rng_state(state[f"{prefix}/default"])
-        tracker = {
-            k.removeprefix(f"{prefix}/tracker."): v
-            for k, v in state.items()
-            if k.startswith(f"{prefix}/tracker.")
-        }
-        get_rng_tracker().set_states(tracker)

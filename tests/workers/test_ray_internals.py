@@ -1,0 +1,132 @@
+"""The Ray Train internals workers/trainer.py builds on (its docstring lists them), checked
+without a cluster. A Ray upgrade that moves one or changes its signature fails here, naming the
+installed Ray, and not in a job; worse than a job failing, a hook we override that Ray renamed
+or stopped calling would fail nothing at all: Ray would just no longer call ours (no SIGTERM
+handling, no elastic sizes, no graceful worker shutdown).
+
+This file and workers/trainer.py are the only places allowed to touch `ray.train.v2._internal`
+(tests/test_layering.py)."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import ray
+
+RAY = f"Ray {ray.__version__}"
+
+DATA_PARALLEL_TRAINER = ("ray.train.v2.api.data_parallel_trainer", "DataParallelTrainer")
+ELASTIC_POLICY = ("ray.train.v2._internal.execution.scaling_policy", "ElasticScalingPolicy")
+WORKER_CALLBACK = ("ray.train.v2._internal.execution.callback", "WorkerCallback")
+TRAIN_CONTROLLER = ("ray.train.v2._internal.execution.controller", "TrainController")
+RAY_WORKER = ("ray.train.v2._internal.execution.worker_group.worker", "RayTrainWorker")
+
+# (Ray's class, its method, the parameters workers/trainer.py overrides or calls it with, our
+# class that overrides it). "**" is any **kwargs: its name does not matter to a caller.
+METHODS = [
+    (DATA_PARALLEL_TRAINER, "_initialize_and_run_controller", ["self", "**"], "ElastronTorchTrainer"),
+    (DATA_PARALLEL_TRAINER, "_register_sigint_handler", ["self", "controller"], "ElastronTorchTrainer"),
+    (ELASTIC_POLICY, "_count_possible_workers", ["self", "reserved_resources"], "ElastronElasticPolicy"),
+    (ELASTIC_POLICY, "__init__", ["self", "scaling_config"], None),  # super().__init__(scaling_config)
+    (WORKER_CALLBACK, "before_worker_shutdown", ["self"], "GracefulShutdown"),
+]
+
+# (Ray's class, its method, what its source must still contain): where Ray calls what we
+# override, and the keyword our override sets.
+CALL_SITES = [
+    (DATA_PARALLEL_TRAINER, "fit", "self._initialize_and_run_controller("),
+    (DATA_PARALLEL_TRAINER, "fit", "scaling_policy="),
+    (DATA_PARALLEL_TRAINER, "_initialize_and_run_controller", "self._register_sigint_handler("),
+    (ELASTIC_POLICY, None, "self._count_possible_workers("),
+    (RAY_WORKER, None, ".before_worker_shutdown("),
+]
+
+
+def _fail(message: str) -> None:
+    pytest.fail(f"{RAY}: {message} (see workers/trainer.py's docstring for what uses it)", pytrace=False)
+
+
+def _load(where: tuple[str, str]):
+    module, name = where
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as err:
+        _fail(f"{module}.{name} is gone: {type(err).__name__}: {err}")
+
+
+def _params(fn) -> list[str]:
+    kinds = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return [kinds.get(p.kind, p.name) for p in inspect.signature(fn).parameters.values()]
+
+
+def _ours(name: str):
+    try:
+        import workers.trainer
+    except ImportError as err:  # an internal it imports has moved
+        _fail(f"workers.trainer no longer imports: {err}")
+    return getattr(workers.trainer, name)
+
+
+@pytest.mark.parametrize(
+    ("where", "method", "expected", "ours"), METHODS, ids=[f"{w[1]}.{m}" for w, m, _, _ in METHODS]
+)
+def test_the_methods_we_override_or_call_keep_their_signature(where, method, expected, ours):
+    cls = _load(where)
+    fn = getattr(cls, method, None)
+    if fn is None:
+        _fail(f"{where[0]}.{where[1]}.{method} is gone")
+    if _params(fn) != expected:
+        _fail(f"{where[1]}.{method} now takes {inspect.signature(fn)}, workers/trainer.py expects {expected}")
+    if ours is not None:
+        our_cls = _ours(ours)
+        assert issubclass(our_cls, cls), f"{RAY}: {ours} no longer derives from {where[1]}"
+        assert _params(getattr(our_cls, method)) == expected, f"{ours}.{method} drifted from Ray's"
+
+
+@pytest.mark.parametrize(
+    ("where", "method", "text"), CALL_SITES, ids=[f"{w[1]}.{m or ''}:{t}" for w, m, t in CALL_SITES]
+)
+def test_ray_still_calls_what_we_override(where, method, text):
+    cls = _load(where)
+    try:
+        source = inspect.getsource(getattr(cls, method) if method else cls)
+    except (OSError, TypeError) as err:
+        pytest.skip(f"{RAY} ships no source for {where[1]}: {err}")
+    if text not in source:
+        _fail(f"{where[1]}{'.' + method if method else ''} no longer contains {text!r}")
+
+
+def test_the_controller_still_takes_a_scaling_policy_and_can_be_aborted():
+    controller = _load(TRAIN_CONTROLLER)
+    if "scaling_policy" not in inspect.signature(controller.__init__).parameters:
+        _fail(f"TrainController{inspect.signature(controller.__init__)} takes no scaling_policy")
+    if not callable(getattr(controller, "abort", None)):
+        _fail("TrainController.abort is gone (ElastronTorchTrainer's stop handler calls it)")
+
+
+def test_our_worker_callback_reaches_the_workers_and_elasticity_is_read_from_scaling(tmp_path):
+    """Through the trainer's own callback list (no cluster): Ray passes run_config callbacks that
+    are not UserCallbacks on as they are; our policy is only swapped in when the ScalingConfig
+    says elastic."""
+    from ray.train import RunConfig, ScalingConfig
+
+    trainer_cls, shutdown_cls = _ours("ElastronTorchTrainer"), _ours("GracefulShutdown")
+    trainer = trainer_cls(
+        lambda config: None,
+        scaling_config=ScalingConfig(num_workers=(1, 2)),
+        run_config=RunConfig(name="internals", storage_path=str(tmp_path), callbacks=[shutdown_cls()]),
+        elastic_sizes=[1, 2],
+    )
+    try:
+        callbacks = trainer._create_default_callbacks()
+    except AttributeError as err:
+        _fail(f"DataParallelTrainer builds its callback list differently now: {err}")
+    assert any(isinstance(c, shutdown_cls) for c in callbacks), (
+        f"{RAY}: a RunConfig WorkerCallback no longer reaches the controller's callbacks: "
+        f"{[type(c).__name__ for c in callbacks]}"
+    )
+    assert getattr(trainer.scaling_config, "elasticity_enabled", None) is True, (
+        f"{RAY}: ScalingConfig.elasticity_enabled is gone or false for num_workers=(1, 2)"
+    )
