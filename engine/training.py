@@ -38,7 +38,8 @@ from engine.distributed.data_parallel import DataParallel
 from engine.distributed.finalize_grads import finalize_model_grads
 from engine.energy_monitor import EnergyMonitor
 from engine.flops import mfu, model_flops_per_iteration, peak_flops
-from engine.jobspec import JobSpec, JobSpecError
+from engine.jobspec import JobSpec, ResolvedJob, resolve_job
+from engine.jobspec.layout import num_microbatches
 from engine.microbatches import MicrobatchCalculator
 from engine.models import GPTModel
 from engine.optimizer.grad_scaler import DynamicGradScaler
@@ -75,23 +76,6 @@ STEP_TIMERS = [
 ]
 
 
-def unsupported_features(spec: JobSpec) -> list[str]:
-    """Valid job settings this engine version cannot run yet, each with what to use instead."""
-    p, out = spec.parallel, []
-    if p.context > 1 and spec.model.attention_dropout > 0:
-        out.append(
-            "model.attention_dropout: attention dropout is not available with parallel.context > 1; "
-            "set model.attention_dropout: 0"
-        )
-    return out
-
-
-def check_supported(spec: JobSpec) -> None:
-    problems = unsupported_features(spec)
-    if problems:
-        raise JobSpecError("\n".join(problems))
-
-
 @dataclass
 class StepMetrics:
     iteration: int
@@ -121,9 +105,11 @@ class StepMetrics:
 class Trainer:
     """One rank's training state. Needs an initialised torch.distributed default group."""
 
-    def __init__(self, spec: JobSpec, timer_level: int = 1, events_path: str | Path | None = None):
-        check_supported(spec)
-        self.spec = spec
+    def __init__(
+        self, job: JobSpec | ResolvedJob, timer_level: int = 1, events_path: str | Path | None = None
+    ):
+        self.job = job if isinstance(job, ResolvedJob) else resolve_job(job)
+        self.spec = spec = self.job.spec
         p, t = spec.parallel, spec.training
         ps.initialize_model_parallel(
             tensor=p.tensor,
@@ -317,7 +303,7 @@ class Trainer:
         time, so evaluations compare across the run and across resumes. A collective."""
         t = self.spec.training
         gbs = t.global_batch_size
-        n = gbs // (t.micro_batch_size * self.dp_size)
+        n = num_microbatches(t, self.dp_size)
         self.phase = "evaluate"
         self.energy.pause()  # energy per step stays training energy
         for chunk in self.model_chunks:
@@ -526,7 +512,7 @@ def _progress_line(m: StepMetrics, total: int) -> str:
 
 
 def train_rank(
-    spec_dict: dict[str, Any],
+    job: ResolvedJob | JobSpec | dict[str, Any],
     metrics_out: str | None = None,
     quiet: bool = False,
     events_out: str | None = None,
@@ -535,6 +521,8 @@ def train_rank(
     on_trainer: Callable[[Trainer], None] | None = None,
 ) -> list[dict]:
     """Per-rank entry point: train the whole job; rank 0 writes and returns the metrics records.
+
+    `job` is resolved once by the launcher (a ResolvedJob); a spec or its JSON is resolved here.
 
     Every rank appends its events (rerun state machine) to `events_out`. A rerun verdict that
     stops the job raises RerunExit on every rank, carrying exit code 16 or 17. `on_record` gets
@@ -547,8 +535,8 @@ def train_rank(
     the order in which `Trainer.__init__` sets attributes. Setup (model build, data, resume) can
     hang too; a caller that watches for that watches its own stand-in in phase "setup" until
     on_trainer replaces it (workers/rank.py does), which costs the engine no second hook."""
-    spec = JobSpec.model_validate(spec_dict)
-    trainer = Trainer(spec, events_path=events_out)
+    trainer = Trainer(job if isinstance(job, ResolvedJob) else resolve_job(job), events_path=events_out)
+    spec = trainer.spec
     is_logger = dist.get_rank() == 0
     records: list[dict] = []
     sink = None

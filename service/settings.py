@@ -36,8 +36,10 @@ class Settings(BaseSettings):
     )
     checkpoint_dir: str | None = Field(
         None,
-        description="Default checkpoint root for jobs that set no checkpoint.path: each such job writes "
-        "under <checkpoint_dir>/<tenant>/<job id>/. Unset: such jobs do not checkpoint.",
+        description="Checkpoint root for jobs that set no checkpoint.path: each such job writes under "
+        "<checkpoint_dir>/<tenant>/<job id>/<job name>/ (the path chosen is recorded in the spec as run). "
+        "Default: <home>/checkpoints, right for one machine; on a cluster give a place every node "
+        "reaches (s3://bucket/prefix or a shared file system).",
     )
     worker_entrypoint: str = Field(
         "elastron worker-run {job_id}", description="The Ray job's entrypoint; {job_id} is filled in."
@@ -57,6 +59,10 @@ class Settings(BaseSettings):
     metrics_require_token: bool = Field(
         False, description="Require an admin bearer token on /metrics (default: open, like most exporters)."
     )
+
+    @property
+    def resolved_checkpoint_dir(self) -> str:
+        return self.checkpoint_dir or str(self.home / "checkpoints")
 
     @property
     def resolved_database_url(self) -> str:

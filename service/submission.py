@@ -1,14 +1,14 @@
 """Turn a submitted job specification into the one the job runs with.
 
 Two service-side rules on top of engine/jobspec.py:
-- with `ELASTRON_CHECKPOINT_DIR` set, a job without `checkpoint.path` checkpoints under
-  `<dir>/<tenant>`;
+- a job without `checkpoint.path` checkpoints under `<ELASTRON_CHECKPOINT_DIR>/<tenant>`
+  (default `<ELASTRON_HOME>/checkpoints/<tenant>`), recorded in the spec as run, so
+  `checkpoint.interval` alone is enough over REST;
 - `checkpoint.resume_from: job:ID` (or `job:ID/iter_0000100`) starts from another job's
   checkpoint: the reference is resolved to where that job wrote them, only among the jobs the
   caller may see.
-Where a job writes: the workers namespace every job by its id (workers/driver.py
-`prepare_spec`: `<checkpoint.path>/<job id>/`, so two jobs with the same name never resume from
-each other's checkpoints) and the engine adds the job's name: `<checkpoint.path>/<job id>/<name>/`.
+Where a job writes: the workers namespace every job by its id and the engine adds the job's
+name, `<checkpoint.path>/<job id>/<name>/`, both composed by engine/jobspec/layout.py.
 The result is validated again with the same rules as the submission.
 """
 
@@ -22,6 +22,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from engine.jobspec import JobSpec, JobSpecError, parse_job
+from engine.jobspec.layout import checkpoint_location, job_checkpoint_path, join_location
 from service.settings import Settings
 from service.store.jobs import get_job
 from service.store.tokens import Principal
@@ -47,11 +48,6 @@ def problems_from_text(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def job_checkpoint_root(path: str, job_id: str, name: str) -> str:
-    """The folder holding a job's `iter_NNNNNNN` checkpoints, given its `checkpoint.path`."""
-    return f"{path.rstrip('/')}/{job_id}/{name}"
-
-
 def request_hash(spec: JobSpec) -> str:
     return hashlib.sha256(json.dumps(spec.model_dump(mode="json"), sort_keys=True).encode()).hexdigest()
 
@@ -64,8 +60,8 @@ def effective_spec(
     resume_from = checkpoint.get("resume_from") or ""
     if resume_from.startswith("job:"):
         checkpoint["resume_from"] = _resolve_job_checkpoint(resume_from, caller, session)
-    if checkpoint.get("path") is None and settings.checkpoint_dir:
-        checkpoint["path"] = f"{settings.checkpoint_dir.rstrip('/')}/{caller.tenant}"
+    if checkpoint.get("path") is None:
+        checkpoint["path"] = join_location(settings.resolved_checkpoint_dir, caller.tenant)
     try:
         return parse_job(data).model_dump(mode="json")
     except JobSpecError as err:
@@ -95,5 +91,5 @@ def _resolve_job_checkpoint(ref: str, caller: Principal, session: Session) -> st
                 )
             ]
         )
-    location = job_checkpoint_root(root, source.id, source.spec["name"])
+    location = checkpoint_location(job_checkpoint_path(root, source.id), source.spec["name"])
     return f"{location}/{sub}" if sub else location

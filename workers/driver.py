@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.jobspec import JobSpec, JobSpecError, parse_job, parse_job_text
+from engine.jobspec.layout import job_checkpoint_path, join_location, model_parallel_size
 from workers.policy import (
     EXIT_BAD_INPUT,
     EXIT_CANCELLED,
@@ -101,10 +102,6 @@ def _absolute(path: str) -> str:
     return str(Path(path).expanduser().resolve())
 
 
-def _join(root: str, name: str) -> str:
-    return f"{root.rstrip('/')}/{name}" if "://" in root else str(Path(root) / name)
-
-
 def prepare_spec(job_id: str, spec: JobSpec, storage_path: str | None = None) -> dict[str, Any]:
     """The spec the ranks get: local paths made absolute (Ray workers do not share the driver's
     working directory) and checkpoints namespaced by job id: `<checkpoint.path>/<job_id>/`
@@ -116,8 +113,8 @@ def prepare_spec(job_id: str, spec: JobSpec, storage_path: str | None = None) ->
         )
     data = spec.model_dump(mode="json")
     ckpt, d = data["checkpoint"], data["data"]
-    root = ckpt["path"] or _join(storage_path or default_storage_path(), f"{job_id}/checkpoints")
-    ckpt["path"] = _join(_absolute(root), job_id) if ckpt["path"] else _absolute(root)
+    root = ckpt["path"] or join_location(storage_path or default_storage_path(), f"{job_id}/checkpoints")
+    ckpt["path"] = job_checkpoint_path(_absolute(root), job_id) if ckpt["path"] else _absolute(root)
     if ckpt.get("resume_from"):
         ckpt["resume_from"] = _absolute(ckpt["resume_from"])
     for key in ("path", "cache_dir"):
@@ -137,10 +134,10 @@ def default_storage_path() -> str:
 
 def valid_sizes(spec: JobSpec) -> list[int]:
     """Rank counts this job can run on: multiples of TP x PP x CP in [min, max] that validate."""
-    r, p = spec.resources, spec.parallel
+    r = spec.resources
     lo = r.min_ranks if r.min_ranks is not None else r.ranks
     hi = r.max_ranks if r.max_ranks is not None else r.ranks
-    mp = p.tensor * p.pipeline * p.context
+    mp = model_parallel_size(spec.parallel)
     data = spec.model_dump(mode="json")
     sizes = []
     for size in range(lo, hi + 1):
@@ -476,10 +473,7 @@ class JobDriver:
 def run_job(job_id: str, spec: JobSpec, options: WorkerRunOptions | None = None) -> JobResult:
     """Run the job to its end on the Ray cluster (see the module docstring); never raises for a
     job that fails, it returns the exit code and the reason."""
-    from engine.training import check_supported
-
     try:
-        check_supported(spec)
         driver = JobDriver(job_id, spec, options)
     except (JobInputError, JobSpecError) as err:
         return JobResult(EXIT_BAD_INPUT, str(err))

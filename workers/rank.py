@@ -118,6 +118,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     import ray.train
     import torch.distributed as dist
 
+    from engine.jobspec import resolve_job
     from engine.training import train_rank
     from engine.watchdog import StepWatchdog
     from workers.telemetry import TelemetrySender
@@ -144,8 +145,8 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
 
     spec_dict = dict(config["spec"])
     spec_dict["resources"] = {**spec_dict["resources"], "ranks": world}
-    p = spec_dict.get("parallel", {})
-    dp = world // (p.get("tensor", 1) * p.get("pipeline", 1) * p.get("context", 1))
+    job = resolve_job(spec_dict)  # once for this rank: train_rank takes it as it is
+    dp = job.data_parallel_size
 
     fallback = ray.get(registry.telemetry_settings.remote()) if registry is not None else {}
     sender = TelemetrySender.from_env(
@@ -220,7 +221,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     try:
         watchdog.watch(_SETTING_UP)
         records = train_rank(
-            spec_dict,
+            job,
             config.get("metrics_out") if rank == 0 else None,
             config.get("quiet", False),
             str(events_path),

@@ -14,18 +14,15 @@ file. `preprocess` appends EOD after every document; the GPT samples cross docum
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
+from engine.jobspec.data import parse_tokenizer_spec  # the spec's own rule; re-exported
+
 # Looked up in this order: the first one the tokenizer knows is its end-of-document token.
 EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>", "[EOS]")
 
-SPEC_HELP = (
-    "use 'byte', 'hf:PATH' (a tokenizer.json, or a folder with one) or "
-    "'sentencepiece:PATH' (a SentencePiece .model file)"
-)
 
 
 @runtime_checkable
@@ -151,16 +148,6 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
-
-
-def parse_tokenizer_spec(spec: str) -> tuple[str, str | None]:
-    """('byte', None) | ('hf', path) | ('sentencepiece', path); ValueError naming data.tokenizer."""
-    if spec == "byte":
-        return "byte", None
-    kind, sep, path = spec.partition(":")
-    if sep and kind in ("hf", "sentencepiece") and path.strip():
-        return kind, os.path.expanduser(path)
-    raise ValueError(f"data.tokenizer {spec!r} is not supported: {SPEC_HELP}")
 
 
 def build_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer | SentencePieceTokenizer:

@@ -37,11 +37,7 @@ class SelfAttention(nn.Module):
         self.q_per_group = config.num_attention_heads // config.num_query_groups
         # The CP core attention (None without context parallelism); the TE spec will pick "te".
         self.context_parallel = None
-        if context_parallel.cp_size() > 1:
-            if config.attention_dropout > 0:
-                raise ValueError(
-                    "model.attention_dropout > 0 is not supported with parallel.context > 1: set it to 0"
-                )
+        if context_parallel.cp_size() > 1:  # attention dropout is refused by the job spec here
             self.context_parallel = context_parallel.core_attention_for_spec("local")
         hd = config.head_dim
         self.linear_qkv = ColumnParallelLinear(

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.jobspec import JobSpec
+from engine.jobspec.layout import sequence_parallel_effective
 from engine.transformer.moe.router import MoEConfig
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -84,7 +85,7 @@ class TransformerConfig:
             rotary_base=m.rotary_base,
             init_method_std=m.init_method_std,
             params_dtype=DTYPES[spec.training.precision],
-            sequence_parallel=spec.parallel.sequence_parallel and spec.parallel.tensor > 1,
+            sequence_parallel=sequence_parallel_effective(spec.parallel),
             recompute=spec.training.recompute,
             moe=_moe_config(spec),
         )

@@ -329,3 +329,19 @@ def test_openapi_and_docs_are_served(env):
         assert path in paths, path
     body = paths["/v1/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
     assert body["$ref"].endswith("/JobSpec")
+
+
+def test_a_job_asking_for_checkpoints_without_a_path_gets_the_services_root(start_env):
+    """README: ELASTRON_HOME holds `checkpoints/` for jobs that set no checkpoint.path. Over REST
+    `checkpoint: {interval: 5}` alone is a job, and the spec as run records the path chosen."""
+    env = start_env(checkpoint_dir=None)  # the default: <home>/checkpoints
+    with env.client() as c:
+        r = c.post("/v1/jobs", json={**TINY, "checkpoint": {"interval": 5}})
+        assert r.status_code == 201, r.text
+        assert r.json()["spec"]["checkpoint"]["path"] == str(env.settings.home / "checkpoints" / "alice")
+        mine = {**TINY, "checkpoint": {"interval": 5, "path": "s3://bucket/mine"}}
+        assert c.post("/v1/jobs", json=mine).json()["spec"]["checkpoint"]["path"] == "s3://bucket/mine"
+    other = start_env(checkpoint_dir="s3://bucket/jobs/")
+    with other.client("bob") as c:
+        r = c.post("/v1/jobs", json={**TINY, "checkpoint": {"interval": 5}})
+        assert r.status_code == 201 and r.json()["spec"]["checkpoint"]["path"] == "s3://bucket/jobs/bob"

@@ -1,0 +1,150 @@
+"""`data`: where samples come from. Shapes are checked here; files are opened on the ranks.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from engine.jobspec.common import _Section
+
+SPEC_HELP = (
+    "use 'byte', 'hf:PATH' (a tokenizer.json, or a folder with one) or "
+    "'sentencepiece:PATH' (a SentencePiece .model file)"
+)
+
+
+def parse_tokenizer_spec(spec: str) -> tuple[str, str | None]:
+    """('byte', None) | ('hf', path) | ('sentencepiece', path); ValueError naming data.tokenizer.
+    Here, not beside the tokenizers, so that validating a job imports nothing else of the engine."""
+    if spec == "byte":
+        return "byte", None
+    kind, sep, path = spec.partition(":")
+    if sep and kind in ("hf", "sentencepiece") and path.strip():
+        return kind, os.path.expanduser(path)
+    raise ValueError(f"data.tokenizer {spec!r} is not supported: {SPEC_HELP}")
+
+
+class DataSpec(_Section):
+    """Where samples come from. Shapes are checked here; files are opened on the ranks, at start."""
+
+    source: Literal["text", "synthetic", "indexed", "blend"] = Field(
+        "text",
+        description="text: a UTF-8 file tokenised at start; indexed: a dataset written by `elastron "
+        "preprocess` (data.path = its PREFIX); blend: several of those (data.blend); synthetic: seeded "
+        "random tokens (benchmarks).",
+    )
+    path: str | None = Field(
+        None,
+        description="source=text: a UTF-8 file (default: the corpus shipped with elastron); "
+        "source=indexed: the PREFIX of PREFIX.bin/PREFIX.idx.",
+    )
+    tokenizer: str = Field(
+        "byte",
+        description="byte (no files), hf:PATH (a tokenizer.json or a folder with one) or "
+        "sentencepiece:PATH (a .model file); for indexed data, the one it was preprocessed with.",
+    )
+    blend: list[tuple[float, str]] | None = Field(
+        None,
+        description="[[weight, prefix], ...]: indexed datasets mixed in exactly these proportions "
+        "(weights are relative); implies source=blend.",
+    )
+    split: str | list[float] | None = Field(
+        None,
+        description='train/valid/test shares, by documents: "949,50,1" or [98, 1, 1] (missing shares '
+        "are 0); default: every document trains. Not for source=synthetic.",
+    )
+    cache_dir: str | None = Field(
+        None, description="Folder for the cached per-epoch sample indexes; default: next to the data."
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _shapes(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if isinstance(data.get("tokenizer"), str):
+            parse_tokenizer_spec(data["tokenizer"])
+        if data.get("blend") is not None:
+            data["blend"] = _check_blend(data["blend"])
+        if data.get("split") is not None:
+            data["split"] = _check_split(data["split"])
+        return data
+
+    @model_validator(mode="after")
+    def _sources(self) -> DataSpec:
+        if self.blend is not None and "source" not in self.model_fields_set:
+            self.source = "blend"
+        if self.source == "blend":
+            if self.blend is None:
+                raise ValueError("data.source blend needs data.blend: [[weight, prefix], ...]")
+            if self.path is not None:
+                raise ValueError(
+                    "data.path is not used with data.source blend: the prefixes go in data.blend"
+                )
+        elif self.blend is not None:
+            raise ValueError(
+                f"data.blend is set but data.source is {self.source}: set data.source to blend, or drop data.blend"
+            )
+        if self.source == "indexed" and not self.path:
+            raise ValueError(
+                "data.source indexed needs data.path: the PREFIX given to `elastron preprocess --output`"
+            )
+        if self.source == "synthetic" and self.split is not None:
+            raise ValueError(
+                "data.split does not apply to data.source synthetic (it has no documents): drop it"
+            )
+        return self
+
+
+def _check_blend(blend: Any) -> list[list[Any]]:
+    form = "write data.blend as [[weight, prefix], ...], e.g. [[0.7, data/web], [0.3, data/code]]"
+    if not isinstance(blend, list | tuple) or not blend:
+        raise ValueError(f"data.blend must be a non-empty list: {form}")
+    out = []
+    for i, entry in enumerate(blend):
+        if not isinstance(entry, list | tuple) or len(entry) != 2:
+            raise ValueError(f"data.blend[{i}] is {entry!r}, not a [weight, prefix] pair: {form}")
+        weight, prefix = entry
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, int | float)
+            or not math.isfinite(weight)
+            or weight <= 0
+        ):
+            raise ValueError(f"data.blend[{i}]: the weight must be a positive number, got {weight!r}")
+        if not isinstance(prefix, str) or not prefix.strip():
+            raise ValueError(
+                f"data.blend[{i}]: the prefix must be a non-empty string (the --output of `elastron "
+                f"preprocess`), got {prefix!r}"
+            )
+        out.append([float(weight), prefix])
+    return out
+
+
+def _check_split(split: Any) -> list[float]:
+    form = 'write data.split as "949,50,1" or [98, 1, 1] (train, valid, test)'
+    if isinstance(split, str):
+        try:
+            parts = [float(p) for p in split.replace("/", ",").split(",")]
+        except ValueError:
+            raise ValueError(f"data.split {split!r} is not a list of numbers: {form}") from None
+    elif isinstance(split, list | tuple) and all(
+        isinstance(p, int | float) and not isinstance(p, bool) for p in split
+    ):
+        parts = [float(p) for p in split]
+    else:
+        raise ValueError(f"data.split {split!r} is not a list of numbers: {form}")
+    if not 1 <= len(parts) <= 3:
+        raise ValueError(f"data.split has {len(parts)} shares: give 1 to 3 (train, valid, test); {form}")
+    if any(not math.isfinite(p) or p < 0 for p in parts):
+        raise ValueError(f"data.split shares must be non-negative numbers, got {split!r}")
+    if parts[0] <= 0:
+        raise ValueError(
+            f"data.split gives training no documents ({split!r}): the first share must be positive"
+        )
+    return parts + [0.0] * (3 - len(parts))

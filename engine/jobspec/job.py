@@ -1,0 +1,322 @@
+"""The whole job: its sections, the rules that span them, and parsing with messages that name
+the field and the fix.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from engine.jobspec import layout
+from engine.jobspec.checkpoint import CheckpointSpec
+from engine.jobspec.common import _divisors, _Section
+from engine.jobspec.data import DataSpec
+from engine.jobspec.model import ModelSpec
+from engine.jobspec.parallel import ParallelSpec
+from engine.jobspec.resilience import ResilienceSpec
+from engine.jobspec.resources import ResourcesSpec
+from engine.jobspec.training import OptimizerSpec, TrainingSpec
+
+
+class JobSpec(_Section):
+    name: str = Field("job", pattern=r"^[a-z0-9][a-z0-9_.-]{0,62}$", description="Lowercase, digits, . _ -")
+    model: ModelSpec = Field(default_factory=ModelSpec)
+    parallel: ParallelSpec = Field(default_factory=ParallelSpec)
+    data: DataSpec = Field(default_factory=DataSpec)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    optimizer: OptimizerSpec = Field(default_factory=OptimizerSpec)
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
+    resilience: ResilienceSpec = Field(default_factory=ResilienceSpec)
+    resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+
+    @property
+    def data_parallel_size(self) -> int:
+        return layout.data_parallel_size(self.resources.ranks, self.parallel)
+
+    @model_validator(mode="after")
+    def _check_moe(self) -> JobSpec:
+        m, p = self.model.moe, self.parallel
+        if m is None:
+            if p.expert > 1:
+                raise ValueError(
+                    "parallel.expert > 1 needs an MoE model: set model.moe.num_experts, or use 1"
+                )
+            return self
+        if m.num_experts % p.expert:
+            raise ValueError(
+                f"model.moe.num_experts ({m.num_experts}) must be divisible by parallel.expert ({p.expert})"
+            )
+        if p.tensor > 1 and not p.sequence_parallel:
+            raise ValueError(
+                "an MoE model with parallel.tensor > 1 needs parallel.sequence_parallel: true (each TP rank "
+                "then routes its own tokens)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_not_supported_yet(self) -> JobSpec:
+        """Valid settings this engine version cannot run yet, each with what to use instead: the
+        one place these rules live (the API refuses them at submission, not a rank at start)."""
+        m, p = self.model, self.parallel
+        if m.moe is not None and p.context > 1:
+            raise ValueError("MoE with parallel.context > 1 is not supported yet: use context 1")
+        if m.moe is not None and p.distributed_optimizer:
+            raise ValueError("MoE with parallel.distributed_optimizer is not supported yet: set it to false")
+        if p.context > 1 and m.attention_dropout > 0:
+            raise ValueError(
+                "model.attention_dropout: attention dropout is not available with parallel.context > 1; "
+                "set model.attention_dropout: 0"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_elastic(self) -> JobSpec:
+        """Every size an elastic job may run on keeps the model-parallel layout and the global batch:
+        min_ranks and max_ranks are multiples of tensor x pipeline x context, and the global batch
+        (and a rampup's start and increment) splits into micro batches at both ends."""
+        r, p, t = self.resources, self.parallel, self.training
+        if r.min_ranks is None and r.max_ranks is None:
+            return self
+        mp = layout.model_parallel_size(p)
+        for field, size in (("resources.min_ranks", r.min_ranks), ("resources.max_ranks", r.max_ranks)):
+            if size is None:
+                continue
+            if size % mp:
+                lower = size // mp * mp
+                hint = f"{lower} or {lower + mp}" if lower else str(mp)
+                raise ValueError(
+                    f"{field} ({size}) is not a multiple of parallel.tensor x pipeline x context ({mp}): a "
+                    f"resize changes only the data-parallel size; use {hint}"
+                )
+            per_step = t.micro_batch_size * (size // mp)
+            batches = {"training.global_batch_size": t.global_batch_size}
+            if t.rampup_batch_size is not None:
+                batches["training.rampup_batch_size start"] = t.rampup_batch_size[0]
+                batches["training.rampup_batch_size increment"] = t.rampup_batch_size[1]
+            for name, value in batches.items():
+                if value % per_step:
+                    raise ValueError(
+                        f"{name} ({value}) is not divisible by training.micro_batch_size "
+                        f"({t.micro_batch_size}) x the data-parallel size at {field} ({size // mp}) = "
+                        f"{per_step}: the global batch stays the same on every size the job may run on"
+                    )
+        return self
+
+    @model_validator(mode="after")
+    def _check_eval(self) -> JobSpec:
+        t, d = self.training, self.data
+        if t.eval_interval is not None and (d.split is None or d.split[1] <= 0):
+            raise ValueError(
+                "training.eval_interval needs validation data: set data.split with a valid share, "
+                'e.g. data.split: "949,50,1"'
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_layout(self) -> JobSpec:
+        m, p, t, ranks = self.model, self.parallel, self.training, self.resources.ranks
+        tp = p.tensor
+        model_parallel = layout.model_parallel_size(p)
+        if ranks % model_parallel:
+            raise ValueError(
+                f"parallel.tensor ({p.tensor}) x parallel.pipeline ({p.pipeline}) x parallel.context ({p.context}) "
+                f"= {model_parallel} does not divide resources.ranks ({ranks}): set resources.ranks to a multiple "
+                f"of {model_parallel} or shrink the parallel sizes"
+            )
+        dp = layout.data_parallel_size(ranks, p)
+        if ranks % (p.expert * p.pipeline):
+            # Experts are whole on their EP rank (expert TP 1), so EP may span TP ranks: only
+            # EP x PP has to divide the ranks (Megatron-Core's rule for the expert grid).
+            raise ValueError(
+                f"parallel.expert ({p.expert}) x parallel.pipeline ({p.pipeline}) = {p.expert * p.pipeline} "
+                f"does not divide resources.ranks ({ranks})"
+            )
+        if m.num_attention_heads % tp:
+            raise ValueError(
+                f"model.num_attention_heads ({m.num_attention_heads}) is not divisible by parallel.tensor ({tp}): "
+                f"choose parallel.tensor from {_divisors(m.num_attention_heads)}"
+            )
+        if m.num_query_groups % tp:
+            raise ValueError(
+                f"model.num_query_groups ({m.num_query_groups}) is not divisible by parallel.tensor ({tp}): "
+                f"choose parallel.tensor from {_divisors(m.num_query_groups)} or raise num_query_groups"
+            )
+        if m.ffn_hidden_size % tp:
+            raise ValueError(
+                f"model.ffn_hidden_size ({m.ffn_hidden_size}) is not divisible by parallel.tensor ({tp}): "
+                f"make it a multiple of {tp}"
+            )
+        if m.make_vocab_size_divisible_by % tp:
+            raise ValueError(
+                f"model.make_vocab_size_divisible_by ({m.make_vocab_size_divisible_by}) must be a multiple of "
+                f"parallel.tensor ({tp}) so the embedding table splits evenly"
+            )
+        sequence_parallel = layout.sequence_parallel_effective(p)
+        if sequence_parallel and m.seq_length % tp:
+            raise ValueError(
+                f"model.seq_length ({m.seq_length}) must be divisible by parallel.tensor ({tp}) with "
+                "parallel.sequence_parallel: true"
+            )
+        if p.context > 1:
+            # Context parallelism: 2 x context equal chunks, two per CP rank (causal load
+            # balancing); under SP each CP rank's seq_length / context tokens split again over TP.
+            multiple, why = 2 * p.context, ""
+            if sequence_parallel:
+                multiple = p.context * math.lcm(2, tp)
+                why = f", each rank's share split again over parallel.tensor ({tp}) by sequence parallelism"
+            if m.seq_length % multiple:
+                lower = m.seq_length // multiple * multiple
+                hint = f"{lower} or {lower + multiple}" if lower else str(multiple)
+                raise ValueError(
+                    f"model.seq_length ({m.seq_length}) must be a multiple of {multiple} with parallel.context "
+                    f"({p.context}): each sequence is cut into 2 x parallel.context equal chunks, two per "
+                    f"context-parallel rank{why}; use model.seq_length {hint}"
+                )
+        if p.virtual_pipeline is not None and p.pipeline == 1:
+            raise ValueError(
+                "parallel.virtual_pipeline needs parallel.pipeline > 1: remove it or raise pipeline"
+            )
+        stages = p.pipeline * (p.virtual_pipeline or 1)
+        if p.pipeline_layers is not None:
+            if len(p.pipeline_layers) != stages or sum(p.pipeline_layers) != m.num_layers:
+                raise ValueError(
+                    f"parallel.pipeline_layers {p.pipeline_layers} must list {stages} stages (pipeline x "
+                    f"virtual_pipeline) adding up to model.num_layers ({m.num_layers})"
+                )
+        elif m.num_layers % p.pipeline:
+            raise ValueError(
+                f"model.num_layers ({m.num_layers}) is not divisible by parallel.pipeline ({p.pipeline}): "
+                f"choose parallel.pipeline from {_divisors(m.num_layers)}"
+            )
+        elif m.num_layers % stages:
+            raise ValueError(
+                f"model.num_layers ({m.num_layers}) must be divisible by parallel.pipeline x "
+                f"parallel.virtual_pipeline ({stages})"
+            )
+        per_step = t.micro_batch_size * dp
+        if t.global_batch_size % per_step:
+            raise ValueError(
+                f"training.global_batch_size ({t.global_batch_size}) is not divisible by "
+                f"training.micro_batch_size ({t.micro_batch_size}) x data-parallel size ({dp}) = {per_step}: "
+                f"use a multiple of {per_step}"
+            )
+        if p.virtual_pipeline is not None and (t.global_batch_size // per_step) % p.pipeline:
+            raise ValueError(
+                f"the interleaved schedule needs the number of microbatches (training.global_batch_size / "
+                f"(micro_batch_size x data-parallel size) = {t.global_batch_size // per_step}) to be a multiple "
+                f"of parallel.pipeline ({p.pipeline})"
+            )
+        if t.rampup_batch_size is not None:
+            start, incr, _ = t.rampup_batch_size
+            if start % per_step or incr % per_step:
+                raise ValueError(
+                    f"training.rampup_batch_size start ({start}) and increment ({incr}) must be multiples of "
+                    f"micro_batch_size x data-parallel size ({per_step})"
+                )
+            if (t.global_batch_size - start) % incr or start > t.global_batch_size:
+                raise ValueError(
+                    f"training.rampup_batch_size: global_batch_size ({t.global_batch_size}) - start ({start}) "
+                    f"must be a non-negative multiple of the increment ({incr})"
+                )
+        decay_iters = self.optimizer.lr_decay_iters or t.train_iters
+        wsd = self.optimizer.lr_wsd_decay_iters
+        if self.optimizer.lr_decay_style == "WSD" and wsd is not None and wsd > decay_iters:
+            raise ValueError(
+                f"optimizer.lr_wsd_decay_iters ({wsd}) exceeds the decay length ({decay_iters}, "
+                "optimizer.lr_decay_iters or training.train_iters): the anneal is the end of the decay"
+            )
+        if self.optimizer.lr_warmup_iters > decay_iters:
+            raise ValueError(
+                f"optimizer.lr_warmup_iters ({self.optimizer.lr_warmup_iters}) exceeds the decay length "
+                f"(optimizer.lr_decay_iters or training.train_iters)"
+            )
+        return self
+
+
+class JobSpecError(ValueError):
+    """A job file that cannot run: the message lists each bad field and the fix, one per line."""
+
+
+def _known_keys(loc: tuple) -> list[str]:
+    """Field names of the section that holds the key at `loc` (for 'did you mean' messages)."""
+    model: type[BaseModel] = JobSpec
+    for part in loc[:-1]:
+        annotation = model.model_fields[str(part)].annotation
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return []
+        model = annotation
+    return list(model.model_fields)
+
+
+def format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(x) for x in e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            known, key = _known_keys(e["loc"]), str(e["loc"][-1])
+            # Megatron-style long names (tensor_model_parallel_size) and suffix typos
+            # (tensor_paralel) start with the key meant; otherwise the closest spelling.
+            head = key.split("_")[0]
+            close = [head] if head in known else difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            msg = f"unknown key: {hint}known keys here: {', '.join(known)}"
+        lines.append(f"{loc}: {msg}" if loc and not msg.startswith(loc) else msg)
+    return "\n".join(lines)
+
+
+def parse_job(data: dict[str, Any]) -> JobSpec:
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as err:
+        raise JobSpecError(format_validation_error(err)) from None
+
+
+def load_job(path: str | Path) -> JobSpec:
+    """Read a YAML or JSON job file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise JobSpecError(f"cannot read job file {path}: {err.strerror}") from None
+    return parse_job_text(text, str(path), "json" if path.suffix == ".json" else "yaml")
+
+
+def parse_job_text(text: str, where: str, fmt: str = "yaml") -> JobSpec:
+    """A job spec from JSON or YAML text; `where` (a file, an environment variable) names the
+    source in the error."""
+    if fmt == "json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise JobSpecError(f"{where} is not valid JSON: {err}") from None
+    else:
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as err:
+            raise JobSpecError(f"{where} is not valid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise JobSpecError(f"{where}: a job file is a mapping with sections name, model, parallel, ...")
+    return parse_job(data)
+
+
+def check_local_run(spec: JobSpec) -> None:
+    """Rules for a job run without the service (`elastron train`): the service fills in a
+    checkpoint root for a job that names none; a local run has no such default."""
+    if spec.checkpoint.interval is not None and spec.checkpoint.path is None:
+        raise JobSpecError(
+            "checkpoint.interval needs checkpoint.path: a local run (`elastron train`) has no service to "
+            "choose one (jobs submitted over REST get ELASTRON_CHECKPOINT_DIR); say where to write "
+            "checkpoints, e.g. checkpoint.path: runs/checkpoints"
+        )
+
+
+def json_schema() -> dict[str, Any]:
+    return JobSpec.model_json_schema()

@@ -1,0 +1,50 @@
+"""`resilience`: restarts, the step watchdog, and the rerun state machine that tells a flaky
+device from a real bug.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from engine.jobspec.common import NonNegativeInt, PositiveInt, _Section
+
+
+class ResilienceSpec(_Section):
+    """Restarts, and the rerun state machine that tells a flaky device from a real bug."""
+
+    max_restarts: NonNegativeInt = Field(0, description="Worker-group restarts allowed before the job fails.")
+    rerun_mode: Literal["disabled", "validate_results", "report_determinism_stats"] = Field(
+        "validate_results",
+        description="validate_results: re-run a step whose loss or grad norm is rejected and diagnose it; "
+        "report_determinism_stats: re-run every step once and report how far the two runs differ; "
+        "disabled: a NaN/Inf loss fails the job at once.",
+    )
+    rerun_tolerance: float = Field(
+        0.0, ge=0.0, description="Relative difference under which a re-run counts as reproducing the result."
+    )
+    spike_threshold: float | None = Field(
+        None,
+        gt=1.0,
+        description="Reject a loss at least this many times the largest of the first spike_window losses "
+        "(non-fatal: a reproducible spike is trained on). Default: no spike check.",
+    )
+    spike_window: PositiveInt = Field(100, description="Losses sampled before spike detection starts.")
+    error_injection_rate: NonNegativeInt = Field(
+        0, description="Drills: inject a rejected result with probability 1/N per validation (0: never)."
+    )
+    error_injection_type: Literal["correct_result", "transient_error", "persistent_error"] = Field(
+        "transient_error", description="What an injected rejection turns out to be when re-run."
+    )
+    skip_bad_batches: bool = Field(
+        False,
+        description="When a re-run on other hardware reproduces a rejected result (the data or the code "
+        "produces it), skip that global batch and go on instead of failing the job.",
+    )
+    step_timeout_s: float = Field(
+        300.0,
+        gt=0.0,
+        description="A rank whose step (plus the checkpoint save after it) makes no progress for this long "
+        "is failed with the step and phase it hangs in, and the job restarts from its last checkpoint.",
+    )

@@ -1,0 +1,65 @@
+"""The layout facts derived from a job spec (engine/jobspec/layout.py): each computed in one
+place, and the resolved job that carries them (engine/jobspec/resolved.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.jobspec import JobSpecError, check_local_run, layout, parse_job, resolve_job
+
+
+def spec(ranks=8, **parallel):
+    model = {"num_layers": 4, "num_attention_heads": 4, "hidden_size": 64, "seq_length": 64}
+    return parse_job(
+        {"model": model, "parallel": parallel, "resources": {"ranks": ranks}, "training": {"global_batch_size": 16}}
+    )
+
+
+@pytest.mark.parametrize(
+    "ranks, parallel, mp, dp",
+    [
+        (8, {}, 1, 8),
+        (8, {"tensor": 2}, 2, 4),
+        (8, {"tensor": 2, "pipeline": 2}, 4, 2),
+        (8, {"tensor": 2, "context": 2}, 4, 2),
+        (8, {"pipeline": 2, "context": 2, "tensor": 2}, 8, 1),
+    ],
+)
+def test_model_and_data_parallel_sizes(ranks, parallel, mp, dp):
+    s = spec(ranks, **parallel)
+    assert layout.model_parallel_size(s.parallel) == mp
+    assert layout.data_parallel_size(ranks, s.parallel) == dp == s.data_parallel_size
+    job = resolve_job(s)
+    assert (job.model_parallel_size, job.data_parallel_size) == (mp, dp)
+    assert job.num_microbatches == 16 // dp  # micro batch 1
+
+
+def test_sequence_parallel_is_effective_only_with_tensor_parallelism():
+    assert not layout.sequence_parallel_effective(spec(8, sequence_parallel=True).parallel)
+    assert layout.sequence_parallel_effective(spec(8, tensor=2, sequence_parallel=True).parallel)
+    assert not resolve_job(spec(8, tensor=2)).sequence_parallel
+
+
+def test_the_resolved_job_is_immutable_and_resizes_by_validating_again():
+    job = resolve_job(spec(8, tensor=2))
+    with pytest.raises(AttributeError):
+        job.data_parallel_size = 3  # type: ignore[misc]
+    assert job.with_ranks(4).data_parallel_size == 2
+    with pytest.raises(JobSpecError, match="resources.ranks"):
+        job.with_ranks(3)
+
+
+def test_checkpoint_location_is_composed_in_one_place():
+    assert layout.job_checkpoint_path("s3://b/ck/", "job-1") == "s3://b/ck/job-1"
+    assert layout.checkpoint_location("/ck/job-1", "tiny") == "/ck/job-1/tiny"
+    job = resolve_job({"name": "tiny", "checkpoint": {"path": "/ck", "interval": 5}})
+    assert job.checkpoint_location == "/ck/tiny"
+    assert resolve_job({}).checkpoint_location is None
+
+
+def test_a_local_run_needs_a_checkpoint_path_but_the_spec_alone_does_not():
+    """Over REST the service fills in its checkpoint root; `elastron train` has none to offer."""
+    s = parse_job({"checkpoint": {"interval": 5}})  # valid: the service will choose the path
+    with pytest.raises(JobSpecError, match="checkpoint.interval needs checkpoint.path.*elastron train"):
+        check_local_run(s)
+    check_local_run(parse_job({"checkpoint": {"interval": 5, "path": "runs/ck"}}))
