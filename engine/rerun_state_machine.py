@@ -56,6 +56,7 @@ import torch
 import torch.distributed as dist
 
 from engine import device
+from engine.jobspec import contract
 from engine.tensor_parallel.random import capture_rng_state, restore_rng_state
 
 log = logging.getLogger(__name__)
@@ -122,7 +123,7 @@ def compare_floats(a: float, b: float) -> float:
 
 def node_identity() -> tuple[str, str]:
     """(node, device) this rank runs on: what a rerun 'on other hardware' must differ in."""
-    return os.environ.get("ELASTRON_NODE_ID") or socket.gethostname(), str(device.current_device())
+    return os.environ.get(contract.ENV_NODE_ID) or socket.gethostname(), str(device.current_device())
 
 
 class ErrorInjector:

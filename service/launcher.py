@@ -28,6 +28,8 @@ from collections.abc import AsyncIterator, Iterable
 from enum import StrEnum
 from typing import Any
 
+from engine.jobspec import contract
+
 log = logging.getLogger(__name__)
 
 
@@ -100,10 +102,10 @@ _LIST_THRESHOLD = 20
 def worker_env(job_id: str, spec_json: str, api_url: str, api_token: str) -> dict[str, str]:
     """The environment a job's workers get: their spec, and how to report back to the API."""
     env = {
-        "ELASTRON_JOB_ID": job_id,
-        "ELASTRON_JOB_SPEC": spec_json,
-        "ELASTRON_API_URL": api_url,
-        "ELASTRON_API_TOKEN": api_token,
+        contract.ENV_JOB_ID: job_id,
+        contract.ENV_JOB_SPEC: spec_json,
+        contract.ENV_API_URL: api_url,
+        contract.ENV_API_TOKEN: api_token,
     }
     # Ray 2.60 turns token auth on by default; a driver inside the job that connects to the
     # cluster (ray.init) needs the mode too. Pass on what this process uses.

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.jobspec import JobSpec, JobSpecError, parse_job, parse_job_text
+from engine.jobspec import JobSpec, JobSpecError, contract, parse_job, parse_job_text
 from engine.jobspec.layout import job_checkpoint_path, join_location, model_parallel_size
 from workers.policy import (
     EXIT_BAD_INPUT,
@@ -51,7 +51,7 @@ from workers.policy import (
 from workers.telemetry import TelemetrySender, telemetry_settings
 
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-SPEC_ENV = "ELASTRON_JOB_SPEC"
+SPEC_ENV = contract.ENV_JOB_SPEC
 
 # Set in this process unless already set; Ray Train passes them on to its controller.
 RAY_ENV_DEFAULTS = {

@@ -34,6 +34,8 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from engine.jobspec import contract
+
 
 class _RankState:
     """What this worker process is doing, for Ray's worker-shutdown callback (another thread)."""
@@ -127,7 +129,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     hardware = _bind_device(config["device"], ctx.get_local_world_size())
-    os.environ["ELASTRON_NODE_ID"] = hardware
+    os.environ[contract.ENV_NODE_ID] = hardware
 
     me = {
         "rank": rank,
@@ -195,11 +197,11 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
         sender.record(
             {
                 **record,
-                "attempt": attempt,
-                "group": group,
-                "world_size": world,
-                "data_parallel_size": dp,
-                "ts": time.time(),
+                contract.RECORD_ATTEMPT: attempt,
+                contract.RECORD_GROUP: group,
+                contract.RECORD_WORLD_SIZE: world,
+                contract.RECORD_DATA_PARALLEL_SIZE: dp,
+                contract.RECORD_TS: time.time(),
             }
         )
         # The record of a step that checkpointed is the one a resume never redoes: deliver it

@@ -65,6 +65,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from engine.jobspec import contract
+from engine.jobspec.contract import telemetry_url  # re-exported: the one URL of the wire
+
 WIRE_VERSION = 1
 RETRYABLE_STATUS = {408, 425, 429}
 # Split and re-send: too large (413), or one item the API refuses (422): halving isolates it,
@@ -74,19 +77,15 @@ MAX_BACKOFF_S = 30.0
 
 
 def default_spool_dir() -> Path:
-    return Path(os.environ.get("ELASTRON_SPOOL_DIR") or Path(tempfile.gettempdir()) / "elastron-telemetry")
+    return Path(os.environ.get(contract.ENV_SPOOL_DIR) or Path(tempfile.gettempdir()) / "elastron-telemetry")
 
 
-TELEMETRY_ENV = ("ELASTRON_API_URL", "ELASTRON_API_TOKEN", "ELASTRON_SPOOL_DIR")
+TELEMETRY_ENV = (contract.ENV_API_URL, contract.ENV_API_TOKEN, contract.ENV_SPOOL_DIR)
 
 
 def telemetry_settings() -> dict[str, str]:
     """This process's telemetry environment (what the driver hands its ranks)."""
     return {k: os.environ[k] for k in TELEMETRY_ENV if os.environ.get(k)}
-
-
-def telemetry_url(api_url: str, job_id: str) -> str:
-    return f"{api_url.rstrip('/')}/v1/internal/jobs/{job_id}/telemetry"
 
 
 class EventTail:
@@ -171,13 +170,13 @@ class TelemetrySender:
         """ELASTRON_API_URL (no URL: disabled), ELASTRON_API_TOKEN, ELASTRON_SPOOL_DIR from the
         environment, else from `fallback` (the same keys)."""
         env = {k: os.environ.get(k) or (fallback or {}).get(k) for k in TELEMETRY_ENV}
-        api = env["ELASTRON_API_URL"]
-        kwargs.setdefault("spool_dir", env["ELASTRON_SPOOL_DIR"])
+        api = env[contract.ENV_API_URL]
+        kwargs.setdefault("spool_dir", env[contract.ENV_SPOOL_DIR])
         return cls(
             telemetry_url(api, job_id) if api else None,
             job_id,
             source,
-            token=env["ELASTRON_API_TOKEN"] or None,
+            token=env[contract.ENV_API_TOKEN] or None,
             **kwargs,
         )
 

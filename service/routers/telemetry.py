@@ -14,6 +14,7 @@ import hmac
 from fastapi import APIRouter, HTTPException, status
 from sqlalchemy.orm import Session
 
+from engine.jobspec import contract
 from service.auth import INVALID, MISSING, unauthorized
 from service.deps import Credentials, Ctx, JobId, not_found
 from service.schemas import Problem, TelemetryAck, TelemetryIn
@@ -23,11 +24,11 @@ from service.store.jobs import get_job
 from service.store.telemetry import ingest
 from service.store.tokens import JOB_PREFIX, hash_secret
 
-router = APIRouter(prefix="/v1/internal", tags=["internal"])
+router = APIRouter(tags=["internal"])
 
 
 @router.post(
-    "/jobs/{job_id}/telemetry",
+    contract.TELEMETRY_PATH,  # the workers post to the same name (engine/jobspec/contract.py)
     response_model=TelemetryAck,
     responses={
         401: {"model": Problem},

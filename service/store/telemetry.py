@@ -24,13 +24,14 @@ from typing import Any
 from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
+from engine.jobspec import contract
 from service.states import FINAL, JobState
 from service.store import stats as job_stats
 from service.store.jobs import add_event, transition
 from service.store.models import Checkpoint, Job, JobEvent, JobMetric
 
 # METRICS.md: the workers' driver reports a worker-group restart as `restart` with `cause`.
-RESTART_KIND = "restart"
+RESTART_KIND = contract.EVENT_RESTART
 
 
 @dataclass
@@ -121,7 +122,7 @@ def _apply_events(session: Session, job: Job, events: list[dict], stats: dict, r
             dedup_key=key,
         )
         if kind == RESTART_KIND:
-            cause = str(event.get("cause") or "unknown")[:64]
+            cause = str(event.get(contract.EVENT_CAUSE) or "unknown")[:64]
             job.restarts += 1
             job_stats.count(stats, "restarts", cause)
             if job.state not in FINAL:
@@ -170,7 +171,7 @@ def _epoch(record: dict, job: Job) -> int:
     """Which run of the job a record comes from: the workers' `group` (it grows with every restart
     and every elastic resize of the worker group), else their `attempt` (restarts only), else the
     number of restarts reported so far."""
-    for field in ("group", "attempt"):
+    for field in (contract.RECORD_GROUP, contract.RECORD_ATTEMPT):
         value = record.get(field)
         if isinstance(value, int) and not isinstance(value, bool):
             return value

@@ -1,0 +1,38 @@
+"""The wire between the service and the workers, named once: both sides import these names.
+
+The service launches a Ray job with an environment (service/launcher.py) that the workers read
+(workers/driver.py, workers/telemetry.py); the workers post telemetry that the service stores
+(service/store/telemetry.py). Spelled as string literals on both sides, a rename on one side
+would break the other silently; here, it breaks an import. The telemetry wire format itself is
+described in workers/telemetry.py and service/METRICS.md.
+"""
+
+from __future__ import annotations
+
+# -- the environment of a job's Ray job (set by the service, read by the workers) ----------------
+ENV_JOB_ID = "ELASTRON_JOB_ID"
+ENV_JOB_SPEC = "ELASTRON_JOB_SPEC"  # the spec as run, JSON
+ENV_API_URL = "ELASTRON_API_URL"  # where the workers post telemetry
+ENV_API_TOKEN = "ELASTRON_API_TOKEN"  # the job token: good for this job's telemetry only
+ENV_SPOOL_DIR = "ELASTRON_SPOOL_DIR"  # where telemetry waits while the API is unreachable
+# Set by the workers for the engine: the hardware identity the rerun state machine compares.
+ENV_NODE_ID = "ELASTRON_NODE_ID"
+
+# -- telemetry ------------------------------------------------------------------------------------
+TELEMETRY_PATH = "/v1/internal/jobs/{job_id}/telemetry"
+
+# Keys the workers add to the engine's metrics record: which run of the job it comes from (the
+# store keeps, per iteration, the record of the newest `group`, else `attempt`) and the layout.
+RECORD_ATTEMPT = "attempt"
+RECORD_GROUP = "group"
+RECORD_WORLD_SIZE = "world_size"
+RECORD_DATA_PARALLEL_SIZE = "data_parallel_size"
+RECORD_TS = "ts"
+
+# The driver's event for a worker-group restart, with its short cause.
+EVENT_RESTART = "restart"
+EVENT_CAUSE = "cause"
+
+
+def telemetry_url(api_url: str, job_id: str) -> str:
+    return api_url.rstrip("/") + TELEMETRY_PATH.format(job_id=job_id)
