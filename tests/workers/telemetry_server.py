@@ -26,6 +26,7 @@ class TelemetryServer:
         self.status = 200  # what to answer (e.g. 503 to simulate an unhealthy control plane)
         self.gate: threading.Event | None = None  # when set: hold every request until it is set
         self.max_body: int | None = None  # answer 413 to larger bodies
+        self.refuse_key: str | None = None  # answer 422 to a batch with a record holding this key
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
 
@@ -56,6 +57,8 @@ class TelemetryServer:
                 if outer.max_body is not None and length > outer.max_body:
                     return self._answer(413)
                 batch = json.loads(body)
+                if outer.refuse_key and any(outer.refuse_key in r for r in batch.get("records", [])):
+                    return self._answer(422)
                 job = self.path[len(PATH_PREFIX) : -len(PATH_SUFFIX)]
                 if batch.get("job_id") != job:
                     return self._answer(400)

@@ -126,6 +126,22 @@ def test_batches_stay_small_and_a_413_splits_them(tmp_path):
         server.stop()
 
 
+def test_a_422_drops_only_the_refused_record(tmp_path):
+    """The API refuses a batch holding one out-of-bounds value (422): the sender halves the batch
+    until the refused record stands alone, so the records sent with it still arrive."""
+    server = TelemetryServer().start()
+    try:
+        s = sender(server, tmp_path)  # not started: one flush sends all 20 in one batch
+        for i in range(1, 21):
+            s.record({"iteration": i, **({"poison": True} if i == 7 else {})})
+        server.refuse_key = "poison"
+        assert s.flush(30)
+        assert iterations(server) == [i for i in range(1, 21) if i != 7]
+        s.close(5)
+    finally:
+        server.stop()
+
+
 def test_record_never_waits_on_the_network(tmp_path):
     server = TelemetryServer()
     server.gate = threading.Event()  # the control plane accepts connections but never answers
