@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from engine.jobspec import JobSpecError, json_schema, load_job, parse_job
+from engine.jobspec import JobSpecError, check_local_run, json_schema, load_job, parse_job
 from service.cli_jobs import app as service_commands
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="elastron: train large transformers.")
@@ -57,9 +57,7 @@ def train(
             data = spec.model_dump(mode="json")
             data["resources"]["ranks"] = ranks
             spec = parse_job(data)
-        from engine.training import check_supported
-
-        check_supported(spec)
+        check_local_run(spec)
     except JobSpecError as err:
         _fail(f"{job}:\n{err}")
     from engine.device import resolve_device_type
