@@ -6,6 +6,7 @@ internal telemetry operation the credential it accepts (an admin token; a job to
 the same). Two runs:
 - per operation, every operation including the internal one, 40 generated examples each plus
   the coverage phase, against one real job so per-job operations get past the 404;
+- the telemetry operation alone, 300 valid batches, each followed by reads of the job;
 - stateful (test_schemathesis_stateful.py, its own API): the schema's links chain a created job
   into the other operations.
 After every accepted telemetry batch, a check reads the job back (events, metrics, checkpoints,
@@ -22,6 +23,7 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, settings
 from schemathesis.checks import not_a_server_error
+from schemathesis.generation import GenerationMode
 
 from engine.launcher import free_port
 from service.app import create_app
@@ -44,6 +46,9 @@ class FinishingLauncher(FakeLauncher):
 OPENAPI = create_app(Settings(database_url="sqlite://"), launcher=FakeLauncher()).openapi()
 schema = schemathesis.openapi.from_dict(OPENAPI)
 TELEMETRY_PATH = "/v1/internal/jobs/{job_id}/telemetry"
+# The one write a client's data flows through into every later read: many valid batches.
+telemetry_schema = schemathesis.openapi.from_dict(OPENAPI).include(path=TELEMETRY_PATH)
+telemetry_schema.config.generation.update(modes=[GenerationMode.POSITIVE])
 READS = ("", "/events", "/metrics", "/checkpoints")
 
 
@@ -108,6 +113,19 @@ def test_no_server_errors(case, live_api):
     server, tokens, job_id = live_api
     if case.path_parameters and "job_id" in case.path_parameters:
         case.path_parameters["job_id"] = job_id  # unknown ids are all the same 404 (test_api_jobs)
+    case.call_and_validate(
+        base_url=server.url,
+        headers=auth_for(case.path, tokens),
+        checks=[not_a_server_error, make_reads_still_work(server.url, tokens)],
+        timeout=60,
+    )
+
+
+@telemetry_schema.parametrize()
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
+def test_no_accepted_telemetry_breaks_a_read(case, live_api):
+    server, tokens, job_id = live_api
+    case.path_parameters["job_id"] = job_id
     case.call_and_validate(
         base_url=server.url,
         headers=auth_for(case.path, tokens),
