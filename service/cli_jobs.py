@@ -1,5 +1,5 @@
 """The `elastron` commands that talk to the control plane: up, down, token create, submit, jobs,
-status, logs, cancel, demo. Registered on the main CLI in service/cli.py.
+status, logs, cancel, demo. Composed with the engine's and workers' commands by elastron/cli.py.
 
 Job commands are thin HTTP clients (service/client.py): they read the API address and token
 from ELASTRON_API_URL / ELASTRON_API_TOKEN or from the files `elastron up` writes. Any failure

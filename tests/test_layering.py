@@ -36,9 +36,50 @@ def test_workers_do_not_import_service():
     assert "service" not in _imported_packages("workers")
 
 
+def _imported_modules(package: str) -> dict[str, set[str]]:
+    """Every module any import statement in `package` names (lazy imports inside functions
+    included), with the files that import it."""
+    found: dict[str, set[str]] = {}
+    for path in (ROOT / package).rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            else:
+                continue
+            for name in names:
+                found.setdefault(name, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_service_imports_only_the_job_spec_of_the_engine_and_nothing_of_the_workers():
+    """The control plane launches the layers below it; it does not reach into them. The job spec
+    package (pydantic, torch-free) is the contract it shares with them."""
+    imported = _imported_modules("service")
+    engine = {m: f for m, f in imported.items() if m.split(".")[0] == "engine"}
+    beyond_spec = {
+        m: f for m, f in engine.items() if not (m == "engine.jobspec" or m.startswith("engine.jobspec."))
+    }
+    assert not beyond_spec, beyond_spec
+    assert not {m: f for m, f in imported.items() if m.split(".")[0] in ("workers", "elastron")}
+
+
+def test_the_job_spec_imports_nothing_else_of_the_engine():
+    """What the service imports of the engine must not pull in the rest of it (torch)."""
+    imported = _imported_modules("engine/jobspec")
+    other = {m: f for m, f in imported.items() if m.startswith("engine.") and not m.startswith("engine.jobspec")}
+    assert not other, other
+
+
+def test_only_the_dispatcher_composes_the_layers():
+    assert "elastron" not in _imported_packages("engine")
+    assert not {"service", "elastron"} & set(_imported_packages("workers"))
+
+
 def test_service_and_cli_start_without_torch_or_ray_train():
     code = (
-        "import sys, service, service.cli, engine.jobspec; "
+        "import sys, service, service.cli, engine.jobspec, engine.cli, workers.cli, elastron.cli; "
         "bad = [m for m in ('torch', 'ray.train') if m in sys.modules]; "
         "print(bad); sys.exit(1 if bad else 0)"
     )

@@ -15,7 +15,7 @@ import pytest
 from tests.tiny_jobs import TINY_LLAMA
 from tests.waiting import wait_for
 
-ELASTRON = [sys.executable, "-m", "service.cli"]
+ELASTRON = [sys.executable, "-m", "elastron.cli"]
 ROOT = Path(__file__).resolve().parents[2]
 JOB = {
     "name": "e2e",

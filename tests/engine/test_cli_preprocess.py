@@ -15,7 +15,7 @@ from engine.data.preprocess import DocumentReader
 from engine.data.tokenizer import build_tokenizer
 from tests.engine.data_helpers import CORPUS, train_hf_bpe, train_sentencepiece
 
-ELASTRON = [sys.executable, "-m", "service.cli", "preprocess"]
+ELASTRON = [sys.executable, "-m", "elastron.cli", "preprocess"]
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -12,7 +12,7 @@ import yaml
 from engine.jobspec import json_schema
 from tests.tiny_jobs import TINY_LLAMA
 
-ELASTRON = [sys.executable, "-m", "service.cli"]
+ELASTRON = [sys.executable, "-m", "elastron.cli"]
 ROOT = Path(__file__).resolve().parents[2]
 
 TINY_JOB = {

@@ -28,7 +28,7 @@ from engine.training import Trainer, train_rank
 from tests.tiny_jobs import TINY_LLAMA
 
 ROOT = Path(__file__).resolve().parents[2]
-ELASTRON = [sys.executable, "-m", "service.cli"]
+ELASTRON = [sys.executable, "-m", "elastron.cli"]
 
 JOB = {
     "name": "rerun",

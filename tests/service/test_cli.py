@@ -6,7 +6,7 @@ from __future__ import annotations
 import httpx
 from typer.testing import CliRunner
 
-from service.cli import app
+from elastron.cli import app
 
 runner = CliRunner()
 

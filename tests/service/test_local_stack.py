@@ -26,7 +26,7 @@ from tests.environ import environment
 from tests.service.launchers import HERE
 from tests.waiting import wait_for
 
-ELASTRON = [sys.executable, "-m", "service.cli"]
+ELASTRON = [sys.executable, "-m", "elastron.cli"]
 
 
 @dataclass

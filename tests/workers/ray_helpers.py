@@ -16,7 +16,7 @@ from tests.workers.telemetry_server import TelemetryServer
 from workers.driver import JobResult, WorkerRunOptions, run_job
 
 ROOT = Path(__file__).resolve().parents[2]
-ELASTRON = [sys.executable, "-m", "service.cli"]
+ELASTRON = [sys.executable, "-m", "elastron.cli"]
 
 
 def run(job_id: str, spec: dict, storage: Path) -> JobResult:

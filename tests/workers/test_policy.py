@@ -221,7 +221,7 @@ def test_worker_run_refuses_a_bad_spec_with_exit_2():
         "ELASTRON_JOB_SPEC": '{"parallel": {"tensor": 2}, "resources": {"ranks": 2, "max_ranks": 3}}',
     }
     proc = subprocess.run(
-        [sys.executable, "-m", "service.cli", "worker-run", "job-1"],
+        [sys.executable, "-m", "elastron.cli", "worker-run", "job-1"],
         capture_output=True,
         text=True,
         env=env,

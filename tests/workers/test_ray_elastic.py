@@ -76,7 +76,7 @@ def test_elastic_job_shrinks_when_a_node_goes_and_grows_back_then_cancels(ray_cl
         client = JobSubmissionClient(f"http://{c.webui_url}")
     env = {k: os.environ[k] for k in os.environ if k.startswith(("ELASTRON_", "RAY_TRAIN_"))}
     client.submit_job(
-        entrypoint=f"{sys.executable} -m service.cli worker-run {job_id} --storage {tmp_path / 'runs'}",
+        entrypoint=f"{sys.executable} -m elastron.cli worker-run {job_id} --storage {tmp_path / 'runs'}",
         submission_id=job_id,
         runtime_env={
             "env_vars": {**env, "ELASTRON_JOB_SPEC": json.dumps(spec), "ELASTRON_RESIZE_INTERVAL_S": "2"}

@@ -1,0 +1,1 @@
+"""The `elastron` command: a thin dispatcher over the commands each layer owns."""

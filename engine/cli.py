@@ -1,0 +1,161 @@
+"""The engine's own commands: `train` (the torchrun of this project: a job on N local processes,
+no Ray, no service: the quickest way to debug a job), `schema` (the job specification's JSON
+Schema) and `preprocess` (text files -> the indexed dataset `data.source: indexed` reads).
+
+torch is imported only inside the commands that need it, so `elastron --help` and the service's
+commands start without it. The `elastron` entry point (elastron/cli.py) composes this app with
+the workers' and the service's.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from engine.jobspec import JobSpecError, check_local_run, json_schema, load_job, parse_job
+
+app = typer.Typer()
+
+
+def _fail(message: str, code: int = 2) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+@app.command()
+def train(
+    job: Annotated[Path, typer.Argument(help="Job file (YAML or JSON).")],
+    ranks: Annotated[
+        int | None, typer.Option(help="Number of local ranks; overrides resources.ranks.")
+    ] = None,
+    metrics_out: Annotated[
+        Path | None, typer.Option("--metrics-out", help="Write one JSON line per iteration here.")
+    ] = None,
+    quiet: Annotated[bool, typer.Option(help="No progress lines.")] = False,
+    events_out: Annotated[
+        Path | None,
+        typer.Option(
+            "--events-out",
+            help="Append the job's events (rerun diagnoses) here; default: events.jsonl beside --metrics-out.",
+        ),
+    ] = None,
+) -> None:
+    """Run JOB locally on N processes (gloo on CPU, NCCL on CUDA), without Ray or the service.
+
+    Exit codes: 0 done, 1 a rank failed, 2 bad input, 16 the rerun state machine needs the job
+    resumed on other hardware to diagnose a result, 17 a result failed validation (diagnosis in
+    the message and the event record)."""
+    try:
+        spec = load_job(job)
+        if ranks is not None:
+            data = spec.model_dump(mode="json")
+            data["resources"]["ranks"] = ranks
+            spec = parse_job(data)
+        check_local_run(spec)
+    except JobSpecError as err:
+        _fail(f"{job}:\n{err}")
+    from engine.device import resolve_device_type
+    from engine.launcher import RankFailure, spawn
+    from engine.training import train_rank
+
+    try:
+        device_type = resolve_device_type(spec.resources.device)
+    except RuntimeError as err:
+        _fail(str(err))
+    n = spec.resources.ranks
+    if events_out is None and metrics_out is not None:
+        events_out = metrics_out.parent / "events.jsonl"
+    try:
+        records = spawn(
+            train_rank,
+            n,
+            (
+                spec.model_dump(mode="json"),
+                str(metrics_out) if metrics_out else None,
+                quiet,
+                str(events_out) if events_out else None,
+            ),
+            device_type=device_type,
+            timeout_s=float("inf"),
+        )[0]
+    except RankFailure as err:
+        agreed = err.agreed_exit()
+        if agreed is not None:  # the rerun state machine's verdict, the same on every rank
+            _fail(f"rerun state machine: {agreed[1]}", code=agreed[0])
+        _fail(str(err), code=1)
+    except KeyboardInterrupt:
+        _fail("interrupted", code=130)
+    if records and not quiet:
+        first, last = records[0], records[-1]
+        typer.echo(
+            f"[elastron] done: {len(records)} iterations, loss {first['loss']:.4f} -> {last['loss']:.4f}"
+            + (f", metrics in {metrics_out}" if metrics_out else "")
+        )
+
+
+@app.command()
+def schema() -> None:
+    """Print the job specification's JSON Schema."""
+    json.dump(json_schema(), sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+@app.command()
+def preprocess(
+    inputs: Annotated[
+        list[str],
+        typer.Option(
+            "--input",
+            help="A file or glob pattern; repeat for more. *.jsonl/*.json/*.ndjson: one JSON object per "
+            "line (the --json-key field); anything else: UTF-8 text, one document per paragraph.",
+        ),
+    ],
+    output: Annotated[Path, typer.Option(help="PREFIX: writes PREFIX.bin and PREFIX.idx.")],
+    tokenizer: Annotated[
+        str, typer.Option(help="byte | hf:PATH | sentencepiece:PATH (the job's data.tokenizer).")
+    ] = "byte",
+    workers: Annotated[int, typer.Option(help="Tokenising processes.")] = 1,
+    json_key: Annotated[str, typer.Option("--json-key", help="The text field of JSON lines.")] = "text",
+    text_mode: Annotated[
+        str, typer.Option("--text-mode", help="Plain text: paragraph (a document per paragraph) or file.")
+    ] = "paragraph",
+    batch_bytes: Annotated[
+        int, typer.Option("--batch-bytes", help="Text per batch handed to a worker (bounds memory).")
+    ] = 1 << 20,
+    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+) -> None:
+    """Tokenise text files into an indexed dataset for `data.source: indexed` (or `data.blend`)."""
+    import glob
+
+    from engine.data.preprocess import preprocess as run_preprocess
+
+    files: list[str] = []
+    for pattern in inputs:
+        matches = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
+        if not matches:
+            _fail(f"--input: no file matches {pattern}")
+        files.extend(matches)
+    try:
+        stats = run_preprocess(
+            files,
+            tokenizer,
+            output,
+            workers=workers,
+            json_key=json_key,
+            text_mode=text_mode,
+            batch_bytes=batch_bytes,
+            progress=None if quiet else sys.stderr,
+        )
+    except (OSError, ValueError, ImportError) as err:  # bad input, unwritable output
+        _fail(str(err).replace("data.tokenizer", "--tokenizer (data.tokenizer)", 1))
+    except KeyboardInterrupt:
+        _fail("interrupted", code=130)
+    typer.echo(
+        f"[elastron] preprocess: {stats.documents:,} documents, {stats.tokens:,} tokens, "
+        f"{stats.bytes / 1e6:.1f} MB in {stats.seconds:.2f} s ({stats.tokens_per_s:,.0f} tokens/s, "
+        f"{stats.mb_per_s:.1f} MB/s) -> {output}.bin, {output}.idx"
+    )
