@@ -211,3 +211,14 @@ def test_api_app_factory_exists() -> None:
     app = module_file("service.app")
     assert app.exists(), "service/app.py (the API's module) is missing"
     assert defines(app, "create_app"), "service/app.py defines no create_app"
+
+
+@pytest.mark.parametrize("name", ["cpu", "gpu-build"])
+def test_the_image_copies_every_package_the_project_installs(name: str) -> None:
+    """A package pyproject installs but the image leaves out breaks the console script there."""
+    includes = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    packages = {pattern.rstrip("*") for pattern in includes["include"]}
+    copied = {
+        args.split()[0] for op, args in stage(name).instructions if op == "COPY" and not args.startswith("--from")
+    }
+    assert packages <= copied, packages - copied
