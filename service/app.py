@@ -46,7 +46,7 @@ def create_app(
     engine = make_engine(settings.resolved_database_url)
     sessions = make_sessionmaker(engine)
     if launcher is None:
-        # REFERENCE.md: Ray 2.60 clusters use token auth by default and Ray Job clients need
+        # Ray 2.60 clusters use token auth by default and Ray Job clients need
         # RAY_AUTH_MODE=token to send the token (RAY_AUTH_TOKEN, RAY_AUTH_TOKEN_PATH or
         # ~/.ray/auth_token). Ray reads the mode once per process, so the API process sets it
         # before its first Ray call; an explicit RAY_AUTH_MODE (e.g. disabled) is respected.

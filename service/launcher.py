@@ -11,7 +11,7 @@ Contract:
 - every call returns or raises within the launcher's timeout; `LauncherUnavailable` means
   "cannot tell now, try later" (Ray down, slow, or busy) and never changes a job's state;
 - `stop` is graceful: Ray sends the job's driver RAY_JOB_STOP_SIGNAL, which `elastron up` sets
-  to SIGINT, the signal Ray Train handles (REFERENCE.md, "Ray Train V2").
+  to SIGINT, the signal Ray Train handles (Ray Train V2 aborts a run gracefully on SIGINT only).
 
 Ray is imported inside the methods: the API starts, and answers /healthz, without Ray.
 """

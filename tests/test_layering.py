@@ -1,4 +1,4 @@
-"""DESIGN.md's dependency rule: engine is a library (imports neither workers nor service);
+"""The dependency rule (docs/architecture.md, "Layers"): engine is a library (imports neither workers nor service);
 workers never import service; service (and the CLI) start without importing torch or Ray Train."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Shared engine-test fixtures: a real S3-compatible server (moto's standalone server, in its own process).
 
-The server is a separate process on loopback, as DESIGN.md asks of tests that need a server: the
+The server is a separate process on loopback, as docs/architecture.md ("Conventions") asks of tests that need a server: the
 code under test talks HTTP through botocore exactly as it would to AWS, with retries, multipart and
 ranged GETs on the wire, rather than through an in-process mock of boto3.
 """
