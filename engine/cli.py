@@ -16,7 +16,7 @@ from typing import Annotated
 
 import typer
 
-from engine.jobspec import JobSpecError, check_local_run, json_schema, load_job, parse_job
+from engine.jobspec import JobSpecError, check_local_run, json_schema, load_job, parse_job, resolve_job
 
 app = typer.Typer()
 
@@ -74,7 +74,7 @@ def train(
             train_rank,
             n,
             (
-                spec.model_dump(mode="json"),
+                resolve_job(spec),  # resolved once here, handed to every rank as it is
                 str(metrics_out) if metrics_out else None,
                 quiet,
                 str(events_out) if events_out else None,

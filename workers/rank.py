@@ -75,8 +75,8 @@ def on_worker_shutdown() -> None:
     state.shutting_down.set()
     deadline = time.monotonic() + SHUTDOWN_GRACE_S
     while time.monotonic() < deadline and state.running.is_set():
-        pending = getattr(getattr(state.trainer, "checkpointer", None), "_pending", None)
-        saving = pending is not None and pending.is_alive()
+        checkpointer = getattr(state.trainer, "checkpointer", None)
+        saving = checkpointer is not None and checkpointer.saving
         if (state.rank != 0 or state.frozen.is_set()) and not saving:
             break
         time.sleep(0.02)

@@ -189,6 +189,11 @@ class Checkpointer:
             )
         return tensors, meta
 
+    @property
+    def saving(self) -> bool:
+        """A background save is still writing (a launcher shutting a rank down gives it time)."""
+        return self._pending is not None and self._pending.is_alive()
+
     def wait(self) -> None:
         """Block until the save in flight (if any) is committed; re-raise its failure."""
         if self._pending is not None:
