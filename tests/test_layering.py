@@ -11,31 +11,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _imported_packages(package: str) -> dict[str, set[str]]:
-    found: dict[str, set[str]] = {}
-    for path in (ROOT / package).rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            if isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                names = [node.module]
-            else:
-                continue
-            for name in names:
-                found.setdefault(name.split(".")[0], set()).add(str(path.relative_to(ROOT)))
-    return found
-
-
-def test_engine_imports_neither_workers_nor_service():
-    imported = _imported_packages("engine")
-    assert "service" not in imported, imported.get("service")
-    assert "workers" not in imported, imported.get("workers")
-
-
-def test_workers_do_not_import_service():
-    assert "service" not in _imported_packages("workers")
-
-
 def _imported_modules(package: str) -> dict[str, set[str]]:
     """Every module any import statement in `package` names (lazy imports inside functions
     included), with the files that import it."""
@@ -51,6 +26,24 @@ def _imported_modules(package: str) -> dict[str, set[str]]:
             for name in names:
                 found.setdefault(name, set()).add(str(path.relative_to(ROOT)))
     return found
+
+
+def _imported_packages(package: str) -> dict[str, set[str]]:
+    """The top-level packages `package` imports, with the files that import them."""
+    found: dict[str, set[str]] = {}
+    for module, files in _imported_modules(package).items():
+        found.setdefault(module.split(".")[0], set()).update(files)
+    return found
+
+
+def test_engine_imports_neither_workers_nor_service():
+    imported = _imported_packages("engine")
+    assert "service" not in imported, imported.get("service")
+    assert "workers" not in imported, imported.get("workers")
+
+
+def test_workers_do_not_import_service():
+    assert "service" not in _imported_packages("workers")
 
 
 def test_service_imports_only_the_job_spec_of_the_engine_and_nothing_of_the_workers():
