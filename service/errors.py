@@ -3,7 +3,7 @@ wrong is a 500 with a logged stack trace (and, where a job is concerned, a job e
 the code that failed).
 
 Job specifications are validated by FastAPI against `JobSpec`; when that fails, the body is run
-through engine/jobspec.py's own `parse_job` so the API answers with exactly the messages
+through engine/jobspec/'s own `parse_job` so the API answers with exactly the messages
 `elastron train` prints (with "did you mean" for misspelt keys), one entry per problem.
 """
 

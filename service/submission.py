@@ -1,6 +1,6 @@
 """Turn a submitted job specification into the one the job runs with.
 
-Two service-side rules on top of engine/jobspec.py:
+Two service-side rules on top of engine/jobspec/:
 - a job without `checkpoint.path` checkpoints under `<ELASTRON_CHECKPOINT_DIR>/<tenant>`
   (default `<ELASTRON_HOME>/checkpoints/<tenant>`), recorded in the spec as run, so
   `checkpoint.interval` alone is enough over REST;
