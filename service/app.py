@@ -24,7 +24,7 @@ from service.launcher import Launcher, RayJobsLauncher
 from service.limits import BodySizeLimit, RateLimiter
 from service.metrics import HttpMetrics, JobSeries
 from service.reconciler import Reconciler
-from service.routers import health, jobs, logs, telemetry
+from service.routers import health, jobs, logs, telemetry, ui
 from service.settings import Settings
 from service.store.db import make_engine, make_sessionmaker
 from service.store.migrate import upgrade
@@ -101,6 +101,8 @@ def create_app(
     app.include_router(logs.router)
     app.include_router(telemetry.router)
     app.include_router(health.router)
+    app.include_router(ui.router)
+    app.mount("/ui/static", ui.static, name="ui-static")
     # Outermost first: request metrics see every response, the size cap runs before any route.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(HttpMetrics, registry=registry)

@@ -1,4 +1,4 @@
-"""Request and response bodies of the REST API (the job specification itself is engine/jobspec.py)."""
+"""Request and response bodies of the REST API (the job specification itself is engine/jobspec/)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine.jobspec import ParallelSpec
+from engine.jobspec.layout import data_parallel_size
 from service.states import JobState
 from service.store.models import Checkpoint, Job, JobEvent
 
@@ -71,16 +73,39 @@ class JobSummary(BaseModel):
     state: JobState
     created_at: datetime
     updated_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
     iteration: int | None = Field(description="The last iteration reported by the workers.")
     train_iters: int
     restarts: int
+    ranks: int | None = Field(None, description="resources.ranks of the spec as run.")
+    layout: str | None = Field(None, description="The parallel layout, e.g. 'tp2 pp1 cp1 dp1'.")
+    loss: float | None = Field(None, description="Training loss of the newest metrics record.")
+    tokens_per_s: float | None = Field(None, description="Throughput of the newest metrics record.")
+    mfu: float | None = Field(None, description="Model FLOPs utilisation of the newest record, 0..1.")
 
     @classmethod
     def from_row(cls, job: Job) -> JobSummary:
         return cls(**_summary_fields(job))
 
 
+def _layout(spec: dict[str, Any] | None) -> tuple[int | None, str | None]:
+    """(ranks, 'tpT ppP cpC dpD') from a stored spec; (None, None) for one that lacks them."""
+    try:
+        ranks = int(spec["resources"]["ranks"])
+        p = ParallelSpec.model_validate(spec["parallel"])
+    except (KeyError, TypeError, ValueError):
+        return None, None
+    return ranks, f"tp{p.tensor} pp{p.pipeline} cp{p.context} dp{data_parallel_size(ranks, p)}"
+
+
+def _number(record: dict[str, Any] | None, key: str) -> float | None:
+    value = (record or {}).get(key)
+    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
+
+
 def _summary_fields(job: Job) -> dict[str, Any]:
+    ranks, layout = _layout(job.spec)
     return {
         "id": job.id,
         "name": job.name,
@@ -88,16 +113,21 @@ def _summary_fields(job: Job) -> dict[str, Any]:
         "state": JobState(job.state),
         "created_at": _time(job.created_at),
         "updated_at": _time(job.updated_at),
+        "started_at": _time(job.started_at),
+        "finished_at": _time(job.finished_at),
         "iteration": job.current_iteration,
         "train_iters": job.train_iters,
         "restarts": job.restarts,
+        "ranks": ranks,
+        "layout": layout,
+        "loss": _number(job.last_record, "loss"),
+        "tokens_per_s": _number(job.last_record, "tokens_per_s"),
+        "mfu": _number(job.last_record, "mfu"),
     }
 
 
 class JobOut(JobSummary):
     spec: dict[str, Any] = Field(description="The job specification as it runs (defaults filled in).")
-    started_at: datetime | None
-    finished_at: datetime | None
     last_metrics: dict[str, Any] | None = Field(description="The newest metrics record.")
     last_progress_at: datetime | None
     latest_checkpoint: CheckpointOut | None
@@ -111,8 +141,6 @@ class JobOut(JobSummary):
         return cls(
             **_summary_fields(job),
             spec=job.spec,
-            started_at=_time(job.started_at),
-            finished_at=_time(job.finished_at),
             last_metrics=job.last_record,
             last_progress_at=_time(job.last_progress_at),
             latest_checkpoint=CheckpointOut.from_latest(job.latest_checkpoint),

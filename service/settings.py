@@ -41,6 +41,9 @@ class Settings(BaseSettings):
         "Default: <home>/checkpoints, right for one machine; on a cluster give a place every node "
         "reaches (s3://bucket/prefix or a shared file system).",
     )
+    grafana_url: str | None = Field(
+        None, description="Grafana's address, for a link in the web UI (none: no link)."
+    )
     worker_entrypoint: str = Field(
         "elastron worker-run {job_id}", description="The Ray job's entrypoint; {job_id} is filled in."
     )

@@ -1,0 +1,286 @@
+// elastron's web UI: the same /v1 API and bearer token as every other client. The token lives
+// in this tab's sessionStorage only. Views are chosen by the URL's hash: #/ (jobs), #/jobs/<id>
+// (one job, refreshed while it runs), #/submit. When a view has drawn its data it sets
+// window.elastronReady (ms since navigation start): the browser tests read it.
+"use strict";
+
+const TOKEN_KEY = "elastron-token";
+const FINAL = ["succeeded", "failed", "cancelled"];
+const STATES = ["queued", "starting", "running", "restarting", "succeeded", "failed", "cancelled"];
+const REFRESH_MS = 3000;
+const view = document.getElementById("view");
+let timer = null;
+let config = {};
+
+const esc = (s) => String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
+const token = () => sessionStorage.getItem(TOKEN_KEY);
+
+class ApiError extends Error {
+  constructor(status, detail) {
+    super(typeof detail === "string" ? detail : JSON.stringify(detail));
+    this.status = status;
+    this.detail = detail;
+  }
+}
+
+async function api(path, options = {}) {
+  const headers = { Authorization: `Bearer ${token()}`, ...(options.headers || {}) };
+  const response = await fetch(path, { ...options, headers });
+  const text = await response.text();
+  let body = text;
+  try { body = text ? JSON.parse(text) : null; } catch (_) { /* plain text (logs) */ }
+  if (response.status === 401) {
+    signOut("Your token was refused (invalid or revoked): sign in again.");
+    throw new ApiError(401, body && body.detail);
+  }
+  if (!response.ok) throw new ApiError(response.status, body && body.detail !== undefined ? body.detail : body);
+  return body;
+}
+
+function ready() {
+  window.elastronReady = performance.now();
+}
+
+function stopRefresh() {
+  if (timer) clearTimeout(timer);
+  timer = null;
+}
+
+function refreshLater(fn) {
+  stopRefresh();
+  timer = setTimeout(fn, REFRESH_MS);
+}
+
+// -- sign in ------------------------------------------------------------------------------------
+function signOut(message) {
+  sessionStorage.removeItem(TOKEN_KEY);
+  stopRefresh();
+  document.getElementById("nav").hidden = true;
+  view.innerHTML = "";
+  document.getElementById("signin").hidden = false;
+  document.getElementById("signin-error").textContent = message || "";
+}
+
+document.getElementById("signin-form").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const value = document.getElementById("token").value.trim();
+  const response = await fetch("/v1/jobs?limit=1", { headers: { Authorization: `Bearer ${value}` } });
+  if (response.status === 401) {
+    document.getElementById("signin-error").textContent = "Sign-in failed: invalid or revoked token.";
+    return;
+  }
+  sessionStorage.setItem(TOKEN_KEY, value);
+  document.getElementById("token").value = "";
+  route();
+});
+document.getElementById("signout").addEventListener("click", () => signOut(""));
+
+// -- jobs list ----------------------------------------------------------------------------------
+function stateBadge(state) {
+  return `<span class="state state-${esc(state)}">${esc(state)}</span>`;
+}
+
+function duration(job) {
+  if (!job.started_at) return "";
+  const end = job.finished_at ? Date.parse(job.finished_at) : Date.now();
+  const s = Math.max(0, Math.round((end - Date.parse(job.started_at)) / 1000));
+  return s >= 3600 ? `${Math.floor(s / 3600)}h ${Math.floor((s % 3600) / 60)}m` : s >= 60 ? `${Math.floor(s / 60)}m ${s % 60}s` : `${s}s`;
+}
+
+function progress(job) {
+  const done = job.iteration || 0;
+  const pct = Math.min(100, (100 * done) / Math.max(1, job.train_iters));
+  return `<span class="progress"><div style="width:${pct.toFixed(1)}%"></div></span>${done}/${job.train_iters}`;
+}
+
+async function showJobs(filter) {
+  const query = new URLSearchParams({ limit: "100" });
+  if (filter) query.set("state", filter);
+  const page = await api(`/v1/jobs?${query}`);
+  const options = ["", ...STATES].map((s) => `<option value="${s}" ${s === filter ? "selected" : ""}>${s || "all states"}</option>`).join("");
+  const rows = page.jobs.map((j) => `
+    <tr class="job-row" data-id="${esc(j.id)}">
+      <td>${esc(j.name)}<div class="muted">${esc(j.id)}</div></td>
+      <td>${stateBadge(j.state)}</td>
+      <td>${j.ranks ?? ""} <span class="muted">${esc(j.layout || "")}</span></td>
+      <td>${progress(j)}</td>
+      <td class="num">${formatNumber(j.loss)}</td>
+      <td class="num">${j.tokens_per_s === null ? "–" : Math.round(j.tokens_per_s).toLocaleString()}</td>
+      <td class="num">${j.mfu === null ? "–" : (100 * j.mfu).toFixed(1) + "%"}</td>
+      <td>${j.started_at ? new Date(j.started_at).toLocaleString() : ""}</td>
+      <td>${duration(j)}</td>
+    </tr>`).join("");
+  view.innerHTML = `
+    <div class="toolbar"><h1>Jobs</h1>
+      <select id="state-filter">${options}</select>
+      <span class="muted">${page.jobs.length} shown${page.next_cursor ? " (newest 100)" : ""}; refreshes every ${REFRESH_MS / 1000} s</span>
+    </div>
+    <table id="jobs-table">
+      <thead><tr><th>Name</th><th>State</th><th>Ranks / layout</th><th>Iteration</th><th>Loss</th><th>Tokens/s</th><th>MFU</th><th>Started</th><th>Duration</th></tr></thead>
+      <tbody>${rows || '<tr><td colspan="9" class="muted">No jobs yet: submit one.</td></tr>'}</tbody>
+    </table>`;
+  document.getElementById("state-filter").addEventListener("change", (e) => { location.hash = e.target.value ? `#/?state=${e.target.value}` : "#/"; });
+  view.querySelectorAll("tr.job-row").forEach((tr) => tr.addEventListener("click", () => { location.hash = `#/jobs/${tr.dataset.id}`; }));
+  ready();
+  refreshLater(() => showJobs(filter).catch(showError));
+}
+
+// -- one job ------------------------------------------------------------------------------------
+const CHARTS = [
+  ["loss", "Loss (train, valid)", (r) => [["train", r.map((x) => [x.iteration, num(x.loss)])], ["valid", r.map((x) => [x.iteration, num(x.valid_loss)]), true]]],
+  ["throughput", "Tokens/s", (r) => [["tokens/s", r.map((x) => [x.iteration, num(x.tokens_per_s)])]]],
+  ["mfu", "MFU", (r) => [["MFU", r.map((x) => [x.iteration, num(x.mfu)])]]],
+  ["step", "Step time (s), forward-backward min/max over ranks", (r) => [["step", r.map((x) => [x.iteration, num(x.step_time_s)])]], (r) => r.filter((x) => x.timers && x.timers["forward-backward"]).map((x) => [x.iteration, x.timers["forward-backward"][0], x.timers["forward-backward"][1]])],
+  ["lr", "Learning rate", (r) => [["lr", r.map((x) => [x.iteration, num(x.lr)])]]],
+  ["energy", "Energy per step (J)", (r) => [["J", r.map((x) => [x.iteration, num(x.energy_j)])]], null, "energy unavailable on this hardware"],
+];
+
+const num = (v) => (typeof v === "number" && Number.isFinite(v) ? v : null);
+
+function drawCharts(records) {
+  for (const [id, , make, band, empty] of CHARTS) {
+    const series = make(records).map(([label, points, dots]) => ({ label, points, dots }));
+    drawChart(document.getElementById(`chart-${id}`), { series, band: band ? band(records) : null, empty });
+  }
+}
+
+async function showJob(id) {
+  const [job, metrics, events, checkpoints] = await Promise.all([
+    api(`/v1/jobs/${encodeURIComponent(id)}`),
+    api(`/v1/jobs/${encodeURIComponent(id)}/metrics?max_points=500`),
+    api(`/v1/jobs/${encodeURIComponent(id)}/events?limit=500`),
+    api(`/v1/jobs/${encodeURIComponent(id)}/checkpoints`),
+  ]);
+  if (!document.getElementById("job-page") || view.dataset.job !== id) {
+    view.dataset.job = id;
+    view.innerHTML = `
+      <div id="job-page">
+        <div class="toolbar"><h1 id="job-title"></h1><span id="job-state"></span>
+          <button id="cancel" class="danger" type="button">Cancel</button><span id="cancel-result" class="muted"></span></div>
+        <div class="facts" id="facts"></div>
+        <h2>Charts</h2>
+        <div class="charts">${CHARTS.map(([cid, title]) => `<div class="chart"><h3>${esc(title)}</h3><canvas id="chart-${cid}"></canvas></div>`).join("")}</div>
+        <div class="columns">
+          <div><h2>Events</h2><ul class="timeline" id="events"></ul></div>
+          <div><h2>Checkpoints</h2><table id="checkpoints"><thead><tr><th>Iteration</th><th>Result</th><th>Size</th><th>Seconds</th><th>Where</th></tr></thead><tbody></tbody></table></div>
+        </div>
+        <h2>Driver log (tail)</h2><pre id="log" class="muted">loading…</pre>
+        <h2>Spec as run</h2><pre id="spec"></pre>
+      </div>`;
+    document.getElementById("cancel").addEventListener("click", () => cancelJob(id));
+    loadLog(id);
+  }
+  document.getElementById("job-title").textContent = job.name;
+  document.getElementById("job-state").innerHTML = stateBadge(job.state);
+  document.getElementById("cancel").hidden = FINAL.includes(job.state);
+  const last = job.last_metrics || {};
+  const facts = [
+    ["Job id", job.id], ["Ranks / layout", `${job.ranks ?? ""} ${job.layout || ""}`],
+    ["Iteration", `${job.iteration ?? 0} / ${job.train_iters}`], ["Loss", formatNumber(num(last.loss))],
+    ["Tokens/s", num(last.tokens_per_s) === null ? "–" : Math.round(last.tokens_per_s).toLocaleString()],
+    ["MFU", num(last.mfu) === null ? "–" : (100 * last.mfu).toFixed(1) + "%"],
+    ["Restarts", job.restarts], ["Started", job.started_at ? new Date(job.started_at).toLocaleString() : "–"],
+    ["Duration", duration(job) || "–"],
+  ];
+  if (job.failure_cause) facts.push(["Failure cause", job.failure_cause]);
+  document.getElementById("facts").innerHTML = facts.map(([k, v]) => `<div><span>${esc(k)}</span>${esc(v)}</div>`).join("");
+  drawCharts(metrics.records);
+  document.getElementById("events").innerHTML = events.events.map((e) => `
+    <li><b>${esc(e.kind)}</b> <span class="muted">${e.time ? new Date(e.time).toLocaleTimeString() : ""}${e.iteration !== null ? " · iteration " + e.iteration : ""}</span><br>${esc(e.message || "")}</li>`).join("") || '<li class="muted">none yet</li>';
+  document.querySelector("#checkpoints tbody").innerHTML = checkpoints.checkpoints.map((c) => `
+    <tr><td>${c.iteration ?? ""}</td><td>${esc(c.result)}</td><td class="num">${c.bytes === null ? "" : (c.bytes / 1048576).toFixed(1) + " MiB"}</td><td class="num">${c.seconds === null ? "" : c.seconds.toFixed(2)}</td><td>${esc(c.uri || "")}</td></tr>`).join("") || '<tr><td colspan="5" class="muted">none yet</td></tr>';
+  document.getElementById("spec").textContent = JSON.stringify(job.spec, null, 2);
+  ready();
+  if (!FINAL.includes(job.state)) refreshLater(() => showJob(id).then(() => loadLog(id)).catch(showError));
+}
+
+async function loadLog(id) {
+  const pre = document.getElementById("log");
+  if (!pre) return;
+  try {
+    const text = await api(`/v1/jobs/${encodeURIComponent(id)}/logs`);
+    const lines = String(text || "").split("\n");
+    pre.textContent = lines.slice(-60).join("\n") || "(empty: the job has not started on Ray yet)";
+  } catch (err) {
+    pre.textContent = `log unavailable: ${err.message}`;
+  }
+}
+
+async function cancelJob(id) {
+  if (!confirm("Cancel this job? A running job is stopped gracefully (its last checkpoint stays).")) return;
+  try {
+    const job = await api(`/v1/jobs/${encodeURIComponent(id)}/cancel`, { method: "POST" });
+    document.getElementById("cancel-result").textContent = job.state === "cancelled" ? "cancelled" : "stopping…";
+    showJob(id).catch(showError);
+  } catch (err) {
+    document.getElementById("cancel-result").textContent = err.message;
+  }
+}
+
+// -- submit -------------------------------------------------------------------------------------
+function showSubmit() {
+  view.innerHTML = `
+    <h1>Submit a job</h1>
+    <p class="muted">Paste a job file (YAML or JSON, as for <code>elastron train</code>) or choose one. <code>elastron schema</code> prints every field.</p>
+    <p><input type="file" id="job-file" accept=".yaml,.yml,.json"></p>
+    <textarea id="job-text" spellcheck="false" placeholder="name: my-job&#10;training:&#10;  train_iters: 20"></textarea>
+    <p><button id="submit" type="button">Submit</button></p>
+    <div id="submit-errors"></div>`;
+  document.getElementById("job-file").addEventListener("change", async (e) => {
+    const file = e.target.files[0];
+    if (file) document.getElementById("job-text").value = await file.text();
+  });
+  document.getElementById("submit").addEventListener("click", submitJob);
+  ready();
+}
+
+function showProblems(detail) {
+  const box = document.getElementById("submit-errors");
+  const items = Array.isArray(detail)
+    ? detail.map((d) => `<li class="problem"><b>${esc((d.loc || []).filter((p) => p !== "body").join("."))}</b> ${esc(d.msg)}</li>`)
+    : [`<li class="problem">${esc(detail)}</li>`];
+  box.innerHTML = `<ul class="problems">${items.join("")}</ul>`;
+}
+
+async function submitJob() {
+  const text = document.getElementById("job-text").value;
+  try {
+    const parsed = await api("/ui/parse-job", { method: "POST", headers: { "Content-Type": "text/plain" }, body: text });
+    const job = await api("/v1/jobs", { method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(parsed.spec) });
+    location.hash = `#/jobs/${job.id}`;
+  } catch (err) {
+    if (err.status !== 401) showProblems(err.detail ?? err.message);
+  }
+}
+
+// -- routing ------------------------------------------------------------------------------------
+function showError(err) {
+  if (err && err.status === 401) return;
+  view.innerHTML = `<p class="error">${esc(err && err.message)}</p>`;
+  ready();
+}
+
+function renderLinks() {
+  const links = [];
+  if (config.ray_dashboard_url) links.push(`<a href="${esc(config.ray_dashboard_url)}" target="_blank" rel="noopener">Ray dashboard</a>`);
+  if (config.grafana_url) links.push(`<a href="${esc(config.grafana_url)}" target="_blank" rel="noopener">Grafana</a>`);
+  document.getElementById("links").innerHTML = links.join("");
+}
+
+function route() {
+  stopRefresh();
+  if (!token()) return signOut("");
+  document.getElementById("signin").hidden = true;
+  document.getElementById("nav").hidden = false;
+  const hash = location.hash || "#/";
+  const job = hash.match(/^#\/jobs\/([^/?]+)/);
+  if (job) return showJob(decodeURIComponent(job[1])).catch(showError);
+  view.dataset.job = "";
+  if (hash.startsWith("#/submit")) return showSubmit();
+  const state = new URLSearchParams(hash.split("?")[1] || "").get("state") || "";
+  return showJobs(state).catch(showError);
+}
+
+window.addEventListener("hashchange", route);
+fetch("/ui/config").then((r) => r.json()).then((c) => { config = c; renderLinks(); }).catch(() => {});
+route();
