@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench install clean
+.PHONY: demo test lint bench install browser clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,7 +21,17 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/elastron demo
 
-test: $(STAMP)
+# The web UI's tests drive Debian's chromium through its chromedriver (no browser download).
+# Installed when missing and apt-get can run (root, as on CI); otherwise those tests skip and
+# name what is missing.
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing chromium and chromium-driver (Debian) for the web UI's browser tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
+	else echo "no chromium/chromedriver and no root apt-get: the browser tests will skip (apt-get install chromium chromium-driver)"; fi
+
+test: $(STAMP) browser
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q --durations=30 tests
 

@@ -126,6 +126,7 @@ def summary(client: ApiClient, job: dict[str, Any], records: list[dict[str, Any]
         f"  energy        {fmt(sum(energy), '.1f') + ' J' if energy else 'unavailable on this machine'}"
     )
     typer.echo(f"  checkpoint    {where}")
+    typer.echo(f"  web UI        {api}/ui#/jobs/{job['id']}")
     typer.echo(f"  API           {api}/v1/jobs/{job['id']}   (docs: {api}/docs)")
     typer.echo(f"  Prometheus    {api}/metrics")
     sys.stdout.flush()

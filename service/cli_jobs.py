@@ -111,6 +111,7 @@ def up(
     typer.echo(
         f"  API        {info.api_url}   (docs: {info.api_url}/docs, Prometheus: {info.api_url}/metrics)"
     )
+    typer.echo(f"  web UI     {info.api_url}/ui   (sign in with the token below)")
     typer.echo(f"  Ray        {info.ray_address}")
     typer.echo(
         f'  token      {info.token_file}   (the CLI reads it; curl: -H "Authorization: Bearer $(cat {info.token_file})")'

@@ -199,7 +199,7 @@ async function loadLog(id) {
   if (!pre) return;
   try {
     const text = await api(`/v1/jobs/${encodeURIComponent(id)}/logs`);
-    const lines = String(text || "").split("\n");
+    const lines = String(text || "").replace(/\x1b\[[0-9;]*m/g, "").split("\n"); // no terminal colours
     pre.textContent = lines.slice(-60).join("\n") || "(empty: the job has not started on Ray yet)";
   } catch (err) {
     pre.textContent = `log unavailable: ${err.message}`;

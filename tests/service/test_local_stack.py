@@ -80,6 +80,9 @@ def stack(tmp_path_factory):
     try:
         assert up.returncode == 0, up.stdout + up.stderr
         assert "elastron is up" in up.stdout and str(home / "token") in up.stdout
+        api_url = (home / "api_url").read_text().strip()
+        assert f"web UI     {api_url}/ui" in up.stdout  # the page is found from the first command
+        assert httpx.get(f"{api_url}/ui").status_code == 200
         stack = Stack(
             home,
             env,
