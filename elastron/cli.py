@@ -16,9 +16,10 @@ from service.cli import app as service_commands
 from workers.cli import app as worker_commands
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="elastron: train large transformers.")
+# Order of registration is the order `elastron --help` lists them in (as before the split).
 app.add_typer(engine_commands)  # train, schema, preprocess
-app.add_typer(service_commands)  # up, down, token, submit, jobs, status, logs, cancel, demo
 app.add_typer(worker_commands)  # worker-run
+app.add_typer(service_commands)  # up, down, token, submit, jobs, status, logs, cancel, demo
 
 
 def main() -> None:

@@ -124,3 +124,18 @@ def test_only_workers_touch_ray_train_internals():
                     continue
                 offenders += [f"{path.relative_to(ROOT)}:{node.lineno} {n}" for n in names if internal(n)]
     assert not offenders, offenders
+
+
+def test_the_dispatcher_lists_every_layers_commands_as_before_the_split():
+    """Each layer owns its commands, but `elastron --help` lists the same commands in the same
+    order as when service/cli.py held them all (the order the layers' apps are added in)."""
+    import typer
+
+    from elastron.cli import app
+
+    # typer keeps the commands in the order they were added (and lists them so in --help)
+    assert list(typer.main.get_command(app).commands) == [
+        "train", "schema", "preprocess",  # engine/cli.py
+        "worker-run",  # workers/cli.py
+        "up", "down", "submit", "jobs", "status", "logs", "cancel", "demo", "token",  # service/cli.py
+    ]  # fmt: skip
