@@ -14,10 +14,14 @@ import torch.nn.functional as F
 
 from engine import parallel_state as ps
 
+IGNORE_INDEX = -100  # torch's default ignore_index, which the TP=1 path relies on
+
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
+        ignored = target == IGNORE_INDEX
+        target = target.masked_fill(ignored, 0)  # any valid id: the loss and grad are zeroed below
         logits = logits.float()
         max_logit = logits.amax(dim=-1)
         dist.all_reduce(max_logit, op=dist.ReduceOp.MAX, group=group)
@@ -33,28 +37,34 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp = logits.exp_()
         sum_exp = exp.sum(dim=-1)
         dist.all_reduce(sum_exp, group=group)
-        loss = sum_exp.log() - target_logit
+        loss = (sum_exp.log() - target_logit).masked_fill_(ignored, 0.0)
 
         exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
-        ctx.save_for_backward(exp, local_target, outside)
+        ctx.save_for_backward(exp, local_target, outside, ignored)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        softmax, local_target, outside = ctx.saved_tensors
+        softmax, local_target, outside, ignored = ctx.saved_tensors
         grad = softmax.clone()
         onehot = torch.zeros_like(grad).scatter_(-1, local_target.unsqueeze(-1), 1.0)
         grad.sub_(onehot * (~outside).unsqueeze(-1))
-        grad.mul_(grad_loss.unsqueeze(-1))
+        grad.mul_(grad_loss.masked_fill(ignored, 0.0).unsqueeze(-1))
         return grad, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group=None) -> torch.Tensor:
-    """Per-token loss [...] for logits [..., vocab/tp] and integer targets [...] (global ids)."""
+    """Per-token loss [...] for logits [..., vocab/tp] and integer targets [...] (global ids).
+
+    A target of IGNORE_INDEX (-100) gives a loss of 0 and no gradient, on any TP size.
+    """
     tp = ps.get_tensor_model_parallel_world_size() if group is None else dist.get_world_size(group)
     if tp == 1:
         flat = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1), reduction="none"
+            logits.reshape(-1, logits.shape[-1]).float(),
+            target.reshape(-1),
+            reduction="none",
+            ignore_index=IGNORE_INDEX,
         )
         return flat.view(target.shape)
     group = group if group is not None else ps.get_tensor_model_parallel_group()
