@@ -1,0 +1,105 @@
+"""A Hugging Face model folder's config.json -> the `model` fields it fixes (plain json only).
+
+engine/jobspec imports nothing else of the engine, so this reads config.json with `json` and
+maps it with a per-family table. Local folders only; an `s3://` folder is resolved on the ranks.
+Not yet wired into `ModelSpec` (no `model.init_from` yet): `hf_model_fields` is the pure mapping
+that the validator and the importer will share.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+class HFConfigError(ValueError):
+    """A config.json this engine cannot run; the message names the config field."""
+
+
+# architectures[0] -> our `model.arch`. Qwen2 (qkv bias) and Qwen3 (qk norm) join once ModelSpec
+# has `qkv_bias` / `qk_layernorm`; GPT-2 once its activation (gelu_new) is a ModelSpec choice.
+FAMILIES: dict[str, str] = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",
+}
+
+
+def read_hf_config(folder: str | Path) -> dict[str, Any]:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise HFConfigError(f"model.init_from: {folder} has no config.json")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise HFConfigError(f"model.init_from: {path} is not valid JSON: {e}") from e
+
+
+def _rope_theta(cfg: dict[str, Any]) -> float:
+    # transformers 5 keeps rope settings in `rope_parameters`; 4.x in `rope_theta` / `rope_scaling`.
+    params = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or {}
+    for src, name in ((params, "rope_parameters"), (scaling, "rope_scaling")):
+        kind = src.get("rope_type", src.get("type", "default"))
+        if kind not in ("default", None):
+            raise HFConfigError(f"config.json {name}.rope_type={kind!r} is not supported (only default RoPE)")
+    theta = params.get("rope_theta", cfg.get("rope_theta", 10000.0))
+    return float(theta)
+
+
+def hf_model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The `model` fields config.json fixes, or HFConfigError naming the unsupported field."""
+    archs = cfg.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in FAMILIES:
+        raise HFConfigError(
+            f"config.json architectures={archs!r} is not supported; supported: {sorted(FAMILIES)}"
+        )
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise HFConfigError(f"config.json hidden_act={act!r} is not supported for {arch} (only silu)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if cfg.get(flag):
+            raise HFConfigError(f"config.json {flag}=true is not supported for {arch}")
+    heads = int(cfg["num_attention_heads"])
+    hidden = int(cfg["hidden_size"])
+    head_dim = cfg.get("head_dim")
+    if head_dim is not None and int(head_dim) * heads != hidden:
+        raise HFConfigError(
+            f"config.json head_dim={head_dim} differs from hidden_size/num_attention_heads "
+            f"({hidden // heads}); not supported yet"
+        )
+    return {
+        "arch": FAMILIES[arch],
+        "num_layers": int(cfg["num_hidden_layers"]),
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_query_groups": int(cfg.get("num_key_value_heads") or heads),
+        "ffn_hidden_size": int(cfg["intermediate_size"]),
+        "vocab_size": int(cfg["vocab_size"]),
+        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "norm_epsilon": float(cfg.get("rms_norm_eps", 1e-6)),
+        "rotary_base": _rope_theta(cfg),
+    }
+
+
+def check_sliding_window(cfg: dict[str, Any], seq_length: int) -> None:
+    """Mistral's sliding window must cover the whole sequence (we run full causal attention)."""
+    window = cfg.get("sliding_window")
+    if window is not None and int(window) < seq_length:
+        raise HFConfigError(
+            f"config.json sliding_window={window} is smaller than model.seq_length={seq_length}: "
+            f"set model.seq_length <= {window} (sliding-window attention is not supported)"
+        )
+
+
+def merge_fields(hf_fields: dict[str, Any], job_fields: dict[str, Any]) -> dict[str, Any]:
+    """The job's `model` section with config.json's fields; a field set to another value fails
+    naming both values."""
+    for key, value in hf_fields.items():
+        if key in job_fields and job_fields[key] is not None and job_fields[key] != value:
+            raise HFConfigError(
+                f"model.{key}={job_fields[key]!r} conflicts with the Hugging Face config.json "
+                f"value {value!r}: remove model.{key} or set it to {value!r}"
+            )
+    return {**job_fields, **hf_fields}
