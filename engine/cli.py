@@ -16,12 +16,13 @@ from typing import Annotated
 
 import typer
 
-from engine.jobspec import JobSpecError, check_local_run, json_schema, load_job, parse_job, resolve_job
+from engine.jobspec import JobSpecError, check_local_run, json_schema, load_job, resolve_job
 
 app = typer.Typer()
 
 
-def _fail(message: str, code: int = 2) -> None:
+def fail(message: str, code: int = 2) -> None:
+    """One red `error:` line and the exit code: how every engine and workers command ends badly."""
     typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
     raise typer.Exit(code)
 
@@ -50,14 +51,13 @@ def train(
     resumed on other hardware to diagnose a result, 17 a result failed validation (diagnosis in
     the message and the event record)."""
     try:
-        spec = load_job(job)
+        resolved = resolve_job(load_job(job))
         if ranks is not None:
-            data = spec.model_dump(mode="json")
-            data["resources"]["ranks"] = ranks
-            spec = parse_job(data)
+            resolved = resolved.with_ranks(ranks)
+        spec = resolved.spec
         check_local_run(spec)
     except JobSpecError as err:
-        _fail(f"{job}:\n{err}")
+        fail(f"{job}:\n{err}")
     from engine.device import resolve_device_type
     from engine.launcher import RankFailure, spawn
     from engine.training import train_rank
@@ -65,7 +65,7 @@ def train(
     try:
         device_type = resolve_device_type(spec.resources.device)
     except RuntimeError as err:
-        _fail(str(err))
+        fail(str(err))
     n = spec.resources.ranks
     if events_out is None and metrics_out is not None:
         events_out = metrics_out.parent / "events.jsonl"
@@ -74,7 +74,7 @@ def train(
             train_rank,
             n,
             (
-                resolve_job(spec),  # resolved once here, handed to every rank as it is
+                resolved,  # resolved once here, handed to every rank as it is
                 str(metrics_out) if metrics_out else None,
                 quiet,
                 str(events_out) if events_out else None,
@@ -85,10 +85,10 @@ def train(
     except RankFailure as err:
         agreed = err.agreed_exit()
         if agreed is not None:  # the rerun state machine's verdict, the same on every rank
-            _fail(f"rerun state machine: {agreed[1]}", code=agreed[0])
-        _fail(str(err), code=1)
+            fail(f"rerun state machine: {agreed[1]}", code=agreed[0])
+        fail(str(err), code=1)
     except KeyboardInterrupt:
-        _fail("interrupted", code=130)
+        fail("interrupted", code=130)
     if records and not quiet:
         first, last = records[0], records[-1]
         typer.echo(
@@ -137,7 +137,7 @@ def preprocess(
     for pattern in inputs:
         matches = sorted(glob.glob(pattern)) if any(c in pattern for c in "*?[") else [pattern]
         if not matches:
-            _fail(f"--input: no file matches {pattern}")
+            fail(f"--input: no file matches {pattern}")
         files.extend(matches)
     try:
         stats = run_preprocess(
@@ -151,9 +151,9 @@ def preprocess(
             progress=None if quiet else sys.stderr,
         )
     except (OSError, ValueError, ImportError) as err:  # bad input, unwritable output
-        _fail(str(err).replace("data.tokenizer", "--tokenizer (data.tokenizer)", 1))
+        fail(str(err).replace("data.tokenizer", "--tokenizer (data.tokenizer)", 1))
     except KeyboardInterrupt:
-        _fail("interrupted", code=130)
+        fail("interrupted", code=130)
     typer.echo(
         f"[elastron] preprocess: {stats.documents:,} documents, {stats.tokens:,} tokens, "
         f"{stats.bytes / 1e6:.1f} MB in {stats.seconds:.2f} s ({stats.tokens_per_s:,.0f} tokens/s, "

@@ -12,6 +12,7 @@ from engine.jobspec import ParallelSpec
 from engine.jobspec.layout import data_parallel_size
 from service.states import JobState
 from service.store.models import Checkpoint, Job, JobEvent
+from service.store.telemetry import number
 
 log = logging.getLogger(__name__)
 
@@ -99,13 +100,9 @@ def _layout(spec: dict[str, Any] | None) -> tuple[int | None, str | None]:
     return ranks, f"tp{p.tensor} pp{p.pipeline} cp{p.context} dp{data_parallel_size(ranks, p)}"
 
 
-def _number(record: dict[str, Any] | None, key: str) -> float | None:
-    value = (record or {}).get(key)
-    return float(value) if isinstance(value, int | float) and not isinstance(value, bool) else None
-
-
 def _summary_fields(job: Job) -> dict[str, Any]:
     ranks, layout = _layout(job.spec)
+    last = job.last_record or {}
     return {
         "id": job.id,
         "name": job.name,
@@ -120,9 +117,9 @@ def _summary_fields(job: Job) -> dict[str, Any]:
         "restarts": job.restarts,
         "ranks": ranks,
         "layout": layout,
-        "loss": _number(job.last_record, "loss"),
-        "tokens_per_s": _number(job.last_record, "tokens_per_s"),
-        "mfu": _number(job.last_record, "mfu"),
+        "loss": number(last.get("loss")),
+        "tokens_per_s": number(last.get("tokens_per_s")),
+        "mfu": number(last.get("mfu")),
     }
 
 

@@ -9,14 +9,10 @@ from typing import Annotated
 
 import typer
 
+from engine.cli import fail
 from engine.jobspec import JobSpecError
 
 app = typer.Typer()
-
-
-def _fail(message: str, code: int = 2) -> None:
-    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
-    raise typer.Exit(code)
 
 
 @app.command("worker-run")
@@ -52,7 +48,7 @@ def worker_run(
     try:
         job = load_spec(spec)
     except (JobSpecError, JobInputError) as err:
-        _fail(f"{spec or 'ELASTRON_JOB_SPEC'}:\n{err}")
+        fail(f"{spec or 'ELASTRON_JOB_SPEC'}:\n{err}")
     options = WorkerRunOptions(
         address=address,
         storage_path=storage,
@@ -61,5 +57,5 @@ def worker_run(
     )
     result = run_job(job_id, job, options)
     if result.exit_code:
-        _fail(result.reason, code=result.exit_code)
+        fail(result.reason, code=result.exit_code)
     typer.echo(f"[elastron] {job_id}: {result.reason} after {result.attempts} attempt(s)")

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.jobspec import JobSpec, JobSpecError, contract, parse_job, parse_job_text
+from engine.jobspec import JobSpec, JobSpecError, contract, parse_job_text, resolve_job
 from engine.jobspec.layout import job_checkpoint_path, join_location, model_parallel_size
 from workers.policy import (
     EXIT_BAD_INPUT,
@@ -137,15 +137,13 @@ def valid_sizes(spec: JobSpec) -> list[int]:
     r = spec.resources
     lo = r.min_ranks if r.min_ranks is not None else r.ranks
     hi = r.max_ranks if r.max_ranks is not None else r.ranks
-    mp = model_parallel_size(spec.parallel)
-    data = spec.model_dump(mode="json")
+    job, mp = resolve_job(spec), model_parallel_size(spec.parallel)
     sizes = []
     for size in range(lo, hi + 1):
         if size % mp:
             continue
-        data["resources"]["ranks"] = size
         try:
-            parse_job(data)
+            job.with_ranks(size)
         except JobSpecError:
             continue
         sizes.append(size)

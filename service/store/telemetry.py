@@ -54,7 +54,8 @@ def finite(value: Any) -> Any:
     return value
 
 
-def _number(value: Any) -> float | None:
+def number(value: Any) -> float | None:
+    """A JSON number as a finite float; None for anything else (bools, NaN, text)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if math.isfinite(value) else None
@@ -110,7 +111,7 @@ def _apply_events(session: Session, job: Job, events: list[dict], stats: dict, r
         result.events_accepted += 1
         kind = str(event["kind"])
         iteration = event.get("iteration") if isinstance(event.get("iteration"), int) else None
-        ts = _number(event.get("ts"))
+        ts = number(event.get("ts"))
         add_event(
             session,
             job,
@@ -137,7 +138,7 @@ def _apply_checkpoint(
     session: Session, job: Job, kind: str, event: dict, iteration: int | None, ts: float | None, stats: dict
 ) -> None:
     ok = kind == "checkpoint_saved"
-    seconds, size = _number(event.get("seconds")), _number(event.get("bytes"))
+    seconds, size = number(event.get("seconds")), number(event.get("bytes"))
     uri = event.get("uri") if isinstance(event.get("uri"), str) else None
     row = Checkpoint(
         job_id=job.id,
@@ -240,16 +241,16 @@ def _apply_records(
 
 def _count_record(stats: dict, record: dict) -> None:
     for field, key in (("tokens", "tokens"), ("energy_j", "energy_j")):
-        value = _number(record.get(field))
+        value = number(record.get(field))
         if value is not None:
             job_stats.add(stats, key, value)
     if record.get("skipped") is True:
         job_stats.add(stats, "skipped", 1)
-    step = _number(record.get("step_time_s"))
+    step = number(record.get("step_time_s"))
     if step is not None:
         job_stats.observe(stats, "step", job_stats.STEP_BUCKETS, step)
     if isinstance(record.get("timers"), dict) and record["timers"]:
         stats["timers"] = record["timers"]
-    valid = _number(record.get("valid_loss"))
+    valid = number(record.get("valid_loss"))
     if valid is not None:
         stats["valid_loss"] = valid
