@@ -35,6 +35,7 @@ from engine.data.builder import build_datasets
 from engine.data.sources import micro_batch
 from engine.data.tokenizer import build_tokenizer
 from engine.distributed.data_parallel import DataParallel
+from engine.hf.importer import ImportReport, hf_architecture, import_hf_weights
 from engine.distributed.finalize_grads import finalize_model_grads
 from engine.energy_monitor import EnergyMonitor
 from engine.flops import mfu, model_flops_per_iteration, peak_flops
@@ -124,6 +125,7 @@ class Trainer:
         self.config = TransformerConfig.from_job(spec, tokenizer.vocab_size)
         self.device = device.current_device()
         self.model_chunks = self._build_model_chunks()
+        self.hf_import = self._import_hf_weights()
         grad_dtype = torch.float32 if p.grad_reduce_in_fp32 else self.config.params_dtype
         # Weights are replicated over context parallelism as well: gradients are averaged over
         # DP x CP and the distributed optimizer shards over it (Megatron-Core's dp_cp group).
@@ -176,7 +178,7 @@ class Trainer:
             self.config.seq_length,
             t.seed,
             num_samples=self._planned_samples(),
-            synthetic_vocab_size=self.config.padded_vocab_size,
+            synthetic_vocab_size=self.config.true_vocab_size,
         )
         self.source, self.valid_source = datasets.train, datasets.valid
         self.timers = Timers(log_level=timer_level)
@@ -196,6 +198,19 @@ class Trainer:
             self.checkpointer.maybe_resume()
         if self.rerun.state == RerunState.NOT_RUNNING_YET:
             self.rerun.current_iteration = self.iteration
+
+    def _import_hf_weights(self) -> ImportReport | None:
+        """model.init_from: the Hugging Face weights, before the optimizer copies them into its
+        fp32 masters; skipped when the job resumes (its checkpoint has newer weights)."""
+        m = self.spec.model
+        if m.init_from is None:
+            return None
+        c = self.spec.checkpoint
+        if c.path or c.resume_from:
+            probe = Checkpointer({}, c, job_name=self.spec.name, events=None, layout="")
+            if probe.will_resume():
+                return None
+        return import_hf_weights(self.model_chunks, m.init_from, hf_architecture(m.init_from), self.config)
 
     def _planned_samples(self) -> tuple[int, int | None, None]:
         """Samples the run will read (train, valid): sizes the cached sample indexes ahead."""
@@ -554,6 +569,13 @@ def train_rank(
                 f"[elastron] {spec.name}: {spec.model.arch} {c.num_layers}L h{c.hidden_size} on "
                 f"{g.world_size} ranks (tp={g.tp} pp={g.pp} cp={g.cp} dp={g.dp}), "
                 f"{n_params:,} params per rank, {spec.training.precision}",
+                flush=True,
+            )
+        if is_logger and not quiet and trainer.hf_import is not None:
+            r = trainer.hf_import
+            print(
+                f"[elastron] imported {spec.model.init_from}: {r.tensors} tensors, {r.bytes_read:,} of "
+                f"{r.file_bytes:,} bytes read by rank 0, {r.seconds:.2f} s",
                 flush=True,
             )
         if is_logger and not quiet and trainer.iteration:

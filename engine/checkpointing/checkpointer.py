@@ -268,6 +268,11 @@ class Checkpointer:
             return root_uri, found[0], [found[1]]
         return None
 
+    def will_resume(self) -> bool:
+        """Whether maybe_resume() will load (or fail to find) a checkpoint: rank 0 looks, every
+        rank gets its answer. Lets a job skip work a resume would overwrite (an HF import)."""
+        return _broadcast(self._candidates() is not None if dist.get_rank() == 0 else None)
+
     def maybe_resume(self) -> int | None:
         """Load the checkpoint this job should continue from; returns its iteration, or None."""
         choice = _broadcast(self._candidates() if dist.get_rank() == 0 else None)

@@ -59,7 +59,7 @@ def build_datasets(
 
     num_samples: (train, valid, test) samples the run will read; it sizes the cached sample indexes
     (how many epochs are built ahead) and the blends' length, never which sample an index gives.
-    synthetic_vocab_size: the range of synthetic ids (the model's padded vocabulary); default the
+    synthetic_vocab_size: the range of synthetic ids (the model's vocabulary, without padding); default the
     tokenizer's.
     """
     data: DataSpec = spec.data if isinstance(spec, JobSpec) else spec

@@ -1,42 +1,50 @@
 """Per-family tensor mapping between a Hugging Face causal LM and our GPTModel's global names.
 
-Our names are `GPTModel.global_param_name`'s (layer numbers global, tied output = embedding).
-Fused tensors use Megatron-Core's layouts:
+Our names are `GPTModel.global_param_name`'s (layer numbers global, tied output = embedding,
+experts numbered globally). Each of our tensors is, along its first dimension, a concatenation
+of `Segment`s: row ranges of Hugging Face tensors (or zero rows: the vocabulary padding). Import
+reads, for the rows a rank holds, the overlapping part of each segment; export cuts the full
+tensor back into segments and puts each HF tensor together from its pieces. So one table per
+family drives both directions and every layout. Fused tensors use Megatron-Core's layouts:
 
-- `linear_qkv.weight` is [groups x (q_per_group + 2) x head_dim, hidden]: per query group its
-  queries, then its key, then its value, so a TP shard is a contiguous block of whole groups and
-  reads contiguous row ranges of HF's q_proj / k_proj / v_proj (`qkv_source_rows`);
-- `linear_fc1.weight` is [gate; up] with partition_stride 2: TP rank r holds gate shard r then up
-  shard r.
+- `linear_qkv` is [groups x (q_per_group + 2) x head_dim, hidden]: per query group its queries,
+  then its key, then its value, so a TP shard is a block of whole groups and reads contiguous row
+  ranges of HF's q_proj / k_proj / v_proj (GPT-2's c_attn is [q; k; v] over all heads);
+- `linear_fc1` is [gate; up] (SwiGLU): TP rank r holds gate shard r then up shard r.
 
-The config.json side of a family is engine/jobspec/hf_config.py (plain json, usable by the API).
+GPT-2 stores its linears as Conv1D ([in, out]); its segments are `transposed`. The config.json
+side of a family is engine/jobspec/hf_config.py (plain json, usable by the API).
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-# Our per-layer name suffix -> the HF per-layer suffix(es), for the Llama-style families
-# (Llama 2/3, Mistral; Qwen2 adds q/k/v biases, Qwen3 q_norm/k_norm, once ModelSpec has them).
-LLAMA_LAYER: dict[str, tuple[str, ...]] = {
-    "input_layernorm.weight": ("input_layernorm.weight",),
-    "self_attention.linear_qkv.weight": (
-        "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight",
-        "self_attn.v_proj.weight",
-    ),
-    "self_attention.linear_proj.weight": ("self_attn.o_proj.weight",),
-    "pre_mlp_layernorm.weight": ("post_attention_layernorm.weight",),
-    "mlp.linear_fc1.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
-    "mlp.linear_fc2.weight": ("mlp.down_proj.weight",),
+# Hugging Face architectures -> how their tensors are named.
+LLAMA_STYLE = {
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen3MoeForCausalLM",
 }
-LLAMA_GLOBAL: dict[str, str] = {
-    "embedding.weight": "model.embed_tokens.weight",
-    "decoder.final_layernorm.weight": "model.norm.weight",
-    "output_layer.weight": "lm_head.weight",
-}
+GPT2_STYLE = {"GPT2LMHeadModel"}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`length` rows of our tensor: rows `start:start+length` of HF tensor `name` (its columns
+    when `transposed`), or zeros when `name` is None (vocabulary padding)."""
+
+    name: str | None
+    start: int
+    length: int
+    transposed: bool = False
 
 
 @dataclass(frozen=True)
@@ -50,52 +58,170 @@ class Heads:
         return self.num_attention_heads // self.num_query_groups
 
 
-def hf_names(our_name: str, tie_embeddings: bool) -> tuple[str, ...]:
-    """The HF tensors one of our global parameters is made of (in fused order)."""
-    if our_name.startswith("decoder.layers."):
-        idx, _, suffix = our_name[len("decoder.layers.") :].partition(".")
-        if suffix not in LLAMA_LAYER:
-            raise KeyError(f"no Hugging Face tensor maps to {our_name}")
-        return tuple(f"model.layers.{idx}.{s}" for s in LLAMA_LAYER[suffix])
-    if our_name == "output_layer.weight" and tie_embeddings:
-        return (LLAMA_GLOBAL["embedding.weight"],)
-    if our_name not in LLAMA_GLOBAL:
-        raise KeyError(f"no Hugging Face tensor maps to {our_name}")
-    return (LLAMA_GLOBAL[our_name],)
+@dataclass(frozen=True)
+class Shapes:
+    """What the mapping needs of the model: head layout, widths, true and padded vocabulary."""
+
+    heads: Heads
+    hidden_size: int
+    ffn_hidden_size: int
+    expert_ffn_hidden_size: int
+    vocab_size: int
+    padded_vocab_size: int
+    tie_embeddings: bool
+
+    @classmethod
+    def of(cls, config: Any) -> Shapes:
+        """From a TransformerConfig (or anything with its field names)."""
+        moe = getattr(config, "moe", None)
+        return cls(
+            heads=Heads(config.num_attention_heads, config.num_query_groups, config.head_dim),
+            hidden_size=config.hidden_size,
+            ffn_hidden_size=config.ffn_hidden_size,
+            expert_ffn_hidden_size=moe.ffn_hidden_size if moe is not None else config.ffn_hidden_size,
+            vocab_size=config.vocab_size,
+            padded_vocab_size=config.padded_vocab_size,
+            tie_embeddings=config.tie_embeddings,
+        )
 
 
-def qkv_source_rows(h: Heads, groups: range) -> tuple[slice, slice, slice]:
-    """Rows of HF's q_proj, k_proj, v_proj that query groups `groups` (contiguous) need."""
-    g0, g1, d = groups.start, groups.stop, h.head_dim
-    q = slice(g0 * h.q_per_group * d, g1 * h.q_per_group * d)
-    kv = slice(g0 * d, g1 * d)
-    return q, kv, kv
+def _whole(name: str, rows: int) -> list[Segment]:
+    return [Segment(name, 0, rows)]
 
 
-def pack_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, h: Heads) -> torch.Tensor:
-    """HF q/k/v rows (for some whole groups) -> our fused [groups x (q_per_group+2) x d, hidden]."""
-    d, hidden = h.head_dim, q.shape[-1]
-    groups = k.shape[0] // d
-    fused = torch.cat(
-        [q.reshape(groups, h.q_per_group, d, hidden), k.reshape(groups, 1, d, hidden), v.reshape(groups, 1, d, hidden)],
-        dim=1,
-    )
-    return fused.reshape(groups * (h.q_per_group + 2) * d, hidden)
+def _vocab(name: str, s: Shapes) -> list[Segment]:
+    pad = s.padded_vocab_size - s.vocab_size
+    return [Segment(name, 0, s.vocab_size)] + ([Segment(None, 0, pad)] if pad else [])
 
 
-def unpack_qkv(fused: torch.Tensor, h: Heads) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Our fused QKV -> HF's q_proj, k_proj, v_proj (inverse of `pack_qkv`)."""
-    d, hidden = h.head_dim, fused.shape[-1]
-    groups = fused.shape[0] // ((h.q_per_group + 2) * d)
-    q, k, v = fused.reshape(groups, h.q_per_group + 2, d, hidden).split([h.q_per_group, 1, 1], dim=1)
-    return q.reshape(-1, hidden), k.reshape(-1, hidden), v.reshape(-1, hidden)
+def _grouped_qkv(q: str, k: str, v: str, h: Heads) -> list[Segment]:
+    d, qg = h.head_dim, h.q_per_group
+    out = []
+    for g in range(h.num_query_groups):
+        out += [Segment(q, g * qg * d, qg * d), Segment(k, g * d, d), Segment(v, g * d, d)]
+    return out
 
 
-def pack_fc1(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """HF gate_proj / up_proj (full, or one TP rank's shard of each) -> our fc1 [gate; up]."""
-    return torch.cat([gate, up], dim=0)
+def _gpt2_qkv(name: str, h: Heads, transposed: bool) -> list[Segment]:
+    """GPT-2's c_attn is [q; k; v] over all heads (one query group per head)."""
+    d, n = h.head_dim, h.num_attention_heads
+    out = []
+    for g in range(n):
+        out += [Segment(name, off + g * d, d, transposed) for off in (0, n * d, 2 * n * d)]
+    return out
 
 
-def unpack_fc1(fc1: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    gate, up = fc1.chunk(2, dim=0)
-    return gate, up
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
+
+
+def _llama_layer(prefix: str, suffix: str, s: Shapes, arch: str) -> list[Segment]:
+    h, hidden = s.heads, s.hidden_size
+    attn = f"{prefix}.self_attn"
+    qkv = (f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj")
+    moe = f"{prefix}.block_sparse_moe" if arch == "MixtralForCausalLM" else f"{prefix}.mlp"
+    table: dict[str, list[Segment]] = {
+        "input_layernorm.weight": _whole(f"{prefix}.input_layernorm.weight", hidden),
+        "pre_mlp_layernorm.weight": _whole(f"{prefix}.post_attention_layernorm.weight", hidden),
+        "self_attention.linear_qkv.weight": _grouped_qkv(*(f"{n}.weight" for n in qkv), h),
+        "self_attention.linear_qkv.bias": _grouped_qkv(*(f"{n}.bias" for n in qkv), h),
+        "self_attention.linear_proj.weight": _whole(f"{attn}.o_proj.weight", hidden),
+        "self_attention.q_layernorm.weight": _whole(f"{attn}.q_norm.weight", h.head_dim),
+        "self_attention.k_layernorm.weight": _whole(f"{attn}.k_norm.weight", h.head_dim),
+        "mlp.linear_fc1.weight": [
+            Segment(f"{prefix}.mlp.gate_proj.weight", 0, s.ffn_hidden_size),
+            Segment(f"{prefix}.mlp.up_proj.weight", 0, s.ffn_hidden_size),
+        ],
+        "mlp.linear_fc2.weight": _whole(f"{prefix}.mlp.down_proj.weight", hidden),
+        "mlp.router.weight": [Segment(f"{moe}.gate.weight", 0, -1)],
+    }
+    if suffix in table:
+        return table[suffix]
+    e = _EXPERT.match(suffix)
+    if e:
+        j, which, f = e.group(1), e.group(2), s.expert_ffn_hidden_size
+        if arch == "MixtralForCausalLM":
+            gate, up, down = (f"{moe}.experts.{j}.{w}.weight" for w in ("w1", "w3", "w2"))
+        else:
+            gate, up, down = (f"{moe}.experts.{j}.{w}_proj.weight" for w in ("gate", "up", "down"))
+        if which == "linear_fc1":
+            return [Segment(gate, 0, f), Segment(up, 0, f)]
+        return _whole(down, hidden)
+    raise KeyError(suffix)
+
+
+def _gpt2_layer(prefix: str, suffix: str, s: Shapes) -> list[Segment]:
+    hidden, ffn = s.hidden_size, s.ffn_hidden_size
+    table = {
+        "input_layernorm.weight": _whole(f"{prefix}.ln_1.weight", hidden),
+        "input_layernorm.bias": _whole(f"{prefix}.ln_1.bias", hidden),
+        "pre_mlp_layernorm.weight": _whole(f"{prefix}.ln_2.weight", hidden),
+        "pre_mlp_layernorm.bias": _whole(f"{prefix}.ln_2.bias", hidden),
+        "self_attention.linear_qkv.weight": _gpt2_qkv(f"{prefix}.attn.c_attn.weight", s.heads, True),
+        "self_attention.linear_qkv.bias": _gpt2_qkv(f"{prefix}.attn.c_attn.bias", s.heads, False),
+        "self_attention.linear_proj.weight": [Segment(f"{prefix}.attn.c_proj.weight", 0, hidden, True)],
+        "self_attention.linear_proj.bias": _whole(f"{prefix}.attn.c_proj.bias", hidden),
+        "mlp.linear_fc1.weight": [Segment(f"{prefix}.mlp.c_fc.weight", 0, ffn, True)],
+        "mlp.linear_fc1.bias": _whole(f"{prefix}.mlp.c_fc.bias", ffn),
+        "mlp.linear_fc2.weight": [Segment(f"{prefix}.mlp.c_proj.weight", 0, hidden, True)],
+        "mlp.linear_fc2.bias": _whole(f"{prefix}.mlp.c_proj.bias", hidden),
+    }
+    if suffix in table:
+        return table[suffix]
+    raise KeyError(suffix)
+
+
+def segments(arch: str, our_name: str, s: Shapes) -> list[Segment]:
+    """Our global tensor `our_name` as HF segments along its first dimension; KeyError when the
+    family has no tensor for it (a model feature the family lacks)."""
+    gpt2 = arch in GPT2_STYLE
+    m = _LAYER.match(our_name)
+    if m:
+        idx, suffix = m.groups()
+        prefix = f"transformer.h.{idx}" if gpt2 else f"model.layers.{idx}"
+        segs = _gpt2_layer(prefix, suffix, s) if gpt2 else _llama_layer(prefix, suffix, s, arch)
+        return segs
+    embed = "transformer.wte.weight" if gpt2 else "model.embed_tokens.weight"
+    if our_name == "embedding.weight" or (our_name == "output_layer.weight" and s.tie_embeddings):
+        return _vocab(embed, s)
+    if our_name == "output_layer.weight":
+        return _vocab("lm_head.weight", s)
+    if gpt2 and our_name == "position_embeddings.weight":
+        return [Segment("transformer.wpe.weight", 0, -1)]
+    final = {"decoder.final_layernorm.weight": "weight", "decoder.final_layernorm.bias": "bias"}
+    if our_name in final:
+        return _whole(f"{'transformer.ln_f' if gpt2 else 'model.norm'}.{final[our_name]}", s.hidden_size)
+    raise KeyError(our_name)
+
+
+def hf_names(arch: str, our_name: str, s: Shapes) -> list[str]:
+    """The HF tensors one of our tensors is made of, in order, without repeats."""
+    return list(dict.fromkeys(seg.name for seg in segments(arch, our_name, s) if seg.name is not None))
+
+
+def resolve_lengths(segs: list[Segment], rows: int) -> list[Segment]:
+    """Segments with a length of -1 ("all rows of the HF tensor") given the tensor's row count."""
+    return [Segment(g.name, g.start, rows, g.transposed) if g.length < 0 else g for g in segs]
+
+
+def hf_tensors(arch: str, our: dict[str, torch.Tensor], s: Shapes) -> dict[str, torch.Tensor]:
+    """Export: our full global tensors -> HF tensors (padding rows dropped, fused ones split)."""
+    pieces: dict[str, list[tuple[int, torch.Tensor, bool]]] = {}
+    for name, full in our.items():
+        row = 0
+        for seg in resolve_lengths(segments(arch, name, s), full.shape[0]):
+            part = full.narrow(0, row, seg.length)
+            row += seg.length
+            if seg.name is not None:
+                pieces.setdefault(seg.name, []).append((seg.start, part, seg.transposed))
+        if row != full.shape[0]:
+            raise ValueError(f"{name}: {full.shape[0]} rows, but its segments cover {row}")
+    out = {}
+    for hf, parts in pieces.items():
+        parts.sort(key=lambda p: p[0])
+        starts = [p[0] for p in parts]
+        if len(set(starts)) != len(starts):  # a tied embedding reached twice: keep one
+            parts = list({p[0]: p for p in parts}.values())
+        joined = torch.cat([p[1] for p in parts], dim=0)
+        out[hf] = joined.t().contiguous() if parts[0][2] else joined.contiguous()
+    return out

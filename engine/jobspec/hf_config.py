@@ -1,9 +1,10 @@
 """A Hugging Face model folder's config.json -> the `model` fields it fixes (plain json only).
 
-engine/jobspec imports nothing else of the engine, so this reads config.json with `json` and
-maps it with a per-family table. Local folders only; an `s3://` folder is resolved on the ranks.
-Not yet wired into `ModelSpec` (no `model.init_from` yet): `hf_model_fields` is the pure mapping
-that the validator and the importer will share.
+engine/jobspec imports nothing else of the engine, so this reads config.json with `json` (and,
+for an `s3://` folder, one GET with boto3's default credential and endpoint chain, e.g.
+AWS_ENDPOINT_URL) and maps it with a per-family table. `ModelSpec`'s `model.init_from` validator
+and the importer/exporter (engine/hf/) share it, so the API, `elastron train` and the ranks see the
+same architecture.
 """
 
 from __future__ import annotations
@@ -26,13 +27,46 @@ FAMILIES: dict[str, str] = {
 
 
 def read_hf_config(folder: str | Path) -> dict[str, Any]:
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise HFConfigError(f"model.init_from: {folder} has no config.json")
+    """config.json of a local folder or an s3://bucket/prefix folder."""
+    folder = str(folder)
+    if folder.startswith("s3://"):
+        where, text = f"{folder.rstrip('/')}/config.json", _read_s3_text(folder, "config.json")
+    else:
+        path = Path(folder).expanduser() / "config.json"
+        if not path.is_file():
+            raise HFConfigError(f"model.init_from: {folder} has no config.json")
+        where, text = str(path), path.read_text()
     try:
-        return json.loads(path.read_text())
+        cfg = json.loads(text)
     except json.JSONDecodeError as e:
-        raise HFConfigError(f"model.init_from: {path} is not valid JSON: {e}") from e
+        raise HFConfigError(f"model.init_from: {where} is not valid JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise HFConfigError(f"model.init_from: {where} is not a JSON object")
+    return cfg
+
+
+def has_tokenizer(folder: str) -> bool:
+    """Whether a model folder ships a fast tokenizer (tokenizer.json), the default data.tokenizer."""
+    if not folder.startswith("s3://"):
+        return (Path(folder).expanduser() / "tokenizer.json").is_file()
+    try:
+        _read_s3_text(folder, "tokenizer_config.json")
+        return True
+    except HFConfigError:
+        return False
+
+
+def _read_s3_text(folder: str, name: str) -> str:
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    bucket, _, prefix = folder[len("s3://") :].partition("/")
+    key = f"{prefix.strip('/')}/{name}".lstrip("/")
+    try:
+        body = boto3.client("s3").get_object(Bucket=bucket, Key=key)["Body"]
+        return body.read().decode("utf-8")
+    except (ClientError, BotoCoreError) as e:
+        raise HFConfigError(f"model.init_from: cannot read s3://{bucket}/{key}: {e}") from e
 
 
 def _rope_theta(cfg: dict[str, Any]) -> float:

@@ -16,6 +16,7 @@ from engine.jobspec import layout
 from engine.jobspec.checkpoint import CheckpointSpec
 from engine.jobspec.common import _divisors, _Section
 from engine.jobspec.data import DataSpec
+from engine.jobspec.hf_config import has_tokenizer
 from engine.jobspec.model import ModelSpec
 from engine.jobspec.parallel import ParallelSpec
 from engine.jobspec.resilience import ResilienceSpec
@@ -33,6 +34,20 @@ class JobSpec(_Section):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     resilience: ResilienceSpec = Field(default_factory=ResilienceSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tokenizer_of_init_from(cls, data: Any) -> Any:
+        """data.tokenizer defaults to the tokenizer of the Hugging Face folder the model starts from."""
+        if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
+            return data
+        folder = data["model"].get("init_from")
+        section = data.get("data") or {}
+        if not isinstance(folder, str) or not isinstance(section, dict) or "tokenizer" in section:
+            return data
+        if has_tokenizer(folder):
+            return {**data, "data": {**section, "tokenizer": f"hf:{folder}"}}
+        return data
 
     @property
     def data_parallel_size(self) -> int:

@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import math
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
 from engine.jobspec.common import PositiveInt, _divisors, _Section
+from engine.jobspec.hf_config import check_sliding_window, hf_model_fields, merge_fields, read_hf_config
 
 
 class MoESpec(_Section):
@@ -47,6 +48,13 @@ class MoESpec(_Section):
 class ModelSpec(_Section):
     """Architecture, with Megatron-Core's names. `arch` picks the family defaults."""
 
+    init_from: str | None = Field(
+        None,
+        description="A Hugging Face model folder (local, or s3://bucket/prefix): config.json and "
+        "model.safetensors (or shards with model.safetensors.index.json). The architecture fields come "
+        "from its config.json (a field set here to another value is an error naming both); the "
+        "weights are loaded before the first step unless the job resumes from a checkpoint.",
+    )
     arch: Literal["gpt2", "llama"] = "llama"
     num_layers: PositiveInt = 2
     hidden_size: PositiveInt = 64
@@ -70,6 +78,19 @@ class ModelSpec(_Section):
     rotary_base: float = Field(10000.0, gt=0.0)
     init_method_std: float = Field(0.02, gt=0.0)
     moe: MoESpec | None = Field(None, description="Mixture of Experts feed-forward layers; default: dense.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_hf_config(cls, data: Any) -> Any:
+        """model.init_from: the architecture fields are config.json's, so the rest of validation
+        (and the layout rules of the whole job) sees the real model."""
+        if not isinstance(data, dict) or not data.get("init_from"):
+            return data
+        if not isinstance(data["init_from"], str):
+            raise ValueError("model.init_from must be a path or an s3:// URI to a Hugging Face model folder")
+        cfg = read_hf_config(data["init_from"])
+        check_sliding_window(cfg, data.get("seq_length", cls.model_fields["seq_length"].default))
+        return merge_fields(hf_model_fields(cfg), data)
 
     @model_validator(mode="after")
     def _arch_defaults(self) -> ModelSpec:

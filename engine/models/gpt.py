@@ -144,10 +144,21 @@ class GPTModel(nn.Module):
         if not self.post_process:
             return x
         tied_here = self.config.tie_embeddings and self.pre_process
-        logits = self.output_layer(x, weight=self.embedding.weight if tied_here else None)
+        logits = self._mask_vocab_padding(self.output_layer(x, weight=self.embedding.weight if tied_here else None))
         if labels is None:
             return logits.transpose(0, 1)
         return self.loss_from_logits(logits.transpose(0, 1), labels)
+
+    def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
+        """-inf for the padded vocabulary entries this rank's slice holds, in place: they are not
+        tokens, so they get no probability mass (and the loss and logits match an unpadded model,
+        e.g. a Hugging Face one, exactly)."""
+        c = self.config
+        per = logits.shape[-1]
+        first = c.true_vocab_size - ps.get_tensor_model_parallel_rank() * per  # first padded column here
+        if first < per:
+            logits[..., max(first, 0) :].fill_(float("-inf"))
+        return logits
 
     @staticmethod
     def loss_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,13 @@ class TransformerConfig:
     sequence_parallel: bool = False
     recompute: str = "none"  # "none" | "selective" (attention core) | "full" (whole layers)
     moe: MoEConfig | None = None
+    # The tokenizer's (or config.json's) vocabulary; the embedding is padded beyond it to
+    # padded_vocab_size, and the padded entries' logits are -inf (never predicted). None: no padding.
+    vocab_size: int | None = None
+
+    @property
+    def true_vocab_size(self) -> int:
+        return self.vocab_size if self.vocab_size is not None else self.padded_vocab_size
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer `layer` has an MoE feed-forward block."""
@@ -88,6 +95,7 @@ class TransformerConfig:
             sequence_parallel=sequence_parallel_effective(spec.parallel),
             recompute=spec.training.recompute,
             moe=_moe_config(spec),
+            vocab_size=vocab,
         )
 
 

@@ -1,0 +1,88 @@
+"""Tiny random Hugging Face models written in the test itself (no download), and what the HF
+import/export tests run on each rank: import, logits of one batch gathered whole, one step."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from engine import parallel_state as ps
+from engine.data.sources import SyntheticSource
+from engine.jobspec import JobSpec
+from engine.training import Trainer
+
+SEQ = 16
+SEED = 3
+
+
+def save_tiny(folder, config_cls, model_cls, seed: int = 0, dtype=torch.float32, **fields):
+    """A random HF model of `config_cls(**fields)` saved to `folder`; returns the model (eval)."""
+    torch.manual_seed(seed)
+    config = config_cls(**fields)
+    config.architectures = [model_cls.__name__]
+    model = model_cls(config).to(dtype).eval()
+    model.config._attn_implementation = "eager"
+    model.save_pretrained(folder)
+    return model
+
+
+def batch(vocab: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first `count` samples of the jobs' synthetic data, as (tokens, labels)."""
+    rows = torch.stack([SyntheticSource(vocab, SEQ, SEED)[i] for i in range(count)])
+    return rows[:, :-1], rows[:, 1:]
+
+
+def hf_logits_and_loss(model, vocab: int, count: int) -> tuple[torch.Tensor, float]:
+    tokens, labels = batch(vocab, count)
+    with torch.no_grad():
+        logits = model(input_ids=tokens).logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+    return logits, float(loss)
+
+
+def job(folder, ranks: int = 1, **sections) -> dict:
+    spec = {
+        "name": "hf",
+        "model": {"init_from": str(folder), "seq_length": SEQ},
+        "data": {"source": "synthetic", "tokenizer": "byte"},
+        "training": {"global_batch_size": 4, "micro_batch_size": 2, "train_iters": 1, "seed": SEED},
+        "optimizer": {"lr": 1e-3, "clip_grad": 0.0},
+        "resources": {"ranks": ranks, "device": "cpu"},
+    }
+    for key, value in sections.items():
+        spec[key] = {**spec.get(key, {}), **value}
+    return spec
+
+
+def _full_logits(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | None:
+    """Logits [b, s, vocab] of `tokens`, whole on the last pipeline stage's TP rank 0."""
+    chunk = trainer.model_chunks[0].eval()
+    pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    with torch.no_grad():
+        if pp == 1:
+            out = chunk(tokens)
+        else:  # two stages: hidden states go from rank 0's stage to the next by hand
+            peer = dist.get_global_rank(ps.get_group("pp"), 1 - stage)
+            if stage == 0:
+                dist.send(chunk(tokens).contiguous(), peer)
+                return None
+            hidden = torch.empty(tokens.shape[1], tokens.shape[0], trainer.config.hidden_size)
+            dist.recv(hidden, peer)
+            out = chunk(hidden)
+        tp = ps.get_tensor_model_parallel_world_size()
+        if tp > 1:
+            parts = [torch.empty_like(out) for _ in range(tp)]
+            dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
+            out = torch.cat(parts, dim=-1)
+    return out.float()
+
+
+def import_forward_step(spec: dict, vocab: int) -> dict:
+    """On every rank: import, the logits of the job's first micro-batch, one training step."""
+    trainer = Trainer(JobSpec.model_validate(spec))
+    tokens, _ = batch(vocab, spec["training"]["micro_batch_size"])
+    logits = _full_logits(trainer, tokens)
+    step = trainer.train_step()
+    report = trainer.hf_import
+    ps.destroy_model_parallel()
+    return {"logits": logits, "loss": step.loss, "bytes_read": report.bytes_read, "file_bytes": report.file_bytes}
