@@ -98,6 +98,34 @@ def train(
 
 
 @app.command()
+def export(
+    checkpoint: Annotated[
+        str, typer.Argument(help="A job's checkpoint root (its newest committed checkpoint) or an iter_NNNNNNN folder; local or s3://.")
+    ],
+    output: Annotated[str, typer.Option("--output", "-o", help="Folder to write (local or s3://).")],
+    format: Annotated[str, typer.Option("--format", help="Output format: hf (a Hugging Face model folder).")] = "hf",
+    dtype: Annotated[str, typer.Option(help="Weights dtype: bf16, fp16 or fp32.")] = "bf16",
+    endpoint_url: Annotated[str | None, typer.Option(help="S3 endpoint (default: the boto3 chain).")] = None,
+) -> None:
+    """Turn a committed checkpoint, saved on any layout, into a Hugging Face model folder:
+    config.json, generation_config.json, safetensors shards (at most 5 GB each) with their index,
+    and the tokenizer files when the job used an hf: tokenizer. Exit 2 on bad input."""
+    if format != "hf":
+        fail(f"--format {format!r} is not supported: use --format hf")
+    from engine.checkpointing.commit import CheckpointCorruptError
+    from engine.hf.exporter import export_hf
+
+    try:
+        report = export_hf(checkpoint, output, dtype=dtype, endpoint_url=endpoint_url)
+    except (ValueError, FileNotFoundError, CheckpointCorruptError) as err:  # ExportError, HFConfigError too
+        fail(str(err))
+    typer.echo(
+        f"exported iteration {report.iteration} of {checkpoint} to {output}: {report.tensors} tensors, "
+        f"{report.bytes_written / 2**20:.1f} MiB {dtype}, {report.seconds:.1f} s"
+    )
+
+
+@app.command()
 def schema() -> None:
     """Print the job specification's JSON Schema."""
     json.dump(json_schema(), sys.stdout, indent=2)

@@ -137,3 +137,42 @@ def merge_fields(hf_fields: dict[str, Any], job_fields: dict[str, Any]) -> dict[
                 f"value {value!r}: remove model.{key} or set it to {value!r}"
             )
     return {**job_fields, **hf_fields}
+
+
+def hf_config_for(model: Any, base: dict[str, Any] | None = None, *, dtype: str = "bf16") -> dict[str, Any]:
+    """config.json for a job's `model` section (a ModelSpec): over `base` (the config.json the
+    job was imported from, so its token ids and other fields survive) when there is one. The
+    inverse of hf_model_fields for every field that function reads."""
+    cfg = dict(base or {})
+    arch = (cfg.get("architectures") or [None])[0]
+    if arch not in FAMILIES or FAMILIES[arch] != model.arch:
+        arch = {"llama": "LlamaForCausalLM"}.get(model.arch)
+        if arch is None:
+            raise HFConfigError(f"model.arch={model.arch!r} has no Hugging Face export yet")
+        cfg = {k: v for k, v in cfg.items() if k in ("bos_token_id", "eos_token_id", "pad_token_id")}
+    cfg.update(
+        architectures=[arch],
+        model_type=_MODEL_TYPES[arch],
+        vocab_size=model.vocab_size,
+        hidden_size=model.hidden_size,
+        intermediate_size=model.ffn_hidden_size,
+        num_hidden_layers=model.num_layers,
+        num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_query_groups,
+        head_dim=model.head_dim,
+        hidden_act="silu",
+        rms_norm_eps=model.norm_epsilon,
+        tie_word_embeddings=model.tie_embeddings,
+        max_position_embeddings=max(int(cfg.get("max_position_embeddings") or 0), model.seq_length),
+        attention_bias=False,
+        mlp_bias=False,
+        dtype={"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype],
+    )
+    cfg.pop("torch_dtype", None)
+    cfg.pop("rope_scaling", None)
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": model.rotary_base}
+    cfg["rope_theta"] = model.rotary_base
+    return cfg
+
+
+_MODEL_TYPES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral"}

@@ -86,3 +86,18 @@ def import_forward_step(spec: dict, vocab: int) -> dict:
     report = trainer.hf_import
     ps.destroy_model_parallel()
     return {"logits": logits, "loss": step.loss, "bytes_read": report.bytes_read, "file_bytes": report.file_bytes}
+
+
+def train_then_logits(spec: dict, vocab: int) -> dict:
+    """On every rank: import, train `train_iters` steps (checkpointing at the end), then the
+    logits of the first micro-batch."""
+    trainer = Trainer(JobSpec.model_validate(spec))
+    losses = []
+    while trainer.iteration < trainer.spec.training.train_iters:
+        losses.append(trainer.train_step().loss)
+        trainer.save_checkpoint_if_due()
+    trainer.checkpointer.wait()
+    tokens, _ = batch(vocab, spec["training"]["micro_batch_size"])
+    logits = _full_logits(trainer, tokens)
+    ps.destroy_model_parallel()
+    return {"logits": logits, "losses": losses}
