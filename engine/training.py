@@ -35,10 +35,10 @@ from engine.data.builder import build_datasets
 from engine.data.sources import micro_batch
 from engine.data.tokenizer import build_tokenizer
 from engine.distributed.data_parallel import DataParallel
-from engine.hf.importer import ImportReport, hf_architecture, import_hf_weights
 from engine.distributed.finalize_grads import finalize_model_grads
 from engine.energy_monitor import EnergyMonitor
 from engine.flops import mfu, model_flops_per_iteration, peak_flops
+from engine.hf.importer import ImportReport, hf_architecture, import_hf_weights
 from engine.jobspec import JobSpec, ResolvedJob, resolve_job
 from engine.jobspec.layout import num_microbatches
 from engine.microbatches import MicrobatchCalculator

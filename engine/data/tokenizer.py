@@ -2,7 +2,9 @@
 
 A spec is `byte` (256 bytes + EOD, needs no files: the embedded default), `hf:PATH` (a Hugging
 Face `tokenizers` tokenizer.json, or a folder holding one) or `sentencepiece:PATH` (a
-SentencePiece .model file). Nothing is ever downloaded: a spec whose file is missing raises
+SentencePiece .model file); `hf:s3://bucket/model` (a model folder on S3, the default for
+`model.init_from: s3://...`) is copied to a local cache first. Nothing is downloaded from a hub:
+a spec whose file is missing raises
 FileNotFoundError naming the file and the `data.tokenizer` field, before any work starts.
 
 The end-of-document (EOD) id comes from the tokenizer's own special tokens (`<|endoftext|>`,
@@ -150,11 +152,44 @@ class SentencePieceTokenizer:
         return self._sp.decode([int(i) for i in ids])
 
 
+# The files of a Hugging Face tokenizer folder (tokenizer.json, and what chat templates and
+# special tokens live in).
+HF_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def local_tokenizer_path(path: str) -> str:
+    """`path` itself, or for an `s3://` folder (a model folder named by model.init_from) a local
+    copy of its tokenizer files, fetched once per machine into a cache keyed by the URI."""
+    if not path.startswith("s3://"):
+        return path
+    import hashlib
+    import os
+    import tempfile
+
+    from engine.checkpointing.backends import open_storage
+
+    local = Path(tempfile.gettempdir()) / "elastron-tokenizers" / hashlib.sha256(path.encode()).hexdigest()[:16]
+    if not (local / "tokenizer.json").is_file():
+        storage = open_storage(path)
+        local.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=local.parent))
+        for name in HF_TOKENIZER_FILES:
+            if storage.exists(name):
+                storage.get_file(name, staging / name)
+        if not (staging / "tokenizer.json").is_file():
+            raise FileNotFoundError(f"data.tokenizer 'hf:{path}': no tokenizer.json in {path}")
+        try:
+            os.rename(staging, local)  # atomic: ranks of one machine race to the same folder
+        except OSError:
+            pass  # another rank got there first; its copy is the same files
+    return str(local)
+
+
 def build_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer | SentencePieceTokenizer:
     """The tokenizer a `data.tokenizer` string names (see the module docstring for the forms)."""
     kind, path = parse_tokenizer_spec(spec)
     if kind == "hf":
-        return HFTokenizer(path)
+        return HFTokenizer(local_tokenizer_path(path))
     if kind == "sentencepiece":
         return SentencePieceTokenizer(path)
     return ByteTokenizer()

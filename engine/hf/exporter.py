@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from engine.checkpointing import raw_io
 from engine.checkpointing.backends import open_storage
 from engine.checkpointing.commit import open_checkpoint, resolve_checkpoint
-from engine.data.tokenizer import build_tokenizer
+from engine.data.tokenizer import build_tokenizer, local_tokenizer_path
 from engine.hf.families import Shapes, hf_tensors
 from engine.jobspec import JobSpec, parse_tokenizer_spec
 from engine.jobspec.hf_config import HFConfigError, hf_config_for, read_hf_config
@@ -75,7 +75,9 @@ def read_model_tensors(uri: str, *, endpoint_url: str | None = None, region: str
             raw_io.load(targets, opened)
     spec = JobSpec.model_validate(opened.meta["job"]) if opened.meta.get("job") else None
     if spec is None:
-        raise ExportError(f"checkpoint {uri} carries no job record (saved by an older elastron): cannot tell its model")
+        raise ExportError(
+            f"checkpoint {uri} carries no job record (saved by an older elastron): cannot tell its model"
+        )
     return iteration, spec, _join_strided(targets)
 
 
@@ -123,15 +125,19 @@ def export_hf(
     model = _model_config(spec)
     config = {**hf_config_for(spec.model, base, dtype=dtype), "vocab_size": model.true_vocab_size}
     arch = config["architectures"][0]
-    tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_tensors(arch, ours, Shapes.of(model)).items()}
+    tensors = {
+        k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_tensors(arch, ours, Shapes.of(model)).items()
+    }
     with tempfile.TemporaryDirectory(prefix="elastron-export-") as tmp:
         folder = Path(tmp)
         files = _write_shards(folder, tensors, max_shard_bytes)
         (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        (folder / "generation_config.json").write_text(json.dumps(_generation_config(config), indent=2) + "\n")
+        (folder / "generation_config.json").write_text(
+            json.dumps(_generation_config(config), indent=2) + "\n"
+        )
         kind, path = parse_tokenizer_spec(spec.data.tokenizer)
         if kind == "hf":
-            source = Path(path)
+            source = Path(local_tokenizer_path(path))
             source = source if source.is_dir() else source.parent
             for name in TOKENIZER_FILES:
                 if (source / name).is_file():
@@ -170,7 +176,10 @@ def _write_shards(folder: Path, tensors: dict[str, torch.Tensor], max_bytes: int
 def _hf_order(name: str) -> tuple:
     """Layer by layer, so each shard holds whole layers in order (as transformers writes them)."""
     m = re.search(r"\.(\d+)\.", name)
-    return (int(m.group(1)) if m else -1 if "embed" in name or "wte" in name or "wpe" in name else 1 << 30, name)
+    return (
+        int(m.group(1)) if m else -1 if "embed" in name or "wte" in name or "wpe" in name else 1 << 30,
+        name,
+    )
 
 
 def _generation_config(config: dict) -> dict:

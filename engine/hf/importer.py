@@ -76,7 +76,11 @@ class _Loader:
             rows_at = 1 if seg.transposed else 0
             rest = list(global_shape[1:])
             hf_rest = list(info.shape[:rows_at] + info.shape[rows_at + 1 :])
-            if len(info.shape) != len(global_shape) or hf_rest != rest or info.shape[rows_at] < seg.start + seg.length:
+            if (
+                len(info.shape) != len(global_shape)
+                or hf_rest != rest
+                or info.shape[rows_at] < seg.start + seg.length
+            ):
                 raise HFCheckpointError(
                     f"model.init_from: tensor {seg.name} has shape {list(info.shape)}, which does not fit our "
                     f"{name} of shape {list(global_shape)} (check config.json against the weights)"
@@ -84,8 +88,15 @@ class _Loader:
             self.used.add(seg.name)
         return segs
 
-    def rows(self, segs: list[Segment], r0: int, r1: int, cols: tuple[int, int] | None, out_cols: int | None,
-             dtype: torch.dtype) -> torch.Tensor:
+    def rows(
+        self,
+        segs: list[Segment],
+        r0: int,
+        r1: int,
+        cols: tuple[int, int] | None,
+        out_cols: int | None,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
         """Rows r0:r1 (and columns `cols`) of our global tensor, put together from its segments."""
         pieces, at = [], 0
         for seg in segs:
@@ -93,7 +104,9 @@ class _Loader:
             if a < b:
                 lo, hi = seg.start + a - at, seg.start + b - at
                 if seg.name is None:
-                    pieces.append(torch.zeros((b - a, *([out_cols] if out_cols is not None else [])), dtype=dtype))
+                    pieces.append(
+                        torch.zeros((b - a, *([out_cols] if out_cols is not None else [])), dtype=dtype)
+                    )
                 elif seg.transposed:
                     c = slice(*cols) if cols else slice(None)
                     pieces.append(self.folder.read(seg.name, c, slice(lo, hi)).t())
@@ -113,10 +126,12 @@ class _Loader:
         elif dim == 0:
             value = torch.cat([self.rows(segs, a, b, None, cols_total, param.dtype) for a, b in spans])
         else:  # split along the input dimension: all rows, this rank's columns
-            (a, b), = spans
+            ((a, b),) = spans
             value = self.rows(segs, 0, global_shape[0], (a, b), b - a, param.dtype)
         if value.shape != param.shape:
-            raise HFCheckpointError(f"model.init_from: built {list(value.shape)} for {name}, expected {list(param.shape)}")
+            raise HFCheckpointError(
+                f"model.init_from: built {list(value.shape)} for {name}, expected {list(param.shape)}"
+            )
         param.copy_(value)
 
 
@@ -141,7 +156,9 @@ def import_hf_weights(chunks: list[nn.Module], uri: str, arch: str, config) -> I
         used = [None] * dist.get_world_size()
         dist.all_gather_object(used, loader.used)
     unused = sorted(
-        n for n in set(folder.tensors) - set().union(*used) if not n.endswith(IGNORED_SUFFIXES) and not _tied_head(n, config)
+        n
+        for n in set(folder.tensors) - set().union(*used)
+        if not n.endswith(IGNORED_SUFFIXES) and not _tied_head(n, config)
     )
     if unused:
         shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")

@@ -87,9 +87,13 @@ class HFFolder:
             if name == "__metadata__":
                 continue
             if entry["dtype"] not in DTYPES:
-                raise HFCheckpointError(f"{file}: tensor {name} has dtype {entry['dtype']}, which torch cannot hold")
+                raise HFCheckpointError(
+                    f"{file}: tensor {name} has dtype {entry['dtype']}, which torch cannot hold"
+                )
             start, _end = entry["data_offsets"]
-            self.tensors[name] = TensorInfo(file, DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + length + start)
+            self.tensors[name] = TensorInfo(
+                file, DTYPES[entry["dtype"]], tuple(entry["shape"]), 8 + length + start
+            )
 
     def _read(self, file: str, offset: int, buf: bytearray | memoryview) -> None:
         self.storage.read_into(file, offset, [buf])
@@ -120,7 +124,9 @@ class HFFolder:
             view = _bytes(out)
             width = (c1 - c0) * item
             for i, r in enumerate(range(r0, r1)):
-                self._read(info.file, info.offset + (r * shape[1] + c0) * item, view[i * width : (i + 1) * width])
+                self._read(
+                    info.file, info.offset + (r * shape[1] + c0) * item, view[i * width : (i + 1) * width]
+                )
             return out
         span = torch.empty((r1 - r0, shape[1]), dtype=info.dtype)
         self._read(info.file, info.offset + r0 * shape[1] * item, _bytes(span))

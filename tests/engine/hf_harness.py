@@ -26,6 +26,38 @@ def save_tiny(folder, config_cls, model_cls, seed: int = 0, dtype=torch.float32,
     return model
 
 
+def write_tokenizer(folder, vocab_size: int = 300) -> None:
+    """A small byte-level BPE tokenizer.json (+ tokenizer_config.json) trained on the shipped corpus."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from engine.data.sources import SHIPPED_CORPUS
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train([str(SHIPPED_CORPUS)], trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+
+
+def upload(folder, bucket: str, prefix: str) -> str:
+    """Every file of `folder` to s3://bucket/prefix/ (boto3's default chain); returns the URI."""
+    import boto3
+
+    s3 = boto3.client("s3")
+    for path in folder.iterdir():
+        s3.upload_file(str(path), bucket, f"{prefix}/{path.name}")
+    return f"s3://{bucket}/{prefix}"
+
+
 def batch(vocab: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The first `count` samples of the jobs' synthetic data, as (tokens, labels)."""
     rows = torch.stack([SyntheticSource(vocab, SEQ, SEED)[i] for i in range(count)])
@@ -46,7 +78,7 @@ def job(folder, ranks: int = 1, **sections) -> dict:
         "model": {"init_from": str(folder), "seq_length": SEQ},
         "data": {"source": "synthetic", "tokenizer": "byte"},
         "training": {"global_batch_size": 4, "micro_batch_size": 2, "train_iters": 1, "seed": SEED},
-        "optimizer": {"lr": 1e-3, "clip_grad": 0.0},
+        "optimizer": {"lr": 1e-3, "clip_grad": 0.0, "adam_eps": 1e-6},  # see parallel_harness on eps
         "resources": {"ranks": ranks, "device": "cpu"},
     }
     for key, value in sections.items():
@@ -85,19 +117,24 @@ def import_forward_step(spec: dict, vocab: int) -> dict:
     step = trainer.train_step()
     report = trainer.hf_import
     ps.destroy_model_parallel()
-    return {"logits": logits, "loss": step.loss, "bytes_read": report.bytes_read, "file_bytes": report.file_bytes}
+    return {
+        "logits": logits,
+        "loss": step.loss,
+        "bytes_read": report.bytes_read,
+        "file_bytes": report.file_bytes,
+    }
 
 
-def train_then_logits(spec: dict, vocab: int) -> dict:
-    """On every rank: import, train `train_iters` steps (checkpointing at the end), then the
-    logits of the first micro-batch."""
+def train_then_logits(spec: dict, vocab: int, stop_at: int | None = None) -> dict:
+    """On every rank: import, train to `stop_at` (default: `train_iters`; checkpoints as the
+    job says), then the logits of the first micro-batch."""
     trainer = Trainer(JobSpec.model_validate(spec))
     losses = []
-    while trainer.iteration < trainer.spec.training.train_iters:
+    while trainer.iteration < (stop_at or trainer.spec.training.train_iters):
         losses.append(trainer.train_step().loss)
         trainer.save_checkpoint_if_due()
     trainer.checkpointer.wait()
     tokens, _ = batch(vocab, spec["training"]["micro_batch_size"])
     logits = _full_logits(trainer, tokens)
     ps.destroy_model_parallel()
-    return {"logits": logits, "losses": losses}
+    return {"logits": logits, "losses": losses, "imported": trainer.hf_import is not None}

@@ -31,8 +31,12 @@ def llama(tmp_path_factory):
 
 def _train(folder, ckpt, ranks, iters, lr, **sections):
     spec = h.job(
-        folder, ranks, checkpoint={"path": str(ckpt)}, training={"train_iters": iters},
-        optimizer={"lr": lr, "min_lr": 0.0, "weight_decay": 0.0}, **sections,
+        folder,
+        ranks,
+        checkpoint={"path": str(ckpt)},
+        training={"train_iters": iters},
+        optimizer={"lr": lr, "min_lr": 0.0, "weight_decay": 0.0},
+        **sections,
     )
     return spawn(h.train_then_logits, ranks, (spec, 300), timeout_s=240)
 
@@ -41,7 +45,9 @@ def test_round_trip_is_byte_identical(llama, tmp_path):
     folder, _ = llama
     _train(folder, tmp_path / "ckpt", 2, 1, 1e-30, parallel={"tensor": 2})
     out = tmp_path / "hf"
-    result = CliRunner().invoke(app, ["export", str(tmp_path / "ckpt" / "hf"), "--output", str(out), "--dtype", "fp32"])
+    result = CliRunner().invoke(
+        app, ["export", str(tmp_path / "ckpt" / "hf"), "--output", str(out), "--dtype", "fp32"]
+    )
     assert result.exit_code == 0, result.output
     assert "exported iteration 1" in result.output
     original, exported = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
@@ -53,7 +59,9 @@ def test_round_trip_is_byte_identical(llama, tmp_path):
     assert (out / "generation_config.json").is_file()
 
 
-@pytest.mark.parametrize("parallel", [{"tensor": 2, "sequence_parallel": True}, {"pipeline": 2}], ids=["tp2", "pp2"])
+@pytest.mark.parametrize(
+    "parallel", [{"tensor": 2, "sequence_parallel": True}, {"pipeline": 2}], ids=["tp2", "pp2"]
+)
 def test_trained_model_loads_into_transformers_with_our_logits(llama, tmp_path, parallel):
     folder, _ = llama
     got = _train(folder, tmp_path / "ckpt", 2, 2, 1e-2, parallel=parallel)
@@ -81,9 +89,13 @@ def test_default_dtype_is_bf16_and_bad_input_exits_2(llama, tmp_path):
     assert all(t.dtype == torch.bfloat16 for t in load_file(out / "model.safetensors").values())
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     runner = CliRunner()
-    bad = runner.invoke(app, ["export", str(tmp_path / "ckpt" / "hf"), "--output", str(out), "--format", "gguf"])
+    bad = runner.invoke(
+        app, ["export", str(tmp_path / "ckpt" / "hf"), "--output", str(out), "--format", "gguf"]
+    )
     assert bad.exit_code == 2 and "--format 'gguf' is not supported" in bad.output
     missing = runner.invoke(app, ["export", str(tmp_path / "nothing"), "--output", str(out)])
     assert missing.exit_code == 2 and "no committed checkpoint" in missing.output
-    dtype = runner.invoke(app, ["export", str(tmp_path / "ckpt" / "hf"), "--output", str(out), "--dtype", "int8"])
+    dtype = runner.invoke(
+        app, ["export", str(tmp_path / "ckpt" / "hf"), "--output", str(out), "--dtype", "int8"]
+    )
     assert dtype.exit_code == 2 and "--dtype 'int8'" in dtype.output
