@@ -38,7 +38,7 @@ from engine.distributed.data_parallel import DataParallel
 from engine.distributed.finalize_grads import finalize_model_grads
 from engine.energy_monitor import EnergyMonitor
 from engine.flops import mfu, model_flops_per_iteration, peak_flops
-from engine.hf.importer import ImportReport, hf_architecture, import_hf_weights
+from engine.hf.importer import hf_architecture, import_hf_weights
 from engine.jobspec import JobSpec, ResolvedJob, resolve_job
 from engine.jobspec.layout import num_microbatches
 from engine.microbatches import MicrobatchCalculator
@@ -124,8 +124,13 @@ class Trainer:
         tokenizer = build_tokenizer(spec.data.tokenizer)
         self.config = TransformerConfig.from_job(spec, tokenizer.vocab_size)
         self.device = device.current_device()
-        self.model_chunks = self._build_model_chunks()
-        self.hf_import = self._import_hf_weights()
+        importing = self._will_import()
+        self.model_chunks = self._build_model_chunks(initialize=not importing)
+        self.hf_import = (
+            import_hf_weights(self.model_chunks, spec.model.init_from, hf_architecture(spec.model.init_from), self.config)
+            if importing
+            else None
+        )
         grad_dtype = torch.float32 if p.grad_reduce_in_fp32 else self.config.params_dtype
         # Weights are replicated over context parallelism as well: gradients are averaged over
         # DP x CP and the distributed optimizer shards over it (Megatron-Core's dp_cp group).
@@ -199,18 +204,17 @@ class Trainer:
         if self.rerun.state == RerunState.NOT_RUNNING_YET:
             self.rerun.current_iteration = self.iteration
 
-    def _import_hf_weights(self) -> ImportReport | None:
-        """model.init_from: the Hugging Face weights, before the optimizer copies them into its
-        fp32 masters; skipped when the job resumes (its checkpoint has newer weights)."""
-        m = self.spec.model
-        if m.init_from is None:
-            return None
+    def _will_import(self) -> bool:
+        """model.init_from's weights are loaded (before the optimizer copies them into its fp32
+        masters, and instead of a random init: the import writes every element, the vocabulary
+        padding included) unless the job resumes: its checkpoint has newer weights."""
         c = self.spec.checkpoint
+        if self.spec.model.init_from is None:
+            return False
         if c.path or c.resume_from:
             probe = Checkpointer({}, c, job_name=self.spec.name, events=None, layout="")
-            if probe.will_resume():
-                return None
-        return import_hf_weights(self.model_chunks, m.init_from, hf_architecture(m.init_from), self.config)
+            return not probe.will_resume()
+        return True
 
     def _planned_samples(self) -> tuple[int, int | None, None]:
         """Samples the run will read (train, valid): sizes the cached sample indexes ahead."""
@@ -270,7 +274,7 @@ class Trainer:
             return True
         return False
 
-    def _build_model_chunks(self) -> list[GPTModel]:
+    def _build_model_chunks(self, initialize: bool = True) -> list[GPTModel]:
         """This rank's model chunks: one per virtual pipeline stage it holds (one without PP)."""
         p = self.spec.parallel
         vp = p.virtual_pipeline or 1
@@ -287,7 +291,8 @@ class Trainer:
                 layer_offset=offset,
                 num_layers=count,
             ).to(self.device)
-            initialize_weights(chunk, self.spec.training.seed)
+            if initialize:
+                initialize_weights(chunk, self.spec.training.seed)
             chunks.append(chunk)
         return chunks
 

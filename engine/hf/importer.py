@@ -88,51 +88,48 @@ class _Loader:
             self.used.add(seg.name)
         return segs
 
-    def rows(
-        self,
-        segs: list[Segment],
-        r0: int,
-        r1: int,
-        cols: tuple[int, int] | None,
-        out_cols: int | None,
-        dtype: torch.dtype,
-    ) -> torch.Tensor:
-        """Rows r0:r1 (and columns `cols`) of our global tensor, put together from its segments."""
-        pieces, at = [], 0
+    def fill(self, segs: list[Segment], r0: int, cols: tuple[int, int] | None, dst: torch.Tensor) -> None:
+        """Write rows r0:r0+len(dst) (and columns `cols`) of our global tensor into `dst`, segment
+        by segment; a plain row range of the same dtype is read straight into `dst`'s memory."""
+        r1, at = r0 + dst.shape[0], 0
         for seg in segs:
             a, b = max(r0, at), min(r1, at + seg.length)
             if a < b:
                 lo, hi = seg.start + a - at, seg.start + b - at
+                part = dst.narrow(0, a - r0, b - a)
                 if seg.name is None:
-                    pieces.append(
-                        torch.zeros((b - a, *([out_cols] if out_cols is not None else [])), dtype=dtype)
-                    )
+                    part.zero_()
                 elif seg.transposed:
-                    c = slice(*cols) if cols else slice(None)
-                    pieces.append(self.folder.read(seg.name, c, slice(lo, hi)).t())
+                    part.copy_(
+                        self.folder.read(seg.name, slice(*cols) if cols else slice(None), slice(lo, hi)).t()
+                    )
+                elif (
+                    cols is None
+                    and part.is_contiguous()
+                    and part.dtype == self.folder.tensors[seg.name].dtype
+                ):
+                    self.folder.read(seg.name, slice(lo, hi), out=part)
                 else:
-                    pieces.append(self.folder.read(seg.name, slice(lo, hi), slice(*cols) if cols else None))
+                    part.copy_(self.folder.read(seg.name, slice(lo, hi), slice(*cols) if cols else None))
             at += seg.length
-        return torch.cat([p.to(dtype) for p in pieces], dim=0)
+        if at < r1:
+            raise HFCheckpointError(f"model.init_from: the segments cover {at} rows, {r1} needed")
 
     @torch.no_grad()
     def load(self, name: str, param: nn.Parameter) -> None:
         global_shape = tuple(getattr(param, "global_shape", param.shape))
         segs = self.plan(name, global_shape)
         dim, spans = _span(param)
-        cols_total = global_shape[1] if len(global_shape) > 1 else None
         if dim is None:
-            value = self.rows(segs, 0, global_shape[0], None, cols_total, param.dtype)
-        elif dim == 0:
-            value = torch.cat([self.rows(segs, a, b, None, cols_total, param.dtype) for a, b in spans])
+            self.fill(segs, 0, None, param.data)
+        elif dim == 0:  # each stride chunk's rows, one after the other
+            at = 0
+            for a, b in spans:
+                self.fill(segs, a, None, param.data.narrow(0, at, b - a))
+                at += b - a
         else:  # split along the input dimension: all rows, this rank's columns
             ((a, b),) = spans
-            value = self.rows(segs, 0, global_shape[0], (a, b), b - a, param.dtype)
-        if value.shape != param.shape:
-            raise HFCheckpointError(
-                f"model.init_from: built {list(value.shape)} for {name}, expected {list(param.shape)}"
-            )
-        param.copy_(value)
+            self.fill(segs, 0, (a, b), param.data)
 
 
 def hf_architecture(uri: str) -> str:

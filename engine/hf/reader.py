@@ -4,8 +4,8 @@ A safetensors file is an 8-byte header length, a JSON header (per tensor: dtype,
 offsets) and the raw row-major data. So the rows `a:b` of a tensor are one contiguous byte range:
 a rank reads exactly its rows straight into the tensor it fills, through `Storage.read_into`
 (a `pread` locally, one ranged GET on S3). A column slice (a row-parallel weight's input
-dimension) is one range per row: locally each row's slice is read on its own (so a TP rank reads
-1/tp of the bytes); on S3 the rows' whole span is read in one GET and cut here, because one GET
+dimension) is one range per row: locally it is cut from safetensors' memory map of the file (so
+a TP rank touches about 1/tp of the pages); on S3 the rows' whole span is read in one GET and cut here, because one GET
 per row would cost more than the bytes it saves. `bytes_read` counts what was requested from
 storage, for the import's report and bench/hf_import.py.
 """
@@ -62,6 +62,7 @@ class HFFolder:
         self.bytes_read = 0
         self._lock = threading.Lock()
         self.tensors: dict[str, TensorInfo] = {}
+        self._maps: dict[str, object] = {}
         for file in self._files():
             self._read_header(file)
 
@@ -100,13 +101,24 @@ class HFFolder:
         with self._lock:
             self.bytes_read += len(buf)
 
+    def _mapped(self, file: str):
+        """safetensors' memory map of a local file: a column slice copies just its bytes."""
+        from safetensors import safe_open
+
+        if file not in self._maps:
+            self._maps[file] = safe_open(str(self.storage.local_path(file)), framework="pt")
+        return self._maps[file]
+
     def file_bytes(self) -> int:
         """Total size of the weight files (for the bytes-read ratio)."""
         sizes = self.storage.sizes("")
         return sum(sizes.get(f, 0) for f in {t.file for t in self.tensors.values()})
 
-    def read(self, name: str, rows: slice, cols: slice | None = None) -> torch.Tensor:
-        """Rows `rows` (and columns `cols`, for a 2-D tensor) of tensor `name`, in its own dtype."""
+    def read(
+        self, name: str, rows: slice, cols: slice | None = None, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Rows `rows` (and columns `cols`, for a 2-D tensor) of tensor `name`, in its own dtype;
+        whole rows go straight into `out` (contiguous, that dtype and shape) when given."""
         info = self.tensors[name]
         shape = info.shape
         inner = 1
@@ -115,18 +127,21 @@ class HFFolder:
         item = torch.tensor([], dtype=info.dtype).element_size()
         r0, r1, _ = rows.indices(shape[0])
         if cols is None or (len(shape) == 2 and cols.indices(shape[1])[:2] == (0, shape[1])):
-            out = torch.empty((r1 - r0, *shape[1:]), dtype=info.dtype)
+            if out is None:
+                out = torch.empty((r1 - r0, *shape[1:]), dtype=info.dtype)
+            if (
+                tuple(out.shape) != (r1 - r0, *shape[1:])
+                or out.dtype != info.dtype
+                or not out.is_contiguous()
+            ):
+                raise ValueError(f"read {name}: out is {out.dtype} {list(out.shape)}")
             self._read(info.file, info.offset + r0 * inner * item, _bytes(out))
             return out
         c0, c1, _ = cols.indices(shape[1])
         if isinstance(self.storage, LocalStorage):
-            out = torch.empty((r1 - r0, c1 - c0), dtype=info.dtype)
-            view = _bytes(out)
-            width = (c1 - c0) * item
-            for i, r in enumerate(range(r0, r1)):
-                self._read(
-                    info.file, info.offset + (r * shape[1] + c0) * item, view[i * width : (i + 1) * width]
-                )
+            out = self._mapped(info.file).get_slice(name)[r0:r1, c0:c1]
+            with self._lock:
+                self.bytes_read += out.numel() * item
             return out
         span = torch.empty((r1 - r0, shape[1]), dtype=info.dtype)
         self._read(info.file, info.offset + r0 * shape[1] * item, _bytes(span))

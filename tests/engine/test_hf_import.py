@@ -8,6 +8,8 @@ inside the model, so the padded logits' masking is exercised too.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
@@ -129,10 +131,12 @@ def test_from_s3_with_its_tokenizer_by_ranged_reads(tmp_path, s3_bucket, s3_env)
     model = h.save_tiny(tmp_path, LlamaConfig, LlamaForCausalLM, **LLAMA)
     h.write_tokenizer(tmp_path, 300)
     uri = h.upload(tmp_path, s3_bucket, "models/tiny")
+    # Ranks fork from a server started before this test: hand them its AWS settings.
+    aws_env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
     spec = h.job(uri, 2, parallel={"tensor": 2})
     del spec["data"]["tokenizer"]
     assert parse_job(spec).data.tokenizer == f"hf:{uri}"  # the folder's own tokenizer by default
-    got = spawn(h.import_forward_step, 2, (spec, 300), timeout_s=240, env={"AWS_ENDPOINT_URL": s3_env})
+    got = spawn(h.import_forward_step, 2, (spec, 300), timeout_s=240, env=aws_env)
     ref_logits, _ = h.hf_logits_and_loss(model, 300, 2)
     logits = got[0]["logits"][..., :300]
     assert float((logits - ref_logits).abs().max() / ref_logits.abs().max()) < RTOL
