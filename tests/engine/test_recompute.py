@@ -76,7 +76,7 @@ def _forward_backward(spec_dict: dict, dropout_seed: int | None = None, break_tr
     if dropout_seed is not None:  # same weights, other dropout masks
         model_parallel_manual_seed(dropout_seed)
     source = build_datasets(
-        spec, tokenizer, config.seq_length, t.seed, synthetic_vocab_size=config.padded_vocab_size
+        spec, tokenizer, config.seq_length, t.seed, synthetic_vocab_size=config.true_vocab_size
     ).train
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     model.train()
