@@ -39,13 +39,13 @@ def model_flops_per_iteration(
     """Training FLOPs (forward + backward = 3 x forward) of one iteration of the GPT decoder.
 
     With B = global batch, s = seq_length, h = hidden, L = layers, a = attention heads, g = query
-    groups (KV heads), d = head dim (kv channels), f = ffn hidden, V = padded vocab, and 2 FLOPs
-    per multiply-add, the forward FLOPs per token are
+    groups (KV heads), d = head dim (model.kv_channels; a*d need not be h, as in Qwen3), f = ffn
+    hidden, V = padded vocab, and 2 FLOPs per multiply-add, the forward FLOPs per token are
 
         L * [ 2h(ad + 2gd)          QKV projections (q: h x ad; k, v: h x gd each)
             + 2 * 2ad * s/2         QK^T and attention x V; causal: half the s x s scores
-            + 2ad h                 output projection
-            + 2hf * (3 | 2) ]       MLP: SwiGLU gate, up, down | GELU up, down
+            + 2ad h                 output projection (ad -> h)
+            + 2hf * (3 | 2) ]       MLP: swiglu's gate, up, down | gelu's (or gelu_tanh's) up, down
         + 2hV                       logits (counted whether or not embeddings are tied)
 
     where an MoE layer's MLP term is 2hE (router) + k * 2hf_e * (3 | 2) (the k experts a token

@@ -1,8 +1,9 @@
 """Make every rank's gradients final before the optimizer step.
 
 1. Data parallel: wait for every bucket's reduction (most were launched during backward).
-2. Sequence-parallel params (norm weights, row-parallel biases, position embeddings under SP)
-   saw only one sequence chunk per TP rank: sum their grads over TP.
+2. Params marked `sequence_parallel` have a partial grad on each TP rank: sum it over TP. Under
+   SP those are norm weights, row-parallel biases, position embeddings and the router (each TP
+   rank saw one sequence chunk); with or without SP the per-head q/k norms (each rank's heads).
 3. A tied embedding split across pipeline stages: sum the first stage's embedding grad and the
    last stage's output-weight grad over the embedding group, so both copies take the same step.
 

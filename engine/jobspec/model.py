@@ -35,12 +35,51 @@ class MoESpec(_Section):
     capacity_factor: float | None = Field(
         None, gt=0.0, description="Tokens per expert at most capacity_factor x the even share; extra dropped."
     )
+    norm_topk_prob: bool | None = Field(
+        None,
+        description="Divide the k chosen gate weights by their sum (Mixtral, Qwen3-MoE); the aux loss still "
+        "uses the unnormalised scores. Default: no for softmax scores, yes for sigmoid (top_k > 1).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> MoESpec:
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"model.moe.top_k ({self.top_k}) is larger than model.moe.num_experts ({self.num_experts})"
+            )
+        return self
+
+
+class RopeScalingSpec(_Section):
+    """RoPE frequency scaling for contexts longer than pretraining, as transformers computes it
+    (its `rope_scaling` / `rope_parameters`): `linear` divides every inverse frequency by
+    `factor`; `llama3` (Llama 3.1) divides only the low frequencies, smoothly between the two
+    wavelength bounds that `low_freq_factor` and `high_freq_factor` set."""
+
+    type: Literal["llama3", "linear"] = Field(description="transformers' rope_type.")
+    factor: float = Field(gt=0.0, description="How much longer the context is than at pretraining.")
+    low_freq_factor: float = Field(
+        1.0, gt=0.0, description="llama3: wavelengths above original/low_freq_factor are divided by factor."
+    )
+    high_freq_factor: float = Field(
+        4.0, gt=0.0, description="llama3: wavelengths below original/high_freq_factor are kept."
+    )
+    original_max_position_embeddings: PositiveInt = Field(
+        8192, description="llama3: the context length the model was pretrained on."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> RopeScalingSpec:
+        llama3_only = {"low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+        given = sorted(llama3_only & self.model_fields_set)
+        if self.type == "linear" and given:
+            raise ValueError(
+                f"model.rope_scaling.{given[0]} applies to type llama3 only: remove it for type linear"
+            )
+        if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(
+                f"model.rope_scaling.high_freq_factor ({self.high_freq_factor}) must be larger than "
+                f"model.rope_scaling.low_freq_factor ({self.low_freq_factor})"
             )
         return self
 
@@ -62,8 +101,28 @@ class ModelSpec(_Section):
     num_query_groups: PositiveInt | None = Field(
         None, description="Grouped-query attention groups; default: one per head (plain multi-head)."
     )
+    kv_channels: PositiveInt | None = Field(
+        None,
+        description="Head dimension (Megatron-Core's name); default hidden_size / num_attention_heads. "
+        "When set, heads x kv_channels need not equal hidden_size (Qwen3).",
+    )
     ffn_hidden_size: PositiveInt | None = Field(
-        None, description="Default: 4*hidden (gpt2), or 8/3*hidden rounded up to 64 (llama, SwiGLU)."
+        None, description="Default: 8/3*hidden rounded up to 64 with swiglu, else 4*hidden."
+    )
+    activation: Literal["gelu", "gelu_tanh", "swiglu"] | None = Field(
+        None,
+        description="Feed-forward activation (dense MLP and experts): gelu (exact erf), gelu_tanh (GPT-2's "
+        "gelu_new) or swiglu. Default: gelu for gpt2, swiglu for llama.",
+    )
+    qkv_bias: bool | None = Field(
+        None,
+        description="Bias on the fused QKV projection only (Qwen2). Default: the arch's (gpt2: biases on "
+        "every linear; llama: none).",
+    )
+    qk_layernorm: bool = Field(
+        False,
+        description="Normalise each head's queries and keys over the head dimension before RoPE (Qwen3), "
+        "with the model's norm; one weight of size kv_channels each for q and k, shared by the heads.",
     )
     vocab_size: PositiveInt | None = Field(None, description="Default: the tokenizer's vocabulary size.")
     make_vocab_size_divisible_by: PositiveInt = Field(
@@ -76,6 +135,9 @@ class ModelSpec(_Section):
     attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     norm_epsilon: float = Field(1e-5, gt=0.0)
     rotary_base: float = Field(10000.0, gt=0.0)
+    rope_scaling: RopeScalingSpec | None = Field(
+        None, description="Scale RoPE frequencies for long contexts (llama arch only); default: none."
+    )
     init_method_std: float = Field(0.02, gt=0.0)
     moe: MoESpec | None = Field(None, description="Mixture of Experts feed-forward layers; default: dense.")
 
@@ -96,17 +158,22 @@ class ModelSpec(_Section):
     def _arch_defaults(self) -> ModelSpec:
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
+        if self.activation is None:
+            self.activation = "gelu" if self.arch == "gpt2" else "swiglu"
+        if self.qkv_bias is None:
+            self.qkv_bias = self.arch == "gpt2"
         if self.ffn_hidden_size is None:
-            if self.arch == "gpt2":
-                self.ffn_hidden_size = 4 * self.hidden_size
-            else:
+            if self.activation == "swiglu":
                 self.ffn_hidden_size = 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+            else:
+                self.ffn_hidden_size = 4 * self.hidden_size
         if self.tie_embeddings is None:
             self.tie_embeddings = self.arch == "gpt2"
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_attention_heads "
-                f"({self.num_attention_heads}): pick heads from {_divisors(self.hidden_size)}"
+                f"({self.num_attention_heads}): pick heads from {_divisors(self.hidden_size)}, "
+                "or set model.kv_channels (the head size)"
             )
         if self.num_attention_heads % self.num_query_groups:
             raise ValueError(
@@ -122,13 +189,21 @@ class ModelSpec(_Section):
                 f"model.moe.layer_pattern has {len(self.moe.layer_pattern)} entries for model.num_layers "
                 f"({self.num_layers}): give one 0/1 per layer"
             )
-        if self.arch == "llama" and (self.hidden_size // self.num_attention_heads) % 2:
+        if self.arch == "llama" and self.head_dim % 2:
+            what = (
+                "model.kv_channels (the head size)"
+                if self.kv_channels is not None
+                else "model.hidden_size / model.num_attention_heads (the head size)"
+            )
+            raise ValueError(f"{what} must be even for rotary embeddings (llama), got {self.head_dim}")
+        if self.arch == "gpt2" and self.rope_scaling is not None:
             raise ValueError(
-                "model.hidden_size / model.num_attention_heads (the head size) must be even for rotary "
-                f"embeddings (llama), got {self.hidden_size // self.num_attention_heads}"
+                "model.rope_scaling scales rotary embeddings, but arch gpt2 learns its positions: "
+                "remove model.rope_scaling or use arch llama"
             )
         return self
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """The effective head size: kv_channels, else hidden_size / num_attention_heads."""
+        return self.kv_channels or self.hidden_size // self.num_attention_heads

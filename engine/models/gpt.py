@@ -75,7 +75,9 @@ class GPTModel(nn.Module):
                 self.position_embeddings.weight.init_std = c.init_method_std
                 # Under SP each rank adds only its chunk's positions: the grad is a partial sum over TP.
                 mark_sequence_parallel(self.position_embeddings, c.sequence_parallel)
-        self.rotary = RotaryEmbedding(c.head_dim, c.rotary_base) if c.position_embedding == "rope" else None
+        self.rotary = None
+        if c.position_embedding == "rope":
+            self.rotary = RotaryEmbedding(c.head_dim, c.rotary_base, c.rope_scaling)
         self.decoder = TransformerBlock(
             c, num_layers=num_layers, post_layer_norm=post_process, layer_offset=layer_offset
         )

@@ -5,9 +5,10 @@ Every parameter carries where it sits in the global (unsharded) tensor: `partiti
 global tensor is made of, e.g. 2 for SwiGLU's fused gate|up weight) and `global_shape`. That
 one description serves three readers: layout-independent initialisation (a seed gives the same
 model on any TP size), gathering for tests, and the sharded checkpoint's global offsets.
-Parameters whose gradient is a partial sum over TP ranks under sequence parallelism (norm
-weights, biases added after a reduce-scatter) are marked `sequence_parallel = True` so grad
-finalisation all-reduces them over TP.
+Replicated parameters whose gradient is a partial sum over TP ranks (under sequence parallelism:
+norm weights, biases added after a reduce-scatter; always: the per-head q/k norms, which see only
+this rank's heads) are marked `sequence_parallel = True` so grad finalisation all-reduces them
+over TP.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ def set_partition(
 
 
 def mark_sequence_parallel(module: nn.Module, enabled: bool) -> None:
-    """Mark a replicated module's params as seeing only a sequence chunk (grads need a TP sum)."""
+    """Mark a replicated module's params as seeing only part of the work (a sequence chunk, or
+    this rank's heads): their grads need a TP sum."""
     for p in module.parameters(recurse=False):
         p.sequence_parallel = enabled
 

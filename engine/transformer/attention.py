@@ -7,6 +7,12 @@ scaled_dot_product_attention (flash/fused kernels where the device has them); wi
 `recompute == "selective"` only the core is recomputed in backward (its [b, heads, s, s]
 intermediates are the largest activations and the cheapest to redo), with the same dropout mask.
 
+Qwen-style options: a bias on the QKV projection alone (`add_qkv_bias`; it splits over TP with
+the weight's rows, per query group), a head size other than hidden / heads (`kv_channels`), and
+an RMSNorm (LayerNorm for GPT-2 style) of each query and key head over head_dim before RoPE
+(`qk_layernorm`, Qwen3): one weight for q and one for k, shared by all heads and held whole by
+every TP rank, each of which normalises its own heads, so their grads are summed over TP.
+
 Under context parallelism (parallel.context > 1) the core is the CP ring attention of
 engine.transformer.context_parallel over this rank's two sequence chunks; it keeps only q, k, v,
 the output and its log-sum-exp for backward, so selective recompute has nothing to add there.
@@ -24,6 +30,7 @@ from engine import parallel_state as ps
 from engine.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_rng_tracker
 from engine.transformer import context_parallel
 from engine.transformer.config import TransformerConfig
+from engine.transformer.norm import build_norm
 from engine.transformer.rope import apply_rotary
 
 
@@ -43,7 +50,7 @@ class SelfAttention(nn.Module):
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size,
             (config.num_attention_heads + 2 * config.num_query_groups) * hd,
-            bias=config.add_bias_linear,
+            bias=config.qkv_bias,
             sequence_parallel=config.sequence_parallel,
             params_dtype=config.params_dtype,
             init_std=config.init_method_std,
@@ -56,6 +63,10 @@ class SelfAttention(nn.Module):
             params_dtype=config.params_dtype,
             init_std=config.output_layer_init_std,
         )
+        self.q_layernorm = self.k_layernorm = None
+        if config.qk_layernorm:
+            self.q_layernorm = build_norm(config, hd, per_head=True)
+            self.k_layernorm = build_norm(config, hd, per_head=True)
 
     def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         qkv = self.linear_qkv(x)  # [s, b, groups_local * (q_per_group + 2) * head_dim]
@@ -65,6 +76,8 @@ class SelfAttention(nn.Module):
         q, k, v = qkv.split([self.q_per_group, 1, 1], dim=3)
         q = q.reshape(s, b, self.heads_local, hd)
         k, v = k.squeeze(3), v.squeeze(3)
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

@@ -15,6 +15,7 @@ import torch
 from engine.jobspec import JobSpec
 from engine.jobspec.layout import sequence_parallel_effective
 from engine.transformer.moe.router import MoEConfig
+from engine.transformer.rope import RopeScaling
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -29,10 +30,14 @@ class TransformerConfig:
     padded_vocab_size: int
     seq_length: int
     normalization: str  # "LayerNorm" | "RMSNorm"
-    activation: str  # "gelu" | "swiglu"
+    activation: str  # "gelu" | "gelu_tanh" | "swiglu"
     position_embedding: str  # "learned_absolute" | "rope"
-    add_bias_linear: bool
+    add_bias_linear: bool  # every linear but the output layer (GPT-2)
     tie_embeddings: bool
+    add_qkv_bias: bool | None = None  # the fused QKV projection's; None: add_bias_linear
+    qk_layernorm: bool = False  # per-head norm of q and k before RoPE (Qwen3)
+    kv_channels: int | None = None  # head dim; None: hidden_size // num_attention_heads
+    rope_scaling: RopeScaling | None = None
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     norm_epsilon: float = 1e-5
@@ -56,7 +61,11 @@ class TransformerConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.add_bias_linear if self.add_qkv_bias is None else self.add_qkv_bias
 
     @property
     def output_layer_init_std(self) -> float:
@@ -82,10 +91,14 @@ class TransformerConfig:
             padded_vocab_size=multiple * math.ceil(vocab / multiple),
             seq_length=m.seq_length,
             normalization="RMSNorm" if llama else "LayerNorm",
-            activation="swiglu" if llama else "gelu",
+            activation=m.activation,
             position_embedding="rope" if llama else "learned_absolute",
             add_bias_linear=not llama,
             tie_embeddings=m.tie_embeddings,
+            add_qkv_bias=m.qkv_bias,
+            qk_layernorm=m.qk_layernorm,
+            kv_channels=m.kv_channels,
+            rope_scaling=RopeScaling(**m.rope_scaling.model_dump()) if m.rope_scaling else None,
             hidden_dropout=m.hidden_dropout,
             attention_dropout=m.attention_dropout,
             norm_epsilon=m.norm_epsilon,
@@ -118,5 +131,6 @@ def _moe_config(spec: JobSpec) -> MoEConfig | None:
         expert_bias=m.expert_bias,
         expert_bias_update_rate=m.expert_bias_update_rate,
         capacity_factor=m.capacity_factor,
+        norm_topk_prob=m.norm_topk_prob,
         layers=tuple(layers),
     )

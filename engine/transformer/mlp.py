@@ -10,22 +10,23 @@ import torch
 from torch import nn
 
 from engine.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-from engine.transformer.activations import activation
+from engine.transformer.activations import activation, is_gated
 from engine.transformer.config import TransformerConfig
 
 
 class MLP(nn.Module):
     def __init__(self, config: TransformerConfig, ffn_hidden_size: int | None = None):
         super().__init__()
-        self.swiglu = config.activation == "swiglu"
+        self.activation = config.activation
+        gated = is_gated(config.activation)
         ffn = ffn_hidden_size or config.ffn_hidden_size  # MoE's shared expert has its own width
-        width = ffn * (2 if self.swiglu else 1)
+        width = ffn * (2 if gated else 1)
         self.linear_fc1 = ColumnParallelLinear(
             config.hidden_size,
             width,
             bias=config.add_bias_linear,
             sequence_parallel=config.sequence_parallel,
-            partition_stride=2 if self.swiglu else 1,
+            partition_stride=2 if gated else 1,
             params_dtype=config.params_dtype,
             init_std=config.init_method_std,
         )
@@ -39,4 +40,4 @@ class MLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear_fc2(activation(self.linear_fc1(x), self.swiglu))
+        return self.linear_fc2(activation(self.linear_fc1(x), self.activation))

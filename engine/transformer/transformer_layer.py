@@ -9,22 +9,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.tensor_parallel import checkpoint, mark_sequence_parallel
+from engine.tensor_parallel import checkpoint
 from engine.transformer.attention import SelfAttention
 from engine.transformer.config import TransformerConfig
 from engine.transformer.dropout import dropout
 from engine.transformer.mlp import MLP
 from engine.transformer.moe import MoELayer
-
-
-def build_norm(config: TransformerConfig) -> nn.Module:
-    """LayerNorm or RMSNorm; under sequence parallelism its params see one sequence chunk only."""
-    if config.normalization == "RMSNorm":
-        norm = nn.RMSNorm(config.hidden_size, eps=config.norm_epsilon, dtype=config.params_dtype)
-    else:
-        norm = nn.LayerNorm(config.hidden_size, eps=config.norm_epsilon, dtype=config.params_dtype)
-    mark_sequence_parallel(norm, config.sequence_parallel)
-    return norm
+from engine.transformer.norm import build_norm
 
 
 class TransformerLayer(nn.Module):

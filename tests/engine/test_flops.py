@@ -75,6 +75,20 @@ def test_swiglu_has_one_more_matrix_than_gelu():
     assert swiglu - gelu == 3 * B * L * (2 * s * h * f)
 
 
+def test_gelu_tanh_counts_like_gelu():
+    assert model_flops_per_iteration(_config(activation="gelu_tanh"), 3) == model_flops_per_iteration(
+        _config(activation="gelu"), 3
+    )
+
+
+def test_kv_channels_sizes_the_attention_not_the_hidden():
+    # Qwen3-style: 4 heads of d=24 (96 != h=64), 2 KV heads; only the attention terms change.
+    B, s, h, heads, kv, L = 3, 32, 64, 4, 2, 2
+    per_d = 2 * s * h * (heads + 2 * kv) + 2 * heads * 2 * s * s / 2 + 2 * s * heads * h  # per unit of d
+    wide = model_flops_per_iteration(_config(kv_channels=24), B)
+    assert wide - model_flops_per_iteration(_config(), B) == 3 * B * L * per_d * (24 - 16)
+
+
 def test_recompute_is_not_model_flops():
     assert model_flops_per_iteration(_config(recompute="full"), 3) == model_flops_per_iteration(_config(), 3)
 

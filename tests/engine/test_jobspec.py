@@ -68,7 +68,7 @@ def test_hidden_not_divisible_by_heads():
     refused(
         job(model={"hidden_size": 64, "num_attention_heads": 5}),
         r"^model\.hidden_size \(64\) must be divisible by model\.num_attention_heads \(5\): "
-        r"pick heads from 1, 2, 4, 8, 16, 32, 64$",
+        r"pick heads from 1, 2, 4, 8, 16, 32, 64, or set model\.kv_channels \(the head size\)$",
     )
 
 

@@ -115,7 +115,13 @@ def _dispatch_rank(num_experts: int, top_k: int) -> dict:
         dispatcher = AllToAllDispatcher(num_experts, group)
         local = num_experts // dispatcher.ep
         experts = LocalExperts(
-            local, hidden=hidden, ffn=ffn, swiglu=True, dtype=torch.float32, init_std=0.02, out_std=0.02
+            local,
+            hidden=hidden,
+            ffn=ffn,
+            activation="swiglu",
+            dtype=torch.float32,
+            init_std=0.02,
+            out_std=0.02,
         )
         offset = rank * local if group is not None else 0
         _load(experts, weights, offset)

@@ -64,7 +64,7 @@ class MoELayer(nn.Module):
             self.local_count,
             hidden=config.hidden_size,
             ffn=moe.ffn_hidden_size,
-            swiglu=config.activation == "swiglu",
+            activation=config.activation,
             dtype=config.params_dtype,
             init_std=config.init_method_std,
             out_std=config.output_layer_init_std,

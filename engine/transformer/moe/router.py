@@ -3,8 +3,10 @@
 Computed in fp32 whatever the model's precision (routing decisions flip on rounding otherwise).
 Scores are softmax or sigmoid over the router's logits; the top k scores pick the experts, and
 with `expert_bias` (aux-loss-free balancing, DeepSeek-V3's rule) the pick uses score + bias while
-the gate weights stay the unbiased scores. Sigmoid gates are renormalised to sum to 1 over the
-k chosen experts.
+the gate weights stay the unbiased scores. With `norm_topk_prob` the k chosen gates are divided
+by their sum (Mixtral and Qwen3-MoE in transformers: softmax over all experts, top k, divide;
+Megatron-Core's default softmax over the top-k logits is the same); by default sigmoid gates are
+(top_k > 1) and softmax gates are not. The balancing losses use the scores before that.
 
 Balancing losses, per micro-batch, as in Megatron-Core:
 - auxiliary (Switch/GShard): coeff * E / (T^2 * k) * sum_e P_e * n_e, where P_e is the sum over
@@ -46,7 +48,15 @@ class MoEConfig:
     expert_bias: bool = False
     expert_bias_update_rate: float = 1e-3
     capacity_factor: float | None = None
+    norm_topk_prob: bool | None = None  # None: sigmoid with top_k > 1 only
     layers: tuple[bool, ...] = ()  # which layers are MoE (global layer index)
+
+    @property
+    def normalizes_gates(self) -> bool:
+        """Whether the k chosen gate weights are divided by their sum."""
+        if self.norm_topk_prob is not None:
+            return self.norm_topk_prob
+        return self.score == "sigmoid" and self.top_k > 1
 
 
 @dataclass
@@ -96,7 +106,7 @@ class TopKRouter(nn.Module):
         pick = scores + self.expert_bias if moe.expert_bias else scores
         indices = pick.topk(moe.top_k, dim=-1).indices
         gates = scores.gather(1, indices)
-        if moe.score == "sigmoid" and moe.top_k > 1:
+        if moe.normalizes_gates:
             gates = gates / (gates.sum(dim=-1, keepdim=True) + 1e-20)
         counts = torch.zeros(moe.num_experts, device=x.device).index_add_(
             0, indices.reshape(-1), torch.ones(indices.numel(), device=x.device)
