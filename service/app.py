@@ -24,7 +24,7 @@ from service.launcher import Launcher, RayJobsLauncher
 from service.limits import BodySizeLimit, RateLimiter
 from service.metrics import HttpMetrics, JobSeries
 from service.reconciler import Reconciler
-from service.routers import health, jobs, logs, telemetry, ui
+from service.routers import exports, health, jobs, logs, telemetry, ui
 from service.settings import Settings
 from service.store.db import make_engine, make_sessionmaker
 from service.store.migrate import upgrade
@@ -98,6 +98,7 @@ def create_app(
     app.state.ctx = ctx
     errors.install(app)
     app.include_router(jobs.router)
+    app.include_router(exports.router)
     app.include_router(logs.router)
     app.include_router(telemetry.router)
     app.include_router(health.router)

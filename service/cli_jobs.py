@@ -1,5 +1,6 @@
-"""The `elastron` commands that talk to the control plane: up, down, token create, submit, jobs,
-status, logs, cancel, demo. Composed with the engine's and workers' commands by elastron/cli.py.
+"""The `elastron` commands that talk to the control plane: up, down, token create, submit, jobs
+(and jobs export), status, logs, cancel, demo. Composed with the engine's and workers' commands
+by elastron/cli.py.
 
 Job commands are thin HTTP clients (service/client.py): they read the API address and token
 from ELASTRON_API_URL / ELASTRON_API_TOKEN or from the files `elastron up` writes. Any failure
@@ -213,12 +214,19 @@ def submit(
         raise typer.Exit(0 if final["state"] == "succeeded" else 1)
 
 
-@app.command()
+jobs_app = typer.Typer(help="List your jobs; `jobs export` exports a checkpoint of one.")
+app.add_typer(jobs_app, name="jobs")
+
+
+@jobs_app.callback(invoke_without_command=True)
 def jobs(
+    ctx: typer.Context,
     state: Annotated[str | None, typer.Option(help="Only jobs in this state.")] = None,
     limit: Annotated[int, typer.Option(help="Jobs to show, newest first.")] = 20,
 ) -> None:
     """List your jobs (an admin token: everyone's)."""
+    if ctx.invoked_subcommand is not None:
+        return
     client = _client()
     page = _api(client.jobs, state=state, limit=limit)
     if not page["jobs"]:
@@ -232,6 +240,39 @@ def jobs(
         )
     if page["next_cursor"]:
         typer.echo(f"(more: --limit {limit * 2})")
+
+
+@jobs_app.command("export")
+def jobs_export(
+    job_id: Annotated[str, typer.Argument(help="Job id.")],
+    iteration: Annotated[
+        int, typer.Argument(help="The checkpoint's iteration (`elastron status` shows the newest).")
+    ],
+    output: Annotated[
+        str | None,
+        typer.Option(
+            help="s3:// URI or a local folder under the service's roots (default: <checkpoint>-hf)."
+        ),
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="Weights dtype: bf16, fp16 or fp32.")] = "bf16",
+    wait: Annotated[
+        bool, typer.Option(help="Wait until the export has finished; exit 1 if it failed.")
+    ] = False,
+) -> None:
+    """Export a job's checkpoint to a Hugging Face model folder, on the cluster; prints the export
+    id and status (and, with --wait, how it ended)."""
+    client = _client()
+    export = _api(client.export_checkpoint, job_id, iteration, output=output, dtype=dtype)
+    typer.echo(f"{export['id']}  {export['status']}  iteration {export['iteration']} -> {export['output']}")
+    if not wait:
+        return
+    while export["status"] in ("pending", "running"):
+        time.sleep(1.0)
+        export = _api(client.export, job_id, export["id"])
+    typer.echo(
+        f"{export['id']}  {export['status']}" + (f": {export['message']}" if export["message"] else "")
+    )
+    raise typer.Exit(0 if export["status"] == "succeeded" else 1)
 
 
 @app.command()

@@ -127,6 +127,18 @@ class ApiClient:
     def checkpoints(self, job_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{job_id}/checkpoints").json()
 
+    def export_checkpoint(
+        self, job_id: str, iteration: int, output: str | None = None, dtype: str = "bf16", format: str = "hf"
+    ) -> dict[str, Any]:
+        body = {"format": format, "output": output, "dtype": dtype}
+        return self._call("POST", f"/v1/jobs/{job_id}/checkpoints/{iteration}/export", json=body).json()
+
+    def exports(self, job_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/jobs/{job_id}/exports").json()
+
+    def export(self, job_id: str, export_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/jobs/{job_id}/exports/{export_id}").json()
+
     def logs(self, job_id: str) -> str:
         return self._call("GET", f"/v1/jobs/{job_id}/logs").text
 

@@ -8,6 +8,8 @@ job that outlives the API process. Tests inject their own implementation through
 Contract:
 - `submit` is idempotent per `submission_id` (the reconciler chooses the id and records it
   before calling, so after a crash it can ask Ray whether the submission arrived);
+- `submit_command` starts any other command (a checkpoint export) the same way: its own
+  submission, idempotent per `submission_id`, watched with `status` and `message`;
 - every call returns or raises within the launcher's timeout; `LauncherUnavailable` means
   "cannot tell now, try later" (Ray down, slow, or busy) and never changes a job's state;
 - `stop` is graceful: Ray sends the job's driver RAY_JOB_STOP_SIGNAL, which `elastron up` sets
@@ -22,9 +24,10 @@ import asyncio
 import logging
 import os
 import re
+import shlex
 import threading
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Iterable, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -58,6 +61,11 @@ class Launcher(ABC):
         self, job_id: str, spec_json: str, env: dict[str, str], *, submission_id: str | None = None
     ) -> str:
         """Start the job's entrypoint with `env`; returns the submission id."""
+
+    def submit_command(self, submission_id: str, entrypoint: Sequence[str] | str, env: dict[str, str]) -> str:
+        """Start `entrypoint` (argv, or one shell command line) with `env` as its own submission;
+        idempotent per `submission_id`; returns it. Launchers that cannot run commands refuse."""
+        raise SubmissionRejected(f"{self.describe()} cannot run commands")
 
     @abstractmethod
     def status(self, submission_id: str) -> LaunchStatus: ...
@@ -197,6 +205,23 @@ class RayJobsLauncher(Launcher):
         except RuntimeError as err:
             if submission_id and "already exists" in str(err):
                 return submission_id  # an earlier attempt got through: submit is idempotent
+            raise SubmissionRejected(str(err)) from err
+
+    def submit_command(self, submission_id: str, entrypoint: Sequence[str] | str, env: dict[str, str]) -> str:
+        """A Ray job running `entrypoint` (argv is shell-quoted into Ray's one command line)."""
+        command = entrypoint if isinstance(entrypoint, str) else shlex.join(entrypoint)
+        client = self._client()
+        try:
+            return self._translate(
+                client.submit_job,
+                entrypoint=command,
+                submission_id=submission_id,
+                runtime_env={"env_vars": dict(env)},
+                metadata={"elastron_command": command[:256]},
+            )
+        except RuntimeError as err:
+            if "already exists" in str(err):
+                return submission_id  # an earlier attempt got through: idempotent
             raise SubmissionRejected(str(err)) from err
 
     def status(self, submission_id: str) -> LaunchStatus:

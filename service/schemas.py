@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import logging
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.jobspec import ParallelSpec
 from engine.jobspec.layout import data_parallel_size
 from service.states import JobState
-from service.store.models import Checkpoint, Job, JobEvent
+from service.store.models import Checkpoint, Export, Job, JobEvent
 from service.store.telemetry import number
 
 log = logging.getLogger(__name__)
@@ -185,6 +185,73 @@ class MetricsPage(BaseModel):
 
 class CheckpointList(BaseModel):
     checkpoints: list[CheckpointOut]
+
+
+class ExportIn(BaseModel):
+    """What to export a committed checkpoint to."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["hf"] = Field(
+        "hf", description="hf: a Hugging Face model folder (config.json, safetensors)."
+    )
+    output: str | None = Field(
+        None,
+        min_length=1,
+        max_length=1024,
+        description="Where to write the folder: an s3:// URI, or an absolute local path under "
+        "<ELASTRON_CHECKPOINT_DIR>/<tenant>/ (when that is local) or <ELASTRON_HOME>/exports/<tenant>/. "
+        "Default: beside the checkpoint, <the checkpoint's folder>-hf, e.g. .../iter_0000100-hf.",
+    )
+    dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="The weights' dtype in the export.")
+
+    @field_validator("output")
+    @classmethod
+    def _plain_text(cls, value: str | None) -> str | None:
+        if value is not None and any(ord(c) < 32 or ord(c) == 127 for c in value):
+            raise ValueError("output must not contain control characters")
+        return value
+
+
+ExportStatus = Literal["pending", "running", "succeeded", "failed"]
+
+
+class ExportOut(BaseModel):
+    id: str
+    job_id: str
+    iteration: int
+    format: str
+    dtype: str
+    checkpoint: str = Field(description="The checkpoint folder read (where the job's spec as run writes it).")
+    output: str
+    status: ExportStatus = Field(
+        description="pending (recorded, or waiting on the launcher), running, succeeded or failed."
+    )
+    message: str | None = Field(description="Why it failed (the launcher's message, the command's error).")
+    submission_id: str = Field(description="The launcher's (Ray's) submission id of the export.")
+    created_at: datetime | None
+    finished_at: datetime | None
+
+    @classmethod
+    def from_row(cls, row: Export) -> ExportOut:
+        return cls(
+            id=row.id,
+            job_id=row.job_id,
+            iteration=row.iteration,
+            format=row.format,
+            dtype=row.dtype,
+            checkpoint=row.source,
+            output=row.output,
+            status=row.status,
+            message=row.message,
+            submission_id=row.submission_id,
+            created_at=_time(row.created_at),
+            finished_at=_time(row.finished_at),
+        )
+
+
+class ExportList(BaseModel):
+    exports: list[ExportOut]
 
 
 # What a telemetry batch may hold. Every value a client writes is stored and served back on

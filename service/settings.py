@@ -47,6 +47,11 @@ class Settings(BaseSettings):
     worker_entrypoint: str = Field(
         "elastron worker-run {job_id}", description="The Ray job's entrypoint; {job_id} is filled in."
     )
+    export_entrypoint: str = Field(
+        "elastron export",
+        description="The command a checkpoint export runs (as its own Ray job); the checkpoint, --format, "
+        "--output and --dtype are appended.",
+    )
     ray_timeout_s: float = Field(5.0, gt=0, description="Longest wait on one Ray Jobs API call.")
     reconcile_interval_s: float = Field(2.0, gt=0, description="How often non-final jobs are polled.")
     dispatch_batch: int = Field(16, ge=1, description="Queued jobs launched per reconcile pass.")
@@ -66,6 +71,11 @@ class Settings(BaseSettings):
     @property
     def resolved_checkpoint_dir(self) -> str:
         return self.checkpoint_dir or str(self.home / "checkpoints")
+
+    @property
+    def exports_dir(self) -> Path:
+        """Local root for checkpoint exports: <home>/exports/<tenant>/... (see POST .../export)."""
+        return self.home / "exports"
 
     @property
     def resolved_database_url(self) -> str:

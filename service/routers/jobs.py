@@ -1,4 +1,5 @@
-"""/v1/jobs: submit, list, inspect and cancel jobs; their events, metrics and checkpoints.
+"""/v1/jobs: submit, list, inspect and cancel jobs; their events, metrics and checkpoints
+(exporting a checkpoint: routers/exports.py).
 
 No route here waits on Ray: submitting records a queued job and nudges the reconciler;
 cancelling records the request, which the reconciler carries out. (The logs, which do need Ray,
@@ -53,6 +54,9 @@ JOB_LINKS = {
         "parameters": _JOB_ID,
     },
     "JobLogs": {"operationId": "job_logs_v1_jobs__job_id__logs_get", "parameters": _JOB_ID},
+    "ExportCheckpoint": {"operationId": "export_job_checkpoint", "parameters": _JOB_ID},
+    "JobExports": {"operationId": "list_job_exports", "parameters": _JOB_ID},
+    "JobExport": {"operationId": "get_job_export", "parameters": _JOB_ID},
     "PostTelemetry": {
         "operationId": "post_telemetry_v1_internal_jobs__job_id__telemetry_post",
         "parameters": _JOB_ID,

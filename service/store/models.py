@@ -118,3 +118,27 @@ class Checkpoint(Base):
     seconds: Mapped[float | None] = mapped_column(Float, nullable=True)
     result: Mapped[str] = mapped_column(String(16))  # success | failure
     ts: Mapped[float] = mapped_column(Float)
+
+
+class Export(Base):
+    """One export of a committed checkpoint to another format, run as its own launcher submission.
+
+    `status`: pending (recorded; `submitted_at` null until the launcher has it) -> running ->
+    succeeded | failed. `source` is where the checkpoint is read from: the location the service
+    computes from the job's spec as run, not the uri the workers reported."""
+
+    __tablename__ = "job_exports"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    iteration: Mapped[int] = mapped_column(Integer)
+    format: Mapped[str] = mapped_column(String(16))
+    dtype: Mapped[str] = mapped_column(String(8))
+    source: Mapped[str] = mapped_column(Text)
+    output: Mapped[str] = mapped_column(Text)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    submission_id: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[float] = mapped_column(Float)
+    submitted_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)

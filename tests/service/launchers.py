@@ -4,6 +4,8 @@ FakeLauncher: in memory, every answer set by the test (statuses, reachability, f
 ProcessLauncher: runs each submission as a detached local process (tests/service/detached.py)
 whose state lives in files, so its jobs outlive the API instance that launched them, like Ray
 jobs: the API-restart tests use it.
+Both implement `submit_command` (checkpoint exports): FakeLauncher records the command,
+ProcessLauncher runs it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,19 @@ class FakeLauncher(Launcher):
         if self.reject_with is not None:
             raise self.reject_with
         self.submissions[submission_id] = {"job_id": job_id, "env": dict(env), "status": LaunchStatus.PENDING}
+        return submission_id
+
+    def submit_command(self, submission_id, entrypoint, env):
+        self._check()
+        if self.reject_with is not None:
+            raise self.reject_with
+        if submission_id not in self.submissions:  # idempotent, as Ray's is
+            self.submissions[submission_id] = {
+                "job_id": None,
+                "entrypoint": entrypoint,
+                "env": dict(env),
+                "status": LaunchStatus.PENDING,
+            }
         return submission_id
 
     def status(self, submission_id):
@@ -106,6 +121,14 @@ class ProcessLauncher(Launcher):
         return self.state_dir / submission_id
 
     def submit(self, job_id, spec_json, env, *, submission_id=None):
+        return self._start(submission_id, self.command, env)
+
+    def submit_command(self, submission_id, entrypoint, env):
+        """Really runs `entrypoint` (argv, or a shell command line) as a detached process."""
+        argv = ["/bin/sh", "-c", entrypoint] if isinstance(entrypoint, str) else list(entrypoint)
+        return self._start(submission_id, argv, env)
+
+    def _start(self, submission_id: str, argv: list[str], env: dict[str, str]) -> str:
         folder = self._dir(submission_id)
         if folder.exists():
             return submission_id
@@ -113,7 +136,7 @@ class ProcessLauncher(Launcher):
         full_env = {**os.environ, **env, **self.extra_env}
         self.wrappers.append(
             subprocess.Popen(
-                [sys.executable, str(HERE / "detached.py"), str(folder), *self.command],
+                [sys.executable, str(HERE / "detached.py"), str(folder), *argv],
                 env=full_env,
                 start_new_session=True,
                 stdin=subprocess.DEVNULL,

@@ -148,6 +148,14 @@ def test_ray_jobs_launcher_against_real_ray(stack, stack_ray_auth):
         "no-such-submission": LaunchStatus.MISSING,
     }
 
+    # Any command (a checkpoint export): argv is quoted into Ray's command line; idempotent too.
+    cmd = f"{sid}-cmd"
+    argv = [sys.executable, "-c", "import os, sys; print('argv', sys.argv[1:], os.environ['GREETING'])", "a b", "--"]
+    assert launcher.submit_command(cmd, argv, {"GREETING": "hi"}) == cmd
+    assert launcher.submit_command(cmd, argv, {"GREETING": "hi"}) == cmd
+    wait_for(lambda: launcher.status(cmd) == LaunchStatus.SUCCEEDED, 120, "the command to succeed")
+    assert "argv ['a b', '--'] hi" in launcher.logs(cmd)
+
     unreachable = RayJobsLauncher("http://127.0.0.1:9", timeout_s=1)
     assert not unreachable.reachable()
 

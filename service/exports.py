@@ -1,0 +1,96 @@
+"""Checkpoint exports: which folder is read, where the result may go, the command that runs.
+
+The export itself is `elastron export` (engine/cli.py), run as its own launcher submission (a
+Ray job) by the reconciler: it reads the whole checkpoint and can take minutes, so never in a
+request, and it runs with the service's rights. Hence:
+- the checkpoint read is the one the job's spec as run says it writes,
+  `<checkpoint.path>/<job id>/<name>/iter_NNNNNNN` (engine/jobspec/layout.py, as for
+  `resume_from: job:ID`), never the uri a telemetry batch carried: a job token cannot point an
+  export at another tenant's files;
+- the output is an s3:// URI, or an absolute local path under the job's tenant's folders of
+  this service: `<ELASTRON_CHECKPOINT_DIR>/<tenant>/` (when that is local) and
+  `<ELASTRON_HOME>/exports/<tenant>/`, never inside a checkpoint's `iter_` folder; by default
+  `<checkpoint folder>-hf`, beside the checkpoint (where every node that reads it can write);
+- the checkpoint is the command's last argument, after `--`, so no reported name is an option.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from pathlib import PurePosixPath
+from typing import Any
+
+from engine.jobspec.layout import checkpoint_location, job_checkpoint_path, join_location
+from service.settings import Settings
+
+_S3 = re.compile(r"^s3://[A-Za-z0-9._-]{1,255}(/.*)?$")
+_ITER_DIR = re.compile(r"^iter_\d{7,}$")
+
+
+class OutputProblem(ValueError):
+    """An `output` the service will not write to; the message names the fix."""
+
+
+def checkpoint_folder(spec: dict[str, Any], job_id: str, iteration: int) -> str | None:
+    """Where the job wrote its checkpoint of `iteration`; None for a job without checkpoint.path."""
+    root = (spec.get("checkpoint") or {}).get("path")
+    if not root:
+        return None
+    return join_location(
+        checkpoint_location(job_checkpoint_path(root, job_id), spec["name"]), f"iter_{iteration:07d}"
+    )
+
+
+def local_roots(settings: Settings, tenant: str) -> list[str]:
+    roots = [os.path.abspath(settings.exports_dir / tenant)]
+    checkpoints = settings.resolved_checkpoint_dir
+    if "://" not in checkpoints:
+        roots.insert(0, os.path.abspath(os.path.join(checkpoints, tenant)))
+    return roots
+
+
+def resolve_output(output: str | None, source: str, settings: Settings, tenant: str) -> str:
+    """The export's destination: `output` if the service may write there, else OutputProblem."""
+    if output is None:
+        return f"{source.rstrip('/')}-hf"
+    if output.startswith("s3://"):
+        if not _S3.match(output) or "/../" in f"{output}/":
+            raise OutputProblem(f"output {output!r} is not an s3://bucket/prefix URI")
+        if any(_ITER_DIR.match(part) for part in output[5:].split("/")):
+            raise OutputProblem(
+                f"output {output!r} is inside a checkpoint's iter_ folder: choose another prefix"
+            )
+        return output.rstrip("/")
+    roots = local_roots(settings, tenant)
+    allowed = " or ".join(f"{r}/" for r in roots)
+    if "://" in output or not output.startswith("/"):
+        raise OutputProblem(f"output {output!r}: give an s3:// URI or an absolute local path under {allowed}")
+    path = PurePosixPath(os.path.normpath(output))
+    if not any(path != PurePosixPath(r) and path.is_relative_to(r) for r in roots):
+        raise OutputProblem(
+            f"output {output!r} is outside this tenant's folders of the service: the export runs with the "
+            f"service's rights, so a local output must be under {allowed} (or use an s3:// URI)"
+        )
+    if any(_ITER_DIR.match(part) for part in path.parts):
+        raise OutputProblem(f"output {output!r} is inside a checkpoint's iter_ folder: choose another folder")
+    return str(path)
+
+
+def export_command(
+    settings: Settings, *, source: str, output: str, format: str, dtype: str, endpoint_url: str | None
+) -> list[str]:
+    """`elastron export --format F --output O --dtype D [--endpoint-url U] -- CHECKPOINT`."""
+    argv = [
+        *shlex.split(settings.export_entrypoint),
+        "--format",
+        format,
+        "--output",
+        output,
+        "--dtype",
+        dtype,
+    ]
+    if endpoint_url:
+        argv += ["--endpoint-url", endpoint_url]
+    return [*argv, "--", source]

@@ -1,0 +1,139 @@
+"""/v1/jobs/{id}/checkpoints/{iteration}/export and /v1/jobs/{id}/exports: a job's committed
+checkpoint as a Hugging Face model folder.
+
+A request records the export (status `pending`, the job's `export_requested` event) and nudges
+the reconciler, which submits `elastron export` as its own launcher submission (a Ray job: it
+reads the whole checkpoint and can take minutes) and records how it ends. The reads serve the
+store as the reconciler last refreshed it (every ELASTRON_RECONCILE_INTERVAL_S): no request
+waits on Ray, and an export's end is recorded as a job event whether or not anyone asks. What
+may be read and written, and why: service/exports.py.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, HTTPException, Path, Query, status
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from service.deps import Caller, Ctx, DbSession, JobId, VisibleJob, not_found
+from service.exports import OutputProblem, checkpoint_folder, resolve_output
+from service.routers.jobs import AUTH, NOT_FOUND
+from service.schemas import ITERATION_MAX, ExportIn, ExportList, ExportOut, Problem
+from service.store.db import in_transaction
+from service.store.exports import create_export, get_export
+from service.store.jobs import get_job
+from service.store.models import Checkpoint, Export
+
+router = APIRouter(prefix="/v1/jobs", tags=["exports"])
+
+IterationPath = Annotated[
+    int, Path(ge=0, le=ITERATION_MAX, description="The checkpoint's iteration (GET .../checkpoints).")
+]
+ExportId = Annotated[str, Path(min_length=1, max_length=40, description="The export's id (exp-...).")]
+
+
+@router.post(
+    "/{job_id}/checkpoints/{iteration}/export",
+    operation_id="export_job_checkpoint",
+    status_code=status.HTTP_202_ACCEPTED,
+    response_model=ExportOut,
+    responses={
+        **AUTH,
+        404: {
+            "model": Problem,
+            "description": "No such job among the caller's tenant's jobs, or no successful checkpoint "
+            "of it at this iteration.",
+        },
+        409: {"model": Problem, "description": "The checkpoint save at this iteration failed."},
+        422: {"model": Problem, "description": "A bad format, dtype or output, naming the field."},
+    },
+)
+def export_job_checkpoint(
+    job_id: JobId, iteration: IterationPath, body: ExportIn, ctx: Ctx, caller: Caller
+) -> ExportOut:
+    """Export the job's committed checkpoint of `iteration` (its `elastron export`), in the
+    background: 202 with the export, `pending`; follow it at GET .../exports/{export_id}."""
+
+    def record(session: Session) -> ExportOut:
+        job = get_job(session, job_id)
+        if job is None or not caller.can_see(job.tenant):
+            raise not_found(job_id)
+        saved = session.scalar(
+            select(Checkpoint)
+            .where(Checkpoint.job_id == job.id, Checkpoint.iteration == iteration)
+            .order_by(Checkpoint.id.desc())
+            .limit(1)
+        )
+        if saved is None:
+            raise HTTPException(
+                status.HTTP_404_NOT_FOUND,
+                detail=f"job {job_id} has no checkpoint at iteration {iteration} "
+                "(GET /v1/jobs/{job_id}/checkpoints lists those it saved)",
+            )
+        if saved.result != "success":
+            raise HTTPException(
+                status.HTTP_409_CONFLICT,
+                detail=f"the checkpoint save of job {job_id} at iteration {iteration} failed: "
+                "nothing to export; choose another iteration",
+            )
+        source = checkpoint_folder(job.spec, job.id, iteration)
+        if source is None:
+            raise HTTPException(
+                status.HTTP_409_CONFLICT,
+                detail=f"job {job_id} has no checkpoint.path: the service cannot tell where it saved",
+            )
+        try:
+            output = resolve_output(body.output, source, ctx.settings, job.tenant)
+        except OutputProblem as err:
+            raise HTTPException(
+                status.HTTP_422_UNPROCESSABLE_CONTENT,
+                detail=[{"loc": ["body", "output"], "msg": str(err), "type": "value_error"}],
+            ) from None
+        export = create_export(
+            session,
+            job,
+            iteration=iteration,
+            format=body.format,
+            dtype=body.dtype,
+            source=source,
+            output=output,
+        )
+        session.flush()
+        return ExportOut.from_row(export)
+
+    out = in_transaction(ctx.sessions, record)
+    ctx.reconciler.nudge()
+    return out
+
+
+@router.get(
+    "/{job_id}/exports",
+    operation_id="list_job_exports",
+    response_model=ExportList,
+    responses={**AUTH, **NOT_FOUND},
+)
+def list_job_exports(
+    job: VisibleJob, session: DbSession, limit: Annotated[int, Query(ge=1, le=1000)] = 100
+) -> ExportList:
+    """The job's exports (newest `limit`, oldest first) with their status, as the reconciler last
+    saw them from the launcher."""
+    rows = session.scalars(
+        select(Export).where(Export.job_id == job.id).order_by(Export.created_at.desc()).limit(limit)
+    ).all()
+    return ExportList(exports=[ExportOut.from_row(e) for e in reversed(rows)])
+
+
+@router.get(
+    "/{job_id}/exports/{export_id}",
+    operation_id="get_job_export",
+    response_model=ExportOut,
+    responses={**AUTH, 404: {"model": Problem, "description": "No such job, or no such export of it."}},
+)
+def get_job_export(job: VisibleJob, session: DbSession, export_id: ExportId) -> ExportOut:
+    """One export: status (pending, running, succeeded, failed), message, output."""
+    export = get_export(session, job.id, export_id)
+    if export is None:
+        raise HTTPException(status.HTTP_404_NOT_FOUND, detail=f"job {job.id} has no export {export_id!r}")
+    return ExportOut.from_row(export)
