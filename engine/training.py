@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,8 @@ from engine.checkpointing.stateful import (
     Stateful,
 )
 from engine.data.builder import build_datasets
+from engine.data.packing import PackedSFTSource, packed_micro_batch
+from engine.data.sft import IGNORE_INDEX, SFTSource, sft_micro_batch
 from engine.data.sources import micro_batch
 from engine.data.tokenizer import build_tokenizer
 from engine.distributed.data_parallel import DataParallel
@@ -61,6 +63,7 @@ from engine.transformer import context_parallel
 from engine.transformer.config import TransformerConfig
 from engine.transformer.initialization import initialize_weights
 from engine.transformer.moe import TopKRouter, set_aux_loss_scale
+from engine.transformer.packed_seq import PackedSeqParams
 
 # Reported min/max over ranks every log interval. "data" is fetching batches, "forward" and
 # "backward" are per microbatch summed (without pipelining: the pipeline schedule interleaves
@@ -75,6 +78,12 @@ STEP_TIMERS = [
     "optimizer",
     "checkpoint-save",
 ]
+
+
+class MicroBatch(NamedTuple):
+    tokens: torch.Tensor  # [b, s]
+    labels: torch.Tensor  # [b, s], IGNORE_INDEX where no loss is taken (fine-tuning masks)
+    packed: PackedSeqParams | None = None  # rows holding several samples (data.packing)
 
 
 @dataclass
@@ -303,24 +312,54 @@ class Trainer:
             raise AttributeError("this rank holds pipeline stages: use model_chunks")
         return self.model_chunks[0]
 
-    def _microbatch(
-        self, m: int, source=None, consumed: int | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def _microbatch(self, m: int, source=None, consumed: int | None = None) -> MicroBatch:
         """This DP rank's microbatch m of the global batch starting at sample `consumed` (default:
         the next training batch). Under context parallelism every CP rank of a DP replica reads the
-        same microbatch and keeps its two sequence chunks of tokens and labels."""
+        same microbatch and keeps its two sequence chunks of tokens and labels (no packing there)."""
         t = self.spec.training
         source = self.source if source is None else source
         consumed = self.consumed_samples if consumed is None else consumed
-        tokens, labels = micro_batch(source, consumed, m, t.micro_batch_size, self.dp_size, self.dp_rank)
+        where = (consumed, m, t.micro_batch_size, self.dp_size, self.dp_rank)
+        if isinstance(source, PackedSFTSource):
+            tokens, labels, positions, segments = packed_micro_batch(source, *where)
+            packed = PackedSeqParams(positions, segments).to(self.device)
+            return MicroBatch(tokens.to(self.device), labels.to(self.device), packed)
+        if isinstance(source, SFTSource):
+            tokens, labels = sft_micro_batch(source, *where)
+        else:
+            tokens, labels = micro_batch(source, *where)
         tokens, labels = (context_parallel.shard_sequence(x, 1) for x in (tokens, labels))
-        return tokens.to(self.device), labels.to(self.device)
+        return MicroBatch(tokens.to(self.device), labels.to(self.device))
+
+    def _stage_batches(self, n: int, source=None, consumed: int | None = None) -> list[MicroBatch]:
+        """The step's n microbatches where this rank reads them: every rank without pipelining;
+        under it the first stage (tokens), the last (labels) and, for packed rows, every stage
+        (each needs the rows' positions and attention mask; reading is deterministic)."""
+        runner = self.pipeline
+        if runner is None or runner.has_first or runner.has_last or self.spec.data.packing:
+            return [self._microbatch(m, source, consumed) for m in range(n)]
+        return []
+
+    def _pipeline_inputs(self, batches: list[MicroBatch]):
+        """(tokens, labels, packed) of the whole step for the pipeline schedule, which cuts them
+        into microbatches again: tokens on the first stage, labels on the last, packing on all."""
+        runner = self.pipeline
+        tokens = torch.cat([b.tokens for b in batches]) if runner.has_first else None
+        labels = torch.cat([b.labels for b in batches]) if runner.has_last else None
+        packed = None
+        if self.spec.data.packing:
+            packed = PackedSeqParams(
+                torch.cat([b.packed.position_ids for b in batches]),
+                torch.cat([b.packed.segment_ids for b in batches]),
+            )
+        return tokens, labels, packed
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
-        """Validation loss (mean token cross entropy) and perplexity over the first
-        `training.eval_iters` global batches of the validation split: the same batches every
-        time, so evaluations compare across the run and across resumes. A collective."""
+        """Validation loss (token cross entropy, the mean over every label token that is not
+        IGNORE_INDEX, as in training) and perplexity over the first `training.eval_iters` global
+        batches of the validation split: the same batches every time, so evaluations compare
+        across the run and across resumes. A collective."""
         t = self.spec.training
         gbs = t.global_batch_size
         n = num_microbatches(t, self.dp_size)
@@ -329,29 +368,27 @@ class Trainer:
         for chunk in self.model_chunks:
             chunk.eval()
 
-        def mean_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return GPTModel.loss_from_logits(logits, labels).float().mean()
+        def sum_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            loss = GPTModel.loss_from_logits(logits, labels).float()
+            return (loss * (labels != IGNORE_INDEX)).sum()
 
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        total = torch.zeros(2, dtype=torch.float32, device=self.device)  # loss sum, label tokens
         for k in range(t.eval_iters):
-            batches = [self._microbatch(m, self.valid_source, k * gbs) for m in range(n)]
+            batches = self._stage_batches(n, self.valid_source, k * gbs)
+            if self.pipeline is None or self.pipeline.has_last:
+                total[1] += self._label_tokens(batches)
             if self.pipeline is None:
-                for tokens, labels in batches:
-                    total += mean_loss(self.model_chunks[0](tokens), labels)
+                for tokens, labels, packed in batches:
+                    total[0] += sum_loss(self.model_chunks[0](tokens, packed_seq_params=packed), labels)
                 continue
-            runner = self.pipeline
-            tokens = torch.cat([b[0] for b in batches]) if runner.has_first else None
-            labels = torch.cat([b[1] for b in batches]) if runner.has_last else None
-            for loss in runner.evaluate(n, tokens, labels, mean_loss):
-                total += loss
-        total = total.reshape(1)
-        if self.pipeline is not None:  # only the last stage has losses
+            tokens, labels, packed = self._pipeline_inputs(batches)
+            for loss in self.pipeline.evaluate(n, tokens, labels, sum_loss, packed=packed):
+                total[0] += loss
+        if self.pipeline is not None:  # only the last stage has losses and counts
             dist.all_reduce(total, group=ps.get_group("pp"))
-        # Each CP rank's loss is the mean over its equal share of the tokens: average over DP x CP.
-        replicas = self.dp_size * self.spec.parallel.context
-        if replicas > 1:
+        if self.dp_size * self.spec.parallel.context > 1:
             dist.all_reduce(total, group=ps.get_group("dp_cp"))
-        loss = float(total) / (t.eval_iters * n * replicas)
+        loss = float(total[0]) / max(float(total[1]), 1.0)
         self.energy.resume()
         return {"valid_loss": loss, "valid_ppl": math.exp(min(loss, 50.0))}
 
@@ -365,42 +402,57 @@ class Trainer:
             result = self.evaluate()
             metrics.valid_loss, metrics.valid_ppl = result["valid_loss"], result["valid_ppl"]
 
+    def _label_tokens(self, batches: list[MicroBatch]) -> torch.Tensor:
+        """How many labels of these microbatches take a loss (fp32, on the device: no sync)."""
+        return torch.stack([(b.labels != IGNORE_INDEX).sum() for b in batches]).sum().float()
+
+    def _loss_weight(self, batches: list[MicroBatch], scale: float) -> torch.Tensor:
+        """What a token's loss is multiplied by so that the step's loss is the mean over the
+        global batch's label tokens (those not IGNORE_INDEX): the sum over every microbatch, DP
+        and CP rank of the token losses, divided by their global count. The data-parallel
+        reduction averages gradients over DP x CP, hence the factor dp x cp; times the fp16 loss
+        scale. So the loss does not depend on the layout or on which samples share a microbatch
+        (a per-microbatch mean would weight a token by its microbatch's count of label tokens,
+        which differs a lot between fine-tuning samples). For pre-training every label counts
+        and this is the plain mean. A global batch without any label token (conversations whose
+        assistant turns were all truncated away) has loss 0 and zero gradients, never NaN.
+        A collective over dp_cp on the ranks that read labels."""
+        count = self._label_tokens(batches).reshape(1)
+        replicas = self.dp_size * self.spec.parallel.context
+        if replicas > 1:
+            dist.all_reduce(count, group=ps.get_group("dp_cp"))
+        return (replicas * scale) / count.clamp(min=1.0).reshape(())
+
     def forward_backward(self, num_microbatches: int) -> torch.Tensor:
-        """Accumulate grads of the mean token loss over this rank's microbatches into the DP
-        buffers; returns that loss (on every pipeline stage)."""
+        """Accumulate grads of the step's loss (the mean over the global batch's label tokens,
+        see _loss_weight) into the DP buffers; returns this rank's share of it times dp x cp (on
+        every pipeline stage): its mean over DP x CP is the step's loss."""
         scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
         set_aux_loss_scale(scale / num_microbatches)  # MoE balancing losses, scaled like the loss
         for ddp in self.ddp_chunks:
             ddp.start_step(num_microbatches)
+        with self.timers("data", 1):
+            batches = self._stage_batches(num_microbatches)
+        runner = self.pipeline
+        weight = self._loss_weight(batches, scale) if runner is None or runner.has_last else None
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             """The microbatch's share of the step's loss, times the fp16 loss scale."""
-            loss = GPTModel.loss_from_logits(logits, labels)
-            return loss.float().mean() * (scale / num_microbatches)
+            loss = GPTModel.loss_from_logits(logits, labels).float()
+            return (loss * (labels != IGNORE_INDEX)).sum() * weight
 
-        if self.pipeline is None:
+        if runner is None:
             scaled: list[torch.Tensor] = []
             model = self.ddp_chunks[0]
-            for m in range(num_microbatches):
-                with self.timers("data", 1):
-                    tokens, labels = self._microbatch(m)
+            for tokens, labels, packed in batches:
                 with self.timers("forward", 1):
-                    loss = loss_fn(model(tokens), labels)
+                    loss = loss_fn(model(tokens, packed_seq_params=packed), labels)
                 with self.timers("backward", 1):
                     loss.backward()
                 scaled.append(loss.detach())
         else:
-            # Only the first stage reads tokens and only the last reads labels.
-            runner = self.pipeline
-            with self.timers("data", 1):
-                batches = (
-                    [self._microbatch(m) for m in range(num_microbatches)]
-                    if runner.has_first or runner.has_last
-                    else []
-                )
-            tokens = torch.cat([b[0] for b in batches]) if runner.has_first else None
-            labels = torch.cat([b[1] for b in batches]) if runner.has_last else None
-            scaled = runner.run(num_microbatches, tokens, labels, loss_fn)
+            tokens, labels, packed = self._pipeline_inputs(batches)
+            scaled = runner.run(num_microbatches, tokens, labels, loss_fn, packed=packed)
         total = torch.stack(scaled).sum() if scaled else torch.zeros((), device=self.device)
         if self.pipeline is not None:  # only the last stage computed the loss
             total = total.reshape(1)
@@ -484,7 +536,7 @@ class Trainer:
         self._update_expert_bias()
         self.timers("optimizer", 1).stop()
 
-        # Each CP rank's loss is the mean over its equal share of the tokens: average over DP x CP.
+        # Each DP x CP rank's loss is its share of the global mean times dp x cp: average them.
         replicas = self.dp_size * self.spec.parallel.context
         if replicas > 1:
             dist.all_reduce(loss, group=ps.get_group("dp_cp"))

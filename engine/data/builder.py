@@ -10,6 +10,9 @@ and a resume is exact on any data-parallel size. What each `data.source` gives:
              GPTDataset in memory (nothing cached on disk).
   indexed    GPTDataset over the documents of data.path's split; the sample indexes are cached.
   blend      per split, a BlendedDataset of each data.blend prefix's part of that split.
+  sft        chat conversations (data.path, JSON lines) rendered with the tokenizer's chat
+             template, one per sample (SFTSource) or packed several per row (PackedSFTSource,
+             data.packing); data.split splits the conversations in file order.
 
 A split with no documents (a share of 0, or one that rounds to nothing) is None. Without
 data.split every document trains and valid/test are None.
@@ -28,10 +31,13 @@ import torch
 from engine.data.blending import BlendedDataset, split_doc_ranges
 from engine.data.gpt_dataset import GPTDataset
 from engine.data.indexed_dataset import IndexedDataset, dtype_for_vocab
+from engine.data.packing import PackedSFTSource
 from engine.data.preprocess import DocumentReader
+from engine.data.sft import ChatRenderer, SFTSource, load_conversations, read_chat_template
 from engine.data.sources import SHIPPED_CORPUS, SyntheticSource, TextSource
 from engine.data.tokenizer import Tokenizer
 from engine.jobspec import DataSpec, JobSpec
+from engine.jobspec.data import parse_tokenizer_spec
 
 SPLITS = ("train", "valid", "test")
 
@@ -66,6 +72,8 @@ def build_datasets(
     counts = list(num_samples) if num_samples is not None else [None, None, None]
     if data.source == "synthetic":
         return Datasets(SyntheticSource(synthetic_vocab_size or tokenizer.vocab_size, seq_length, seed))
+    if data.source == "sft":
+        return Datasets(*_sft(data, tokenizer, seq_length, seed))
     if data.source == "text" and data.split is None:
         return Datasets(TextSource(data.path, tokenizer, seq_length, seed))
     ratios = data.split or [1.0, 0.0, 0.0]
@@ -79,6 +87,28 @@ def build_datasets(
     else:
         parts = _blend(data.blend, tokenizer, ratios, seq_length, seed, counts, cache)
     return Datasets(*parts)
+
+
+def _sft(data: DataSpec, tokenizer: Tokenizer, seq_length: int, seed: int) -> list[SFTSource | None]:
+    """Train / valid / test sources of chat conversations, split in file order by data.split."""
+    _, tokenizer_path = parse_tokenizer_spec(data.tokenizer)
+    template, bos, eos = read_chat_template(tokenizer_path) if tokenizer_path else (None, "", "")
+    renderer = ChatRenderer(tokenizer, template, bos, eos)
+    conversations = load_conversations(data.path)
+    make = PackedSFTSource if data.packing else SFTSource
+    out: list[SFTSource | None] = []
+    for name, (start, end) in zip(
+        SPLITS, split_doc_ranges(len(conversations), data.split or [1.0]), strict=False
+    ):
+        if start == end:
+            if name == "train":
+                raise ValueError(
+                    f"data.split leaves no training conversations in {data.path} ({len(conversations)} lines)"
+                )
+            out.append(None)
+            continue
+        out.append(make(data.path, tokenizer, seq_length, seed, renderer, conversations[start:end]))
+    return out + [None] * (3 - len(out))
 
 
 def _open(prefix: str, tokenizer: Tokenizer, field: str) -> IndexedDataset:

@@ -37,13 +37,29 @@ IGNORE_INDEX = -100
 log = logging.getLogger(__name__)
 
 
-def load_conversations(path: str | Path) -> list[list[dict[str, str]]]:
-    """Each line of a JSON-lines file as a list of messages; errors name the file, line and field."""
-    path = Path(path)
+def _read_text(path: str | Path) -> str:
+    """A local file, or an object at s3://bucket/key (read through the checkpoint storage's S3
+    client: the same credentials chain and AWS_ENDPOINT_URL)."""
+    if isinstance(path, str) and path.startswith("s3://"):
+        from engine.checkpointing.backends import open_storage
+
+        folder, _, key = path.rpartition("/")
+        if not key or folder == "s3:/":
+            raise ValueError(f"data.path {path}: give the object, s3://bucket/prefix/file.jsonl")
+        try:
+            return open_storage(folder).get_bytes(key).decode("utf-8")
+        except FileNotFoundError:
+            raise FileNotFoundError(f"data.path: no such object {path}") from None
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        return Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
         raise FileNotFoundError(f"data.path: no such file {path}") from None
+
+
+def load_conversations(path: str | Path) -> list[list[dict[str, str]]]:
+    """Each line of a JSON-lines file (local, or s3://) as a list of messages; errors name the
+    file, line and field."""
+    lines = _read_text(path).splitlines()
     out: list[list[dict[str, str]]] = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -156,36 +172,54 @@ class ChatRenderer:
         return ids, mask
 
 
+def render_samples(
+    conversations: list[list[dict[str, str]]], renderer: ChatRenderer, width: int, where: str | Path
+) -> tuple[list[tuple[list[int], list[int]]], int]:
+    """(ids, mask) of each conversation, cut to `width` tokens, and how many were cut (logged once)."""
+    out, truncated = [], 0
+    for messages in conversations:
+        ids, mask = renderer.render(messages)
+        if len(ids) > width:
+            truncated += 1
+            ids, mask = ids[:width], mask[:width]
+        out.append((ids, mask))
+    if truncated:
+        log.warning(
+            "data.path %s: %d of %d conversations are longer than model.seq_length + 1 = %d tokens "
+            "and were truncated",
+            where,
+            truncated,
+            len(conversations),
+            width,
+        )
+    return out, truncated
+
+
 class SFTSource:
-    """Samples of seq_length + 1 token ids with a loss mask, one conversation each."""
+    """Samples of seq_length + 1 token ids with a loss mask, one conversation each.
+
+    `conversations`: already loaded (a split of the file); default: all of `path`."""
 
     def __init__(
-        self, path: str | Path, tokenizer, seq_length: int, seed: int, renderer: ChatRenderer | None = None
+        self,
+        path: str | Path,
+        tokenizer,
+        seq_length: int,
+        seed: int,
+        renderer: ChatRenderer | None = None,
+        conversations: list[list[dict[str, str]]] | None = None,
     ):
         self.renderer = renderer or ChatRenderer(tokenizer)
         self.seq_length, self.seed, self.pad = seq_length, seed, tokenizer.eod
-        conversations = load_conversations(path)
+        conversations = load_conversations(path) if conversations is None else conversations
         width = seq_length + 1
-        self.tokens = torch.full((len(conversations), width), self.pad, dtype=torch.long)
-        self.mask = torch.zeros((len(conversations), width), dtype=torch.bool)
-        self.truncated = 0
-        for row, messages in enumerate(conversations):
-            ids, mask = self.renderer.render(messages)
-            if len(ids) > width:
-                self.truncated += 1
-                ids, mask = ids[:width], mask[:width]
+        samples, self.truncated = render_samples(conversations, self.renderer, width, path)
+        self.tokens = torch.full((len(samples), width), self.pad, dtype=torch.long)
+        self.mask = torch.zeros((len(samples), width), dtype=torch.bool)
+        for row, (ids, mask) in enumerate(samples):
             self.tokens[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
             self.mask[row, : len(mask)] = torch.tensor(mask, dtype=torch.bool)
-        if self.truncated:
-            log.warning(
-                "data.path %s: %d of %d conversations are longer than model.seq_length + 1 = %d tokens "
-                "and were truncated",
-                path,
-                self.truncated,
-                len(conversations),
-                width,
-            )
-        self.num_samples = len(conversations)
+        self.num_samples = len(samples)
         self._perm_epoch, self._perm = -1, torch.arange(0)
 
     def _row(self, index: int) -> int:

@@ -1,5 +1,4 @@
-"""`data`: where samples come from. Shapes are checked here; files are opened on the ranks.
-"""
+"""`data`: where samples come from. Shapes are checked here; files are opened on the ranks."""
 
 from __future__ import annotations
 
@@ -31,16 +30,26 @@ def parse_tokenizer_spec(spec: str) -> tuple[str, str | None]:
 class DataSpec(_Section):
     """Where samples come from. Shapes are checked here; files are opened on the ranks, at start."""
 
-    source: Literal["text", "synthetic", "indexed", "blend"] = Field(
+    source: Literal["text", "synthetic", "indexed", "blend", "sft"] = Field(
         "text",
         description="text: a UTF-8 file tokenised at start; indexed: a dataset written by `elastron "
-        "preprocess` (data.path = its PREFIX); blend: several of those (data.blend); synthetic: seeded "
-        "random tokens (benchmarks).",
+        "preprocess` (data.path = its PREFIX); blend: several of those (data.blend); sft: chat "
+        "conversations for fine-tuning, the loss on assistant tokens only (data.path); synthetic: "
+        "seeded random tokens (benchmarks).",
     )
     path: str | None = Field(
         None,
         description="source=text: a UTF-8 file (default: the corpus shipped with elastron); "
-        "source=indexed: the PREFIX of PREFIX.bin/PREFIX.idx.",
+        "source=indexed: the PREFIX of PREFIX.bin/PREFIX.idx; source=sft: a JSON-lines file (local or "
+        's3://bucket/key), one conversation per line: {"messages": [{"role", "content"}, ...]} or '
+        '{"prompt", "response"}, rendered with the chat_template of the tokenizer_config.json beside an '
+        "hf: tokenizer, else a plain <|role|> template.",
+    )
+    packing: bool = Field(
+        False,
+        description="source=sft: pack several whole conversations into each seq_length row (exact: "
+        "attention stays within a conversation and positions restart); training.global_batch_size "
+        "then counts packed rows. Not with parallel.context > 1.",
     )
     tokenizer: str = Field(
         "byte",
@@ -93,6 +102,16 @@ class DataSpec(_Section):
         if self.source == "indexed" and not self.path:
             raise ValueError(
                 "data.source indexed needs data.path: the PREFIX given to `elastron preprocess --output`"
+            )
+        if self.source == "sft" and not self.path:
+            raise ValueError(
+                'data.source sft needs data.path: a JSON-lines file with one {"messages": [...]} or '
+                '{"prompt": ..., "response": ...} object per line'
+            )
+        if self.packing and self.source != "sft":
+            raise ValueError(
+                f"data.packing applies to data.source sft only (this job's source is {self.source}): "
+                "set data.source: sft or drop data.packing"
             )
         if self.source == "synthetic" and self.split is not None:
             raise ValueError(

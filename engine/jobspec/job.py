@@ -82,6 +82,11 @@ class JobSpec(_Section):
             raise ValueError("MoE with parallel.context > 1 is not supported yet: use context 1")
         if m.moe is not None and p.distributed_optimizer:
             raise ValueError("MoE with parallel.distributed_optimizer is not supported yet: set it to false")
+        if self.data.packing and p.context > 1:
+            raise ValueError(
+                "data.packing is not supported with parallel.context > 1 yet (context-parallel attention has "
+                "no per-sample mask): set parallel.context: 1 or data.packing: false"
+            )
         if p.context > 1 and m.attention_dropout > 0:
             raise ValueError(
                 "model.attention_dropout: attention dropout is not available with parallel.context > 1; "

@@ -16,6 +16,11 @@ Under context parallelism each rank holds two chunks of every sequence (see
 engine.transformer.context_parallel): its positions (RoPE angles, learned position embeddings)
 are the global positions of those chunks, and sequence parallelism then splits that local
 sequence further over TP.
+
+Packed rows (several samples per row, `packed_seq_params`): every stage is given the row's
+position ids and segment ids; positions restart per sample (the RoPE angles and learned position
+embeddings are gathered per token, a sequence-parallel rank taking its chunk's) and attention is
+block-diagonal causal. Without them the path is exactly the unpacked one.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from engine.transformer import context_parallel
 from engine.transformer.config import TransformerConfig
 from engine.transformer.dropout import dropout
 from engine.transformer.moe.moe_layer import local_experts
+from engine.transformer.packed_seq import PackedSeqParams
 from engine.transformer.rope import RotaryEmbedding
 from engine.transformer.transformer_layer import TransformerBlock
 
@@ -111,38 +117,56 @@ class GPTModel(nn.Module):
             return "embedding.weight"
         return name
 
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor, packed: PackedSeqParams | None = None) -> torch.Tensor:
         """ids [s, b] (this CP rank's tokens) -> [s, b, h], or this rank's sequence chunk
         [s/tp, b, h] under SP."""
         x = self.embedding(ids)
         if self.position_embeddings is not None:
             s = ids.shape[0]
-            positions = context_parallel.local_positions(s * context_parallel.cp_size(), ids.device)
+            if packed is not None:  # [s, b]: each token's position in its own sample
+                positions = packed.position_ids.t()
+            else:
+                positions = context_parallel.local_positions(s * context_parallel.cp_size(), ids.device)
             if self.config.sequence_parallel:
                 tp, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
                 chunk = s // tp
                 positions = positions[rank * chunk : (rank + 1) * chunk]
-            x = x + self.position_embeddings(positions).unsqueeze(1)
+            embedded = self.position_embeddings(positions)
+            x = x + (embedded if packed is not None else embedded.unsqueeze(1))
         return dropout(x, self.config.hidden_dropout, self.training, self.config.sequence_parallel)
 
-    def _rotary(self, local_seq: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE (cos, sin) at the global positions of this CP rank's `local_seq` tokens."""
+    def _rotary(
+        self, local_seq: int, dtype: torch.dtype, packed: PackedSeqParams | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE (cos, sin) at the global positions of this CP rank's `local_seq` tokens; for
+        packed rows [s, b, 1, head_dim] at each token's position in its sample."""
         cp = context_parallel.cp_size()
         cos, sin = self.rotary(local_seq * cp, dtype)
+        if packed is not None:  # no CP with packing (job spec); positions < local_seq
+            index = packed.position_ids.t()
+            return cos[index].squeeze(3), sin[index].squeeze(3)
         if cp == 1:
             return cos, sin
         return context_parallel.shard_sequence(cos, 0), context_parallel.shard_sequence(sin, 0)
 
-    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
+    ) -> torch.Tensor:
         """First stage: token ids [b, s] (this CP rank's two chunks under CP); later stages:
         hidden states [s, b, h] (a sequence chunk under SP). Last stage: per-token loss [b, s]
         when labels are given, else this rank's vocabulary slice of the logits [b, s, vocab/tp].
-        Other stages return hidden states."""
+        Other stages return hidden states. `packed_seq_params`: the rows' position and segment
+        ids [b, s] when they hold several samples each (every stage needs them)."""
+        packed = packed_seq_params
         if self.pre_process:
-            x = self._embed(x.t())
+            x = self._embed(x.t(), packed)
         seq = x.shape[0] * (ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1)
-        rotary = self._rotary(seq, x.dtype) if self.rotary is not None else None
-        x = self.decoder(x, rotary)
+        rotary = self._rotary(seq, x.dtype, packed) if self.rotary is not None else None
+        mask = packed.attention_mask() if packed is not None else None
+        x = self.decoder(x, rotary, mask)
         if not self.post_process:
             return x
         tied_here = self.config.tie_embeddings and self.pre_process

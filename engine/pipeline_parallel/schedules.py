@@ -6,9 +6,12 @@ with p2p over the pipeline group, and run on CPU/gloo and CUDA/NCCL, so no sched
 hand here. What this module adds is the glue to the rest of the engine:
 - the layer split: Megatron-Core's virtual stage v * pp + r on pipeline rank r, even by default,
   uneven from `parallel.pipeline_layers`;
-- the loss: the last stage computes the vocab-parallel cross entropy per microbatch, divided by
-  the number of microbatches (and multiplied by the fp16 loss scale), so torch's own grad
-  scaling is off (`scale_grads=False`): gradients go straight into the data-parallel buffers;
+- the loss: the last stage computes the vocab-parallel cross entropy per microbatch, weighted as
+  the Trainer says (its share of the global batch's mean, times the fp16 loss scale), so torch's
+  own grad scaling is off (`scale_grads=False`): gradients go straight into the data-parallel
+  buffers;
+- packed rows: their PackedSeqParams go to every stage as a keyword argument of the model, cut
+  into microbatches by the schedule like the tokens (it is a registered pytree dataclass);
 - data-parallel gradient sync needs nothing from the schedule: the buffers count each
   parameter's backward passes and reduce a bucket after its last microbatch;
 - one schedule object per number of microbatches (a batch-size ramp changes it).
@@ -22,6 +25,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleInterleaved1F1B
+
+from engine.transformer.packed_seq import PackedSeqParams
 
 
 def stage_layer_ranges(
@@ -79,15 +84,17 @@ class PipelineRunner:
         tokens: torch.Tensor | None,
         labels: torch.Tensor | None,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        packed: PackedSeqParams | None = None,
     ) -> list[torch.Tensor]:
-        """`tokens` [M * mbs, s] on the rank holding the first stage, `labels` on the last.
+        """`tokens` [M * mbs, s] on the rank holding the first stage, `labels` on the last,
+        `packed` (rows holding several samples, [M * mbs, s]) on every rank.
         `loss_fn(logits, labels)` returns the microbatch's loss to backpropagate. Returns those
         losses (detached) on the last stage, [] elsewhere.
 
         Count losses from the schedule, not from calls to loss_fn: on its first step torch calls
         loss_fn once more to infer backward metadata (autograd.grad on the stage inputs only, so
         parameters and the data-parallel buffers see nothing)."""
-        return self._drive(num_microbatches, tokens, labels, loss_fn, forward_only=False)
+        return self._drive(num_microbatches, tokens, labels, loss_fn, packed, forward_only=False)
 
     @torch.no_grad()
     def evaluate(
@@ -96,15 +103,20 @@ class PipelineRunner:
         tokens: torch.Tensor | None,
         labels: torch.Tensor | None,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        packed: PackedSeqParams | None = None,
     ) -> list[torch.Tensor]:
         """Forward only (the schedule's eval pass): per-microbatch losses on the last stage."""
-        return self._drive(num_microbatches, tokens, labels, loss_fn, forward_only=True)
+        return self._drive(num_microbatches, tokens, labels, loss_fn, packed, forward_only=True)
 
-    def _drive(self, num_microbatches, tokens, labels, loss_fn, forward_only: bool) -> list[torch.Tensor]:
+    def _drive(
+        self, num_microbatches, tokens, labels, loss_fn, packed, forward_only: bool
+    ) -> list[torch.Tensor]:
         self._loss_fn = loss_fn
         sched = self._schedule(num_microbatches)
         losses: list[torch.Tensor] = []
         args = (tokens,) if self.has_first else ()
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
+        if packed is not None:
+            kwargs["packed_seq_params"] = packed
         (sched.eval if forward_only else sched.step)(*args, **kwargs)
         return [loss.detach() for loss in losses]

@@ -68,7 +68,14 @@ class SelfAttention(nn.Module):
             self.q_layernorm = build_norm(config, hd, per_head=True)
             self.k_layernorm = build_norm(config, hd, per_head=True)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`attention_mask`: [b, 1, s, s] bool (True = attend) for packed rows, in place of the
+        causal mask (engine.transformer.packed_seq); None: causal."""
         qkv = self.linear_qkv(x)  # [s, b, groups_local * (q_per_group + 2) * head_dim]
         s, b = qkv.shape[:2]
         hd = self.config.head_dim
@@ -83,19 +90,28 @@ class SelfAttention(nn.Module):
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, head_dim]
         if self.config.recompute == "selective" and self.context_parallel is None:
-            out = checkpoint(self.core_attention, q, k, v)
+            out = checkpoint(self.core_attention, q, k, v, attention_mask)
         else:
-            out = self.core_attention(q, k, v)
+            out = self.core_attention(q, k, v, attention_mask)
         out = out.permute(2, 0, 1, 3).reshape(s, b, self.heads_local * hd)
         return self.linear_proj(out)
 
-    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """softmax(q k^T / sqrt(d), causal) v with attention dropout; [b, heads, s, head_dim]."""
-        if self.context_parallel is not None:
+    def core_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d), causal or `attention_mask`) v with attention dropout;
+        [b, heads, s, head_dim]."""
+        if self.context_parallel is not None:  # packing is refused with CP by the job spec
             return self.context_parallel(q, k, v)
         p = self.config.attention_dropout if self.training else 0.0
         # Heads are split over TP, so their dropout masks must differ per rank.
         with get_rng_tracker().fork() if p > 0 else contextlib.nullcontext():
             return F.scaled_dot_product_attention(
-                q, k, v, dropout_p=p, is_causal=True, enable_gqa=self.q_per_group > 1
+                q,
+                k,
+                v,
+                attn_mask=attention_mask,
+                dropout_p=p,
+                is_causal=attention_mask is None,
+                enable_gqa=self.q_per_group > 1,
             )

@@ -29,9 +29,14 @@ class TransformerLayer(nn.Module):
         self.pre_mlp_layernorm = build_norm(config)
         self.mlp = MoELayer(config, config.moe) if moe else MLP(config)
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         c = self.config
-        y = self.self_attention(self.input_layernorm(x), rotary)
+        y = self.self_attention(self.input_layernorm(x), rotary, attention_mask)
         x = x + dropout(y, c.hidden_dropout, self.training, c.sequence_parallel)
         y = self.mlp(self.pre_mlp_layernorm(x))
         return x + dropout(y, c.hidden_dropout, self.training, c.sequence_parallel)
@@ -56,8 +61,18 @@ class TransformerBlock(nn.Module):
         )
         self.final_layernorm = build_norm(config) if post_layer_norm else None
 
-    def forward(self, x: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor] | None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """`attention_mask`: packed rows' block-diagonal causal mask, or None (causal)."""
         recompute = self.config.recompute == "full"
         for layer in self.layers:
-            x = checkpoint(layer, x, rotary) if recompute else layer(x, rotary)
+            x = (
+                checkpoint(layer, x, rotary, attention_mask)
+                if recompute
+                else layer(x, rotary, attention_mask)
+            )
         return self.final_layernorm(x) if self.final_layernorm is not None else x
