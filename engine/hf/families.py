@@ -36,6 +36,11 @@ LLAMA_STYLE = {
 GPT2_STYLE = {"GPT2LMHeadModel"}
 
 
+# Model state that is not a weight of any HF family: the aux-loss-free expert bias (zero unless
+# model.moe.expert_bias, which no exported family has).
+NOT_WEIGHTS = (".mlp.router.expert_bias",)
+
+
 @dataclass(frozen=True)
 class Segment:
     """`length` rows of our tensor: rows `start:start+length` of HF tensor `name` (its columns
@@ -208,6 +213,8 @@ def hf_tensors(arch: str, our: dict[str, torch.Tensor], s: Shapes) -> dict[str, 
     """Export: our full global tensors -> HF tensors (padding rows dropped, fused ones split)."""
     pieces: dict[str, list[tuple[int, torch.Tensor, bool]]] = {}
     for name, full in our.items():
+        if name.endswith(NOT_WEIGHTS):
+            continue
         row = 0
         for seg in resolve_lengths(segments(arch, name, s), full.shape[0]):
             part = full.narrow(0, row, seg.length)

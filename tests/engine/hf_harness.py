@@ -138,3 +138,16 @@ def train_then_logits(spec: dict, vocab: int, stop_at: int | None = None) -> dic
     logits = _full_logits(trainer, tokens)
     ps.destroy_model_parallel()
     return {"logits": logits, "losses": losses, "imported": trainer.hf_import is not None}
+
+
+def import_save_step(spec: dict, vocab: int) -> dict:
+    """On every rank: import, save a checkpoint before any step (iteration 0: the imported
+    weights as they are), the first micro-batch's logits, then one step's loss."""
+    trainer = Trainer(JobSpec.model_validate(spec))
+    trainer.checkpointer.save()
+    trainer.checkpointer.wait()
+    tokens, _ = batch(vocab, spec["training"]["micro_batch_size"])
+    logits = _full_logits(trainer, tokens)
+    step = trainer.train_step()
+    ps.destroy_model_parallel()
+    return {"logits": logits, "loss": step.loss}

@@ -31,7 +31,7 @@ def test_llama_fields_build_a_model_spec(tmp_path):
     assert fields == {
         "arch": "llama", "num_layers": 2, "hidden_size": 32, "num_attention_heads": 4,
         "num_query_groups": 2, "ffn_hidden_size": 64, "vocab_size": 100, "tie_embeddings": False,
-        "norm_epsilon": 1e-6, "rotary_base": 500000.0,
+        "norm_epsilon": 1e-6, "rotary_base": 500000.0, "qkv_bias": False, "qk_layernorm": False,
     }
     ModelSpec(**fields)
 

