@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from engine.data.sft import ChatRenderer, SFTSource, load_conversations, render_samples, sft_micro_batch
+from engine.data.sft import ChatRenderer, SFTSource, sft_micro_batch
 
 log = logging.getLogger(__name__)
 
@@ -60,11 +60,7 @@ class PackedSFTSource(SFTSource):
         renderer: ChatRenderer | None = None,
         conversations: list[list[dict[str, str]]] | None = None,
     ):
-        self.renderer = renderer or ChatRenderer(tokenizer)
-        self.seq_length, self.seed, self.pad = seq_length, seed, tokenizer.eod
-        conversations = load_conversations(path) if conversations is None else conversations
-        width = seq_length + 1
-        samples, self.truncated = render_samples(conversations, self.renderer, width, path)
+        samples, width = self._render(path, tokenizer, seq_length, seed, renderer, conversations)
         order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
         self.rows = pack([len(ids) for ids, _ in samples], width, order)
         n = len(self.rows)

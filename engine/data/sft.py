@@ -209,11 +209,7 @@ class SFTSource:
         renderer: ChatRenderer | None = None,
         conversations: list[list[dict[str, str]]] | None = None,
     ):
-        self.renderer = renderer or ChatRenderer(tokenizer)
-        self.seq_length, self.seed, self.pad = seq_length, seed, tokenizer.eod
-        conversations = load_conversations(path) if conversations is None else conversations
-        width = seq_length + 1
-        samples, self.truncated = render_samples(conversations, self.renderer, width, path)
+        samples, width = self._render(path, tokenizer, seq_length, seed, renderer, conversations)
         self.tokens = torch.full((len(samples), width), self.pad, dtype=torch.long)
         self.mask = torch.zeros((len(samples), width), dtype=torch.bool)
         for row, (ids, mask) in enumerate(samples):
@@ -221,6 +217,15 @@ class SFTSource:
             self.mask[row, : len(mask)] = torch.tensor(mask, dtype=torch.bool)
         self.num_samples = len(samples)
         self._perm_epoch, self._perm = -1, torch.arange(0)
+
+    def _render(self, path, tokenizer, seq_length, seed, renderer, conversations) -> tuple[list, int]:
+        """Every conversation rendered to (ids, mask), at most seq_length + 1 tokens (the width)."""
+        self.renderer = renderer or ChatRenderer(tokenizer)
+        self.seq_length, self.seed, self.pad = seq_length, seed, tokenizer.eod
+        conversations = load_conversations(path) if conversations is None else conversations
+        width = seq_length + 1
+        samples, self.truncated = render_samples(conversations, self.renderer, width, path)
+        return samples, width
 
     def _row(self, index: int) -> int:
         epoch, i = divmod(index, self.num_samples)
