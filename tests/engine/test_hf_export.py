@@ -99,3 +99,17 @@ def test_default_dtype_is_bf16_and_bad_input_exits_2(llama, tmp_path):
         app, ["export", str(tmp_path / "ckpt" / "hf"), "--output", str(out), "--dtype", "int8"]
     )
     assert dtype.exit_code == 2 and "--dtype 'int8'" in dtype.output
+
+
+def test_export_to_s3(llama, tmp_path, s3_bucket):
+    import boto3
+
+    folder, _ = llama
+    spawn(h.import_save_step, 1, (h.job(folder, 1, checkpoint={"path": str(tmp_path / "ckpt")}), 300), timeout_s=240)
+    export_hf(str(tmp_path / "ckpt" / "hf"), f"s3://{s3_bucket}/models/out", dtype="fp32")
+    s3 = boto3.client("s3")
+    keys = {o["Key"] for o in s3.list_objects_v2(Bucket=s3_bucket, Prefix="models/out/")["Contents"]}
+    assert {"models/out/config.json", "models/out/generation_config.json", "models/out/model.safetensors"} <= keys
+    s3.download_file(s3_bucket, "models/out/model.safetensors", str(tmp_path / "m.safetensors"))
+    original, exported = load_file(folder / "model.safetensors"), load_file(tmp_path / "m.safetensors")
+    assert all(torch.equal(t, exported[k]) for k, t in original.items())
