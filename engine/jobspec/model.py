@@ -41,12 +41,48 @@ class MoESpec(_Section):
         "uses the unnormalised scores. Default: no for softmax scores, yes for sigmoid (top_k > 1).",
     )
 
+    num_groups: PositiveInt | None = Field(
+        None,
+        description="Group-limited routing (DeepSeek-V3): experts form this many equal groups; a token "
+        "picks its top_k only among the topk_group groups with the highest sum of their 2 best scores.",
+    )
+    topk_group: PositiveInt | None = Field(None, description="Groups a token may route to (with num_groups).")
+    routed_scaling_factor: float = Field(
+        1.0, gt=0.0, description="The routed experts' gate weights are multiplied by this (DeepSeek-V3: 2.5)."
+    )
+    load_balancing_type: Literal["aux_loss", "seq_aux_loss"] = Field(
+        "aux_loss",
+        description="aux_loss: the balancing loss over each micro-batch's tokens; seq_aux_loss: over each "
+        "sequence, averaged (DeepSeek-V3's complementary sequence-wise loss). Weight: aux_loss_coeff.",
+    )
+
     @model_validator(mode="after")
     def _check(self) -> MoESpec:
         if self.top_k > self.num_experts:
             raise ValueError(
                 f"model.moe.top_k ({self.top_k}) is larger than model.moe.num_experts ({self.num_experts})"
             )
+        if (self.num_groups is None) != (self.topk_group is None):
+            raise ValueError("model.moe.num_groups and model.moe.topk_group go together: set both or neither")
+        if self.num_groups is not None:
+            if self.num_experts % self.num_groups:
+                raise ValueError(
+                    f"model.moe.num_groups ({self.num_groups}) must divide model.moe.num_experts ({self.num_experts})"
+                )
+            per_group = self.num_experts // self.num_groups
+            if per_group < 2:
+                raise ValueError(
+                    "model.moe.num_groups: each group needs at least 2 experts (a group's score is its 2 best)"
+                )
+            if self.topk_group > self.num_groups:
+                raise ValueError(
+                    f"model.moe.topk_group ({self.topk_group}) is larger than model.moe.num_groups ({self.num_groups})"
+                )
+            if self.top_k > self.topk_group * per_group:
+                raise ValueError(
+                    f"model.moe.top_k ({self.top_k}) exceeds the experts of model.moe.topk_group groups "
+                    f"({self.topk_group} x {per_group})"
+                )
         return self
 
 

@@ -131,6 +131,10 @@ def _moe_config(spec: JobSpec) -> MoEConfig | None:
         expert_bias=m.expert_bias,
         expert_bias_update_rate=m.expert_bias_update_rate,
         capacity_factor=m.capacity_factor,
+        num_groups=m.num_groups,
+        topk_group=m.topk_group,
+        routed_scaling_factor=m.routed_scaling_factor,
+        seq_aux_loss=m.load_balancing_type == "seq_aux_loss",
         norm_topk_prob=m.norm_topk_prob,
         layers=tuple(layers),
     )

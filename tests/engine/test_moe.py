@@ -155,3 +155,73 @@ def test_all_to_all_dispatch_over_two_ranks_equals_all_experts_on_one(num_expert
         assert res["out"] and res["dx"] and res["grads"], (rank, res)
         half = num_experts // 2
         assert res["experts_here"] == list(range(rank * half, (rank + 1) * half))
+
+
+def test_group_limited_routing_matches_deepseek_v3():
+    """Group-limited top-k with the aux-loss-free bias, normalised and scaled gates: the experts
+    and weights transformers' DeepseekV3TopkRouter picks for the same weight, bias and tokens."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    cfg = DeepseekV3Config(
+        hidden_size=16,
+        n_routed_experts=8,
+        num_experts_per_tok=3,
+        n_group=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+    )
+    theirs = DeepseekV3TopkRouter(cfg)
+    moe = MoEConfig(
+        num_experts=8,
+        top_k=3,
+        ffn_hidden_size=8,
+        score="sigmoid",
+        expert_bias=True,
+        norm_topk_prob=True,
+        num_groups=4,
+        topk_group=2,
+        routed_scaling_factor=2.5,
+        aux_loss_coeff=0.0,
+    )
+    ours = router(moe, hidden=16, seed=3)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        theirs.weight.copy_(ours.weight)
+        bias = torch.randn(8, generator=g) * 0.1
+        theirs.e_score_correction_bias.copy_(bias)
+        ours.expert_bias.copy_(bias)
+    x = torch.randn(64, 16, generator=g)
+    _, weights, indices = theirs(x)
+    got = ours(x)
+    order_theirs, order_ours = indices.sort(dim=-1), got.indices.sort(dim=-1)
+    assert torch.equal(order_theirs.values, order_ours.values)
+    assert torch.allclose(
+        weights.gather(1, order_theirs.indices), got.gates.gather(1, order_ours.indices), rtol=1e-6
+    )
+    # the group limit matters here: without it some tokens pick other experts
+    free = router(MoEConfig(**{**moe.__dict__, "num_groups": None, "topk_group": None}), hidden=16, seed=3)
+    with torch.no_grad():
+        free.expert_bias.copy_(bias)
+    assert not torch.equal(free(x).indices.sort(dim=-1).values, order_ours.values)
+
+
+def test_sequence_aux_loss_matches_a_hand_computation():
+    moe = MoEConfig(
+        num_experts=4, top_k=2, ffn_hidden_size=8, score="sigmoid", aux_loss_coeff=0.1, seq_aux_loss=True
+    )
+    r = router(moe)
+    s, b = 5, 3
+    x = torch.randn(s * b, 4, generator=torch.Generator().manual_seed(2))  # position-major [s, b]
+    out = r(x, sequences=b)
+    scores = torch.sigmoid(x @ r.weight.detach().t())
+    probs = scores / scores.sum(-1, keepdim=True)
+    chosen = scores.topk(2, dim=-1).indices
+    want = 0.0
+    for j in range(b):
+        rows = [t * b + j for t in range(s)]
+        f = [4 / (2 * s) * sum(int(e in chosen[t]) for t in rows) for e in range(4)]
+        p = [sum(float(probs[t, e]) for t in rows) / s for e in range(4)]
+        want += 0.1 * sum(f[e] * p[e] for e in range(4)) / b
+    assert out.aux_loss.detach().item() == pytest.approx(want, rel=1e-6)

@@ -55,3 +55,20 @@ def test_moe_checkpoint_from_ep2_resumes_on_ep1_and_continues(tmp_path):
     second = spawn(train_until, 1, (spec(1, "moe"), 5))[0]
     assert first["start"] == 0 and second["start"] == 3
     assert_continues(first["losses"] + second["losses"], reference)
+
+
+DEEPSEEK_ROUTING = {
+    "num_experts": 8, "top_k": 2, "router_score": "sigmoid", "num_groups": 4, "topk_group": 2,
+    "routed_scaling_factor": 2.5, "load_balancing_type": "seq_aux_loss", "aux_loss_coeff": 0.01,
+    "expert_bias": True, "expert_bias_update_rate": 0.01, "shared_expert_ffn_hidden_size": 64,
+    "layer_pattern": [0, 1],  # a dense first layer, as DeepSeek-V3's first three
+}
+
+
+def test_deepseek_v3_routing_on_ep2_tp2_sp_matches_single_rank():
+    """Group-limited routing, scaled gates, the sequence-wise aux loss (its counts summed over
+    the TP ranks' sequence chunks), expert bias, a shared expert and a dense first layer."""
+    spec = {"model": {"moe": DEEPSEEK_ROUTING}}
+    reference = run_job(job(1, **spec))
+    got = run_job(job(4, **spec, parallel={"expert": 2, "tensor": 2, "sequence_parallel": True}))
+    assert_same_training(got, reference)

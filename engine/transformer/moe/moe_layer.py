@@ -79,7 +79,7 @@ class MoELayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape
         tokens = x.reshape(s * b, h)
-        routing = self.router(tokens)
+        routing = self.router(tokens, sequences=b)
         self.last_dropped = routing.dropped
         rows, per_expert = self.dispatcher.dispatch(tokens, routing.indices, routing.kept)
         y = self.experts(rows, per_expert)

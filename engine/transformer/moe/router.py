@@ -49,6 +49,10 @@ class MoEConfig:
     expert_bias_update_rate: float = 1e-3
     capacity_factor: float | None = None
     norm_topk_prob: bool | None = None  # None: sigmoid with top_k > 1 only
+    num_groups: int | None = None  # group-limited routing (DeepSeek-V3), with topk_group
+    topk_group: int | None = None
+    routed_scaling_factor: float = 1.0
+    seq_aux_loss: bool = False  # the balancing loss per sequence, averaged (DeepSeek-V3)
     layers: tuple[bool, ...] = ()  # which layers are MoE (global layer index)
 
     @property
@@ -98,16 +102,20 @@ class TopKRouter(nn.Module):
             tokens *= ps.get_tensor_model_parallel_world_size()
         return counts, tokens
 
-    def forward(self, x: torch.Tensor) -> Routing:
-        """x: [T, h] this rank's tokens."""
+    def forward(self, x: torch.Tensor, sequences: int = 1) -> Routing:
+        """x: [T, h] this rank's tokens, position-major over `sequences` sequences ([s, b] flattened)."""
         moe = self.moe
         logits = F.linear(x.float(), self.weight.float())  # [T, E]
         scores = torch.softmax(logits, dim=-1) if moe.score == "softmax" else torch.sigmoid(logits)
         pick = scores + self.expert_bias if moe.expert_bias else scores
+        if moe.num_groups is not None:
+            pick = self._within_best_groups(pick)
         indices = pick.topk(moe.top_k, dim=-1).indices
         gates = scores.gather(1, indices)
         if moe.normalizes_gates:
             gates = gates / (gates.sum(dim=-1, keepdim=True) + 1e-20)
+        if moe.routed_scaling_factor != 1.0:
+            gates = gates * moe.routed_scaling_factor
         counts = torch.zeros(moe.num_experts, device=x.device).index_add_(
             0, indices.reshape(-1), torch.ones(indices.numel(), device=x.device)
         )
@@ -116,7 +124,9 @@ class TopKRouter(nn.Module):
         aux = logits.new_zeros(())
         if moe.aux_loss_coeff > 0 or moe.z_loss_coeff > 0:
             n, tokens = self._global_counts(counts, x.shape[0])  # the whole micro-batch's
-        if moe.aux_loss_coeff > 0:
+        if moe.aux_loss_coeff > 0 and moe.seq_aux_loss:
+            aux = aux + self._sequence_aux_loss(scores, indices, sequences)
+        elif moe.aux_loss_coeff > 0:
             scale = moe.aux_loss_coeff * moe.num_experts / (tokens * tokens * moe.top_k)
             aux = aux + scale * (scores.sum(dim=0) * n).sum()
         if moe.z_loss_coeff > 0:  # a mean over the micro-batch: this rank's share of the sum
@@ -127,6 +137,34 @@ class TopKRouter(nn.Module):
             kept = self._within_capacity(indices, gates, x.shape[0])
             dropped = int((~kept).sum())
         return Routing(indices, gates, kept, counts, aux, dropped)
+
+    def _within_best_groups(self, pick: torch.Tensor) -> torch.Tensor:
+        """Group-limited routing (DeepSeek-V3): each token keeps only the experts of its topk_group
+        groups with the highest sum of their two best pick scores; the others get -inf."""
+        moe = self.moe
+        t, e = pick.shape
+        per_group = e // moe.num_groups
+        group_scores = pick.view(t, moe.num_groups, per_group).topk(2, dim=-1).values.sum(dim=-1)
+        best = group_scores.topk(moe.topk_group, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)
+        return pick.masked_fill(~keep.repeat_interleave(per_group, dim=1), float("-inf"))
+
+    def _sequence_aux_loss(self, scores: torch.Tensor, indices: torch.Tensor, sequences: int) -> torch.Tensor:
+        """DeepSeek-V3's sequence-wise balancing loss, averaged over the micro-batch's sequences:
+        coeff * sum_e f_e * P_e per sequence, f_e = E / (k * S) * (tokens of the sequence routed to
+        e), P_e = the mean over its S tokens of e's normalised score. Under sequence parallelism
+        the counts are summed over TP (no gradient) and S is the whole sequence, while each rank's
+        P part stays local, so the ranks' losses add up to the single-rank value."""
+        moe = self.moe
+        e, k, b = moe.num_experts, moe.top_k, sequences
+        s = scores.shape[0] // b
+        probs = (scores / scores.sum(dim=-1, keepdim=True)).view(s, b, e).sum(dim=0)  # [b, E]
+        picks = indices.view(s, b, k).permute(1, 0, 2).reshape(b, s * k)
+        counts = torch.zeros(b, e, device=scores.device).scatter_add_(
+            1, picks, torch.ones_like(picks, dtype=torch.float)
+        )
+        counts, tokens = self._global_counts(counts, s)  # tokens: the whole sequence's length
+        return moe.aux_loss_coeff * e / (k * tokens * tokens * b) * (counts * probs).sum()
 
     def _within_capacity(self, indices: torch.Tensor, gates: torch.Tensor, tokens: int) -> torch.Tensor:
         """Per expert, keep its `capacity` highest-gated assignments."""
