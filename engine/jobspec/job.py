@@ -87,6 +87,10 @@ class JobSpec(_Section):
                 "data.packing is not supported with parallel.context > 1 yet (context-parallel attention has "
                 "no per-sample mask): set parallel.context: 1 or data.packing: false"
             )
+        if m.attention == "mla" and p.context > 1:
+            raise ValueError("model.attention: mla with parallel.context > 1 is not supported yet: use context 1")
+        if m.attention == "mla" and m.attention_dropout > 0:
+            raise ValueError("model.attention_dropout is not available with model.attention: mla yet: set it to 0")
         if p.context > 1 and m.attention_dropout > 0:
             raise ValueError(
                 "model.attention_dropout: attention dropout is not available with parallel.context > 1; "

@@ -120,6 +120,26 @@ class RopeScalingSpec(_Section):
         return self
 
 
+class MLASpec(_Section):
+    """Multi-latent attention's sizes (DeepSeek-V2/V3; Megatron-Core's names)."""
+
+    q_lora_rank: PositiveInt | None = Field(
+        None, description="Rank of the query latent; none: queries are one projection (DeepSeek-V2-Lite)."
+    )
+    kv_lora_rank: PositiveInt = Field(description="Rank of the key/value latent.")
+    qk_nope_head_dim: PositiveInt = Field(description="Per head, the query/key part without RoPE.")
+    qk_rope_head_dim: PositiveInt = Field(
+        description="Per head, the query part with RoPE; the RoPE key part is one, shared by all heads."
+    )
+    v_head_dim: PositiveInt = Field(description="Per head, the value size.")
+
+    @model_validator(mode="after")
+    def _check(self) -> MLASpec:
+        if self.qk_rope_head_dim % 2:
+            raise ValueError(f"model.mla.qk_rope_head_dim ({self.qk_rope_head_dim}) must be even for RoPE")
+        return self
+
+
 class ModelSpec(_Section):
     """Architecture, with Megatron-Core's names. `arch` picks the family defaults."""
 
@@ -171,6 +191,11 @@ class ModelSpec(_Section):
     attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     norm_epsilon: float = Field(1e-5, gt=0.0)
     rotary_base: float = Field(10000.0, gt=0.0)
+    attention: Literal["standard", "mla"] = Field(
+        "standard",
+        description="standard: (grouped-query) self-attention; mla: multi-latent attention (model.mla).",
+    )
+    mla: MLASpec | None = Field(None, description="Multi-latent attention's sizes (with attention: mla).")
     rope_scaling: RopeScalingSpec | None = Field(
         None, description="Scale RoPE frequencies for long contexts (llama arch only); default: none."
     )
@@ -232,6 +257,14 @@ class ModelSpec(_Section):
                 else "model.hidden_size / model.num_attention_heads (the head size)"
             )
             raise ValueError(f"{what} must be even for rotary embeddings (llama), got {self.head_dim}")
+        if (self.attention == "mla") != (self.mla is not None):
+            raise ValueError(
+                "model.attention: mla needs model.mla (its sizes), and model.mla needs model.attention: mla"
+            )
+        if self.attention == "mla" and (self.arch != "llama" or self.qk_layernorm or self.qkv_bias):
+            raise ValueError(
+                "model.attention: mla is built for arch llama (RMSNorm, RoPE) without qk_layernorm or qkv_bias"
+            )
         if self.arch == "gpt2" and self.rope_scaling is not None:
             raise ValueError(
                 "model.rope_scaling scales rotary embeddings, but arch gpt2 learns its positions: "

@@ -83,7 +83,7 @@ class GPTModel(nn.Module):
                 mark_sequence_parallel(self.position_embeddings, c.sequence_parallel)
         self.rotary = None
         if c.position_embedding == "rope":
-            self.rotary = RotaryEmbedding(c.head_dim, c.rotary_base, c.rope_scaling)
+            self.rotary = RotaryEmbedding(c.rotary_dim, c.rotary_base, c.rope_scaling)
         self.decoder = TransformerBlock(
             c, num_layers=num_layers, post_layer_norm=post_process, layer_offset=layer_offset
         )

@@ -14,6 +14,7 @@ import torch
 
 from engine.jobspec import JobSpec
 from engine.jobspec.layout import sequence_parallel_effective
+from engine.jobspec.model import MLASpec
 from engine.transformer.moe.router import MoEConfig
 from engine.transformer.rope import RopeScaling
 
@@ -38,6 +39,7 @@ class TransformerConfig:
     qk_layernorm: bool = False  # per-head norm of q and k before RoPE (Qwen3)
     kv_channels: int | None = None  # head dim; None: hidden_size // num_attention_heads
     rope_scaling: RopeScaling | None = None
+    mla: MLASpec | None = None  # multi-latent attention's sizes (model.attention: mla)
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     norm_epsilon: float = 1e-5
@@ -58,6 +60,11 @@ class TransformerConfig:
     def is_moe_layer(self, layer: int) -> bool:
         """Whether global layer `layer` has an MoE feed-forward block."""
         return self.moe is not None and self.moe.layers[layer]
+
+    @property
+    def rotary_dim(self) -> int:
+        """What RoPE rotates per head: the whole head, or MLA's decoupled RoPE part."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     @property
     def head_dim(self) -> int:
@@ -99,6 +106,7 @@ class TransformerConfig:
             qk_layernorm=m.qk_layernorm,
             kv_channels=m.kv_channels,
             rope_scaling=RopeScaling(**m.rope_scaling.model_dump()) if m.rope_scaling else None,
+            mla=m.mla,
             hidden_dropout=m.hidden_dropout,
             attention_dropout=m.attention_dropout,
             norm_epsilon=m.norm_epsilon,

@@ -13,6 +13,7 @@ from engine.tensor_parallel import checkpoint
 from engine.transformer.attention import SelfAttention
 from engine.transformer.config import TransformerConfig
 from engine.transformer.dropout import dropout
+from engine.transformer.mla import MultiLatentAttention
 from engine.transformer.mlp import MLP
 from engine.transformer.moe import MoELayer
 from engine.transformer.norm import build_norm
@@ -25,7 +26,7 @@ class TransformerLayer(nn.Module):
         super().__init__()
         self.config = config
         self.input_layernorm = build_norm(config)
-        self.self_attention = SelfAttention(config)
+        self.self_attention = MultiLatentAttention(config) if config.mla is not None else SelfAttention(config)
         self.pre_mlp_layernorm = build_norm(config)
         self.mlp = MoELayer(config, config.moe) if moe else MLP(config)
 
