@@ -11,6 +11,7 @@ uploaded file by file, the index last, so a reader never sees an index naming mi
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import shutil
@@ -126,7 +127,12 @@ def export_hf(
     config = {**hf_config_for(spec.model, base, dtype=dtype), "vocab_size": model.true_vocab_size}
     arch = config["architectures"][0]
     tensors = {
-        k: v.to(DTYPES[dtype]).contiguous() for k, v in hf_tensors(arch, ours, Shapes.of(model)).items()
+        k: v.to(DTYPES[dtype]).contiguous()
+        for k, v in hf_tensors(
+            arch,
+            ours,
+            dataclasses.replace(Shapes.of(model), rope_interleave=config.get("rope_interleave", True)),
+        ).items()
     }
     with tempfile.TemporaryDirectory(prefix="elastron-export-") as tmp:
         folder = Path(tmp)

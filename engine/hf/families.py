@@ -18,6 +18,7 @@ side of a family is engine/jobspec/hf_config.py (plain json, usable by the API).
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -34,10 +35,11 @@ LLAMA_STYLE = {
     "Qwen3MoeForCausalLM",
 }
 GPT2_STYLE = {"GPT2LMHeadModel"}
+DEEPSEEK_STYLE = {"DeepseekV3ForCausalLM"}
 
 
-# Model state that is not a weight of any HF family: the aux-loss-free expert bias (zero unless
-# model.moe.expert_bias, which no exported family has).
+# Model state that only some families store: the aux-loss-free expert bias (DeepSeek-V3's
+# e_score_correction_bias; zero and left out for the others).
 NOT_WEIGHTS = (".mlp.router.expert_bias",)
 
 
@@ -50,6 +52,13 @@ class Segment:
     start: int
     length: int
     transposed: bool = False
+    order: tuple[int, ...] | None = None  # our row i is the HF row start + order[i]
+
+
+def interleaved_rope_order(dim: int) -> tuple[int, ...]:
+    """DeepSeek's checkpoints store RoPE dimensions interleaved (x0, y0, x1, y1, ...; its
+    `rope_interleave`); ours rotate halves (x0, x1, ..., y0, y1, ...): our row i is HF row order[i]."""
+    return tuple(range(0, dim, 2)) + tuple(range(1, dim, 2))
 
 
 @dataclass(frozen=True)
@@ -74,6 +83,9 @@ class Shapes:
     vocab_size: int
     padded_vocab_size: int
     tie_embeddings: bool
+    shared_expert_ffn_hidden_size: int | None = None
+    mla: Any = None  # the MLASpec of an MLA model
+    rope_interleave: bool = True  # DeepSeek checkpoints: RoPE dimensions interleaved
 
     @classmethod
     def of(cls, config: Any) -> Shapes:
@@ -87,6 +99,8 @@ class Shapes:
             vocab_size=config.vocab_size,
             padded_vocab_size=config.padded_vocab_size,
             tie_embeddings=config.tie_embeddings,
+            shared_expert_ffn_hidden_size=moe.shared_expert_ffn_hidden_size if moe is not None else None,
+            mla=getattr(config, "mla", None),
         )
 
 
@@ -155,6 +169,68 @@ def _llama_layer(prefix: str, suffix: str, s: Shapes, arch: str) -> list[Segment
     raise KeyError(suffix)
 
 
+def _deepseek_layer(prefix: str, suffix: str, s: Shapes) -> list[Segment]:
+    """DeepSeek-V3: multi-latent attention, dense first layers, group-routed experts with a
+    score-correction bias (our expert_bias) and an ungated shared expert."""
+    mla, heads, hidden = s.mla, s.heads.num_attention_heads, s.hidden_size
+    nope, rope = mla.qk_nope_head_dim, mla.qk_rope_head_dim
+    order = interleaved_rope_order(rope) if s.rope_interleave else None
+    attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+
+    def per_head_q(name: str) -> list[Segment]:
+        out = []
+        for i in range(heads):
+            out += [
+                Segment(name, i * (nope + rope), nope),
+                Segment(name, i * (nope + rope) + nope, rope, order=order),
+            ]
+        return out
+
+    shared = s.shared_expert_ffn_hidden_size
+    table = {
+        "input_layernorm.weight": _whole(f"{prefix}.input_layernorm.weight", hidden),
+        "pre_mlp_layernorm.weight": _whole(f"{prefix}.post_attention_layernorm.weight", hidden),
+        "self_attention.linear_q_proj.weight": per_head_q(f"{attn}.q_proj.weight"),
+        "self_attention.linear_q_down_proj.weight": [Segment(f"{attn}.q_a_proj.weight", 0, -1)],
+        "self_attention.q_layernorm.weight": [Segment(f"{attn}.q_a_layernorm.weight", 0, -1)],
+        "self_attention.linear_q_up_proj.weight": per_head_q(f"{attn}.q_b_proj.weight"),
+        "self_attention.linear_kv_down_proj.weight": [
+            Segment(f"{attn}.kv_a_proj_with_mqa.weight", 0, mla.kv_lora_rank),
+            Segment(f"{attn}.kv_a_proj_with_mqa.weight", mla.kv_lora_rank, rope, order=order),
+        ],
+        "self_attention.kv_layernorm.weight": _whole(f"{attn}.kv_a_layernorm.weight", mla.kv_lora_rank),
+        "self_attention.linear_kv_up_proj.weight": [Segment(f"{attn}.kv_b_proj.weight", 0, -1)],
+        "self_attention.linear_proj.weight": _whole(f"{attn}.o_proj.weight", hidden),
+        "mlp.linear_fc1.weight": [
+            Segment(f"{mlp}.gate_proj.weight", 0, s.ffn_hidden_size),
+            Segment(f"{mlp}.up_proj.weight", 0, s.ffn_hidden_size),
+        ],
+        "mlp.linear_fc2.weight": _whole(f"{mlp}.down_proj.weight", hidden),
+        "mlp.router.weight": [Segment(f"{mlp}.gate.weight", 0, -1)],
+        "mlp.router.expert_bias": [Segment(f"{mlp}.gate.e_score_correction_bias", 0, -1)],
+    }
+    if shared:
+        table["mlp.shared_expert.linear_fc1.weight"] = [
+            Segment(f"{mlp}.shared_experts.gate_proj.weight", 0, shared),
+            Segment(f"{mlp}.shared_experts.up_proj.weight", 0, shared),
+        ]
+        table["mlp.shared_expert.linear_fc2.weight"] = _whole(
+            f"{mlp}.shared_experts.down_proj.weight", hidden
+        )
+    if suffix in table:
+        return table[suffix]
+    e = _EXPERT.match(suffix)
+    if e:
+        j, which, f = e.group(1), e.group(2), s.expert_ffn_hidden_size
+        if which == "linear_fc1":
+            return [
+                Segment(f"{mlp}.experts.{j}.gate_proj.weight", 0, f),
+                Segment(f"{mlp}.experts.{j}.up_proj.weight", 0, f),
+            ]
+        return _whole(f"{mlp}.experts.{j}.down_proj.weight", hidden)
+    raise KeyError(suffix)
+
+
 def _gpt2_layer(prefix: str, suffix: str, s: Shapes) -> list[Segment]:
     hidden, ffn = s.hidden_size, s.ffn_hidden_size
     table = {
@@ -184,8 +260,11 @@ def segments(arch: str, our_name: str, s: Shapes) -> list[Segment]:
     if m:
         idx, suffix = m.groups()
         prefix = f"transformer.h.{idx}" if gpt2 else f"model.layers.{idx}"
-        segs = _gpt2_layer(prefix, suffix, s) if gpt2 else _llama_layer(prefix, suffix, s, arch)
-        return segs
+        if gpt2:
+            return _gpt2_layer(prefix, suffix, s)
+        if arch in DEEPSEEK_STYLE:
+            return _deepseek_layer(prefix, suffix, s)
+        return _llama_layer(prefix, suffix, s, arch)
     embed = "transformer.wte.weight" if gpt2 else "model.embed_tokens.weight"
     if our_name == "embedding.weight" or (our_name == "output_layer.weight" and s.tie_embeddings):
         return _vocab(embed, s)
@@ -206,18 +285,24 @@ def hf_names(arch: str, our_name: str, s: Shapes) -> list[str]:
 
 def resolve_lengths(segs: list[Segment], rows: int) -> list[Segment]:
     """Segments with a length of -1 ("all rows of the HF tensor") given the tensor's row count."""
-    return [Segment(g.name, g.start, rows, g.transposed) if g.length < 0 else g for g in segs]
+    return [dataclasses.replace(g, length=rows) if g.length < 0 else g for g in segs]
 
 
 def hf_tensors(arch: str, our: dict[str, torch.Tensor], s: Shapes) -> dict[str, torch.Tensor]:
     """Export: our full global tensors -> HF tensors (padding rows dropped, fused ones split)."""
     pieces: dict[str, list[tuple[int, torch.Tensor, bool]]] = {}
     for name, full in our.items():
-        if name.endswith(NOT_WEIGHTS):
-            continue
+        try:
+            segs = segments(arch, name, s)
+        except KeyError:
+            if name.endswith(NOT_WEIGHTS):  # state this family has no tensor for
+                continue
+            raise
         row = 0
-        for seg in resolve_lengths(segments(arch, name, s), full.shape[0]):
+        for seg in resolve_lengths(segs, full.shape[0]):
             part = full.narrow(0, row, seg.length)
+            if seg.order is not None:  # back to HF's row order: hf[order[i]] = ours[i]
+                part = part[torch.tensor(seg.order).argsort()]
             row += seg.length
             if seg.name is not None:
                 pieces.setdefault(seg.name, []).append((seg.start, part, seg.transposed))

@@ -13,6 +13,7 @@ wrong folder fails with the tensor's name rather than loading partially.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine import parallel_state as ps
-from engine.hf.families import Segment, Shapes, resolve_lengths, segments
+from engine.hf.families import NOT_WEIGHTS, Segment, Shapes, resolve_lengths, segments
 from engine.hf.reader import HFCheckpointError, HFFolder
 from engine.jobspec.hf_config import read_hf_config
 
@@ -97,20 +98,18 @@ class _Loader:
             if a < b:
                 lo, hi = seg.start + a - at, seg.start + b - at
                 part = dst.narrow(0, a - r0, b - a)
+                c = slice(*cols) if cols else None
                 if seg.name is None:
                     part.zero_()
+                elif seg.order is not None:  # a permuted block (interleaved RoPE rows): read it whole
+                    block = self.folder.read(seg.name, slice(seg.start, seg.start + seg.length), c)
+                    part.copy_(block[list(seg.order)][a - at : b - at])
                 elif seg.transposed:
-                    part.copy_(
-                        self.folder.read(seg.name, slice(*cols) if cols else slice(None), slice(lo, hi)).t()
-                    )
-                elif (
-                    cols is None
-                    and part.is_contiguous()
-                    and part.dtype == self.folder.tensors[seg.name].dtype
-                ):
+                    part.copy_(self.folder.read(seg.name, c or slice(None), slice(lo, hi)).t())
+                elif c is None and part.is_contiguous() and part.dtype == self.folder.tensors[seg.name].dtype:
                     self.folder.read(seg.name, slice(lo, hi), out=part)
                 else:
-                    part.copy_(self.folder.read(seg.name, slice(lo, hi), slice(*cols) if cols else None))
+                    part.copy_(self.folder.read(seg.name, slice(lo, hi), c))
             at += seg.length
         if at < r1:
             raise HFCheckpointError(f"model.init_from: the segments cover {at} rows, {r1} needed")
@@ -142,12 +141,20 @@ def import_hf_weights(chunks: list[nn.Module], uri: str, arch: str, config) -> I
     A collective when torch.distributed is initialised (the unused-tensor check)."""
     start = time.perf_counter()
     folder = HFFolder(uri)
-    loader = _Loader(folder, arch, Shapes.of(config))
+    shapes = dataclasses.replace(
+        Shapes.of(config), rope_interleave=read_hf_config(uri).get("rope_interleave", True)
+    )
+    loader = _Loader(folder, arch, shapes)
     count = 0
     for chunk in chunks:
         for local_name, param in chunk.named_parameters():
             loader.load(chunk.global_param_name(local_name), param)
             count += 1
+        for local_name, buffer in chunk.named_buffers():
+            name = chunk.global_param_name(local_name)
+            if name.endswith(NOT_WEIGHTS) and _maps(arch, name, loader.shapes):
+                loader.load(name, buffer)
+                count += 1
     used = [loader.used]
     if dist.is_initialized() and dist.get_world_size() > 1:
         used = [None] * dist.get_world_size()
@@ -164,6 +171,14 @@ def import_hf_weights(chunks: list[nn.Module], uri: str, arch: str, config) -> I
             "(an architecture option config.json sets that the model does not have?)"
         )
     return ImportReport(count, folder.bytes_read, folder.file_bytes(), time.perf_counter() - start)
+
+
+def _maps(arch: str, name: str, shapes: Shapes) -> bool:
+    try:
+        segments(arch, name, shapes)
+        return True
+    except KeyError:
+        return False
 
 
 def _tied_head(name: str, config) -> bool:

@@ -28,6 +28,7 @@ FAMILIES: dict[str, str] = {
     "MixtralForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "llama",
     "GPT2LMHeadModel": "gpt2",
+    "DeepseekV3ForCausalLM": "llama",
 }
 _MODEL_TYPES = {
     "LlamaForCausalLM": "llama",
@@ -37,6 +38,7 @@ _MODEL_TYPES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "GPT2LMHeadModel": "gpt2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
 }
 # Families whose models are another's with the same settings, kept when exporting a job imported
 # from one (Mistral's sliding window covers the whole sequence whenever it was imported).
@@ -119,7 +121,62 @@ def hf_model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         raise HFConfigError(
             f"config.json architectures={archs!r} is not supported; supported: {sorted(FAMILIES)}"
         )
-    return _gpt2_fields(cfg) if arch == "GPT2LMHeadModel" else _llama_style_fields(cfg, arch)
+    if arch == "GPT2LMHeadModel":
+        return _gpt2_fields(cfg)
+    if arch == "DeepseekV3ForCausalLM":
+        return _deepseek_fields(cfg)
+    return _llama_style_fields(cfg, arch)
+
+
+def _deepseek_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """DeepSeek-V3: multi-latent attention, dense first `first_k_dense_replace` layers, then MoE
+    layers routed by sigmoid scores with a correction bias, in groups, with shared experts."""
+    for flag in ("attention_bias", "mlp_bias"):
+        if cfg.get(flag):
+            raise HFConfigError(f"config.json {flag}=true is not supported for DeepseekV3ForCausalLM")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise HFConfigError(f"config.json hidden_act={cfg.get('hidden_act')!r} is not supported (only silu)")
+    heads, n = int(cfg["num_attention_heads"]), int(cfg["num_hidden_layers"])
+    fields: dict[str, Any] = {
+        "arch": "llama",
+        "num_layers": n,
+        "hidden_size": int(cfg["hidden_size"]),
+        "num_attention_heads": heads,
+        "num_query_groups": heads,
+        "ffn_hidden_size": int(cfg["intermediate_size"]),
+        "vocab_size": int(cfg["vocab_size"]),
+        "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)),
+        "norm_epsilon": float(cfg.get("rms_norm_eps", 1e-6)),
+        "qkv_bias": False,
+        "qk_layernorm": False,
+        "attention": "mla",
+        "mla": {
+            "q_lora_rank": int(cfg["q_lora_rank"]) if cfg.get("q_lora_rank") else None,
+            "kv_lora_rank": int(cfg["kv_lora_rank"]),
+            "qk_nope_head_dim": int(cfg["qk_nope_head_dim"]),
+            "qk_rope_head_dim": int(cfg["qk_rope_head_dim"]),
+            "v_head_dim": int(cfg["v_head_dim"]),
+        },
+        **_rope_fields(cfg),
+    }
+    dense = int(cfg.get("first_k_dense_replace") or 0)
+    experts = int(cfg.get("n_routed_experts") or 0)
+    if experts and dense < n:
+        groups = int(cfg.get("n_group") or 1)
+        shared = int(cfg.get("n_shared_experts") or 0) * int(cfg["moe_intermediate_size"])
+        fields["moe"] = {
+            "num_experts": experts,
+            "top_k": int(cfg["num_experts_per_tok"]),
+            "router_score": "sigmoid",
+            "expert_bias": True,  # e_score_correction_bias
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)),
+            "routed_scaling_factor": float(cfg.get("routed_scaling_factor", 1.0)),
+            "ffn_hidden_size": int(cfg["moe_intermediate_size"]),
+            **({"num_groups": groups, "topk_group": int(cfg["topk_group"])} if groups > 1 else {}),
+            **({"shared_expert_ffn_hidden_size": shared} if shared else {}),
+            **({"layer_pattern": [int(i >= dense) for i in range(n)]} if dense else {}),
+        }
+    return fields
 
 
 def _llama_style_fields(cfg: dict[str, Any], arch: str) -> dict[str, Any]:
@@ -257,6 +314,8 @@ def hf_config_for(model: Any, base: dict[str, Any] | None = None, *, dtype: str 
         cfg.pop(key, None)
     cfg.update(architectures=[arch], model_type=_MODEL_TYPES[arch], vocab_size=model.vocab_size)
     cfg["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
+    if arch == "DeepseekV3ForCausalLM":
+        return _deepseek_config(model, cfg)
     if arch == "GPT2LMHeadModel":
         act = {"gelu_tanh": "gelu_new", "gelu": "gelu"}[model.activation]
         cfg.update(
@@ -316,6 +375,17 @@ def hf_config_for(model: Any, base: dict[str, Any] | None = None, *, dtype: str 
 def _family_of(model: Any) -> str:
     """The Hugging Face architecture that holds a model of these settings, or HFConfigError
     naming the setting no family has."""
+    if model.attention == "mla":
+        m = model.moe
+        if m is not None and (
+            m.router_score != "sigmoid"
+            or (m.shared_expert_ffn_hidden_size or 0) % (m.ffn_hidden_size or model.ffn_hidden_size)
+        ):
+            raise HFConfigError(
+                "an MLA model exports as DeepSeek-V3, whose router scores are sigmoid and whose shared experts "
+                "are whole multiples of the expert width"
+            )
+        return "DeepseekV3ForCausalLM"
     if model.arch == "gpt2":
         if (
             model.qk_layernorm
@@ -357,3 +427,46 @@ def _family_of(model: Any) -> str:
             )
         return "Qwen3ForCausalLM"
     return "Qwen2ForCausalLM" if model.qkv_bias else "LlamaForCausalLM"
+
+
+def _deepseek_config(model: Any, cfg: dict[str, Any]) -> dict[str, Any]:
+    mla, moe, n = model.mla, model.moe, model.num_layers
+    pattern = (moe.layer_pattern or [int(i % moe.layer_freq == 0) for i in range(n)]) if moe else [0] * n
+    dense = pattern.index(1) if 1 in pattern else n
+    if any(not v for v in pattern[dense:]):
+        raise HFConfigError(
+            "DeepSeek-V3 has dense layers first and MoE layers after: model.moe.layer_pattern must be 0s then 1s"
+        )
+    width = (moe.ffn_hidden_size or model.ffn_hidden_size) if moe else model.ffn_hidden_size
+    cfg.update(
+        hidden_size=model.hidden_size,
+        intermediate_size=model.ffn_hidden_size,
+        moe_intermediate_size=width,
+        num_hidden_layers=n,
+        num_attention_heads=model.num_attention_heads,
+        num_key_value_heads=model.num_attention_heads,
+        n_routed_experts=moe.num_experts if moe else 1,
+        num_experts_per_tok=moe.top_k if moe else 1,
+        n_shared_experts=((moe.shared_expert_ffn_hidden_size or 0) // width) if moe else 0,
+        n_group=(moe.num_groups or 1) if moe else 1,
+        topk_group=(moe.topk_group or 1) if moe else 1,
+        routed_scaling_factor=moe.routed_scaling_factor if moe else 1.0,
+        norm_topk_prob=(moe.norm_topk_prob if moe.norm_topk_prob is not None else moe.top_k > 1)
+        if moe
+        else True,
+        first_k_dense_replace=dense,
+        q_lora_rank=mla.q_lora_rank,
+        kv_lora_rank=mla.kv_lora_rank,
+        qk_nope_head_dim=mla.qk_nope_head_dim,
+        qk_rope_head_dim=mla.qk_rope_head_dim,
+        v_head_dim=mla.v_head_dim,
+        head_dim=mla.qk_rope_head_dim,
+        hidden_act="silu",
+        attention_bias=False,
+        rms_norm_eps=model.norm_epsilon,
+        tie_word_embeddings=model.tie_embeddings,
+        max_position_embeddings=max(int(cfg.get("max_position_embeddings") or 0), model.seq_length),
+        rope_interleave=cfg.get("rope_interleave", True),
+        rope_parameters={"rope_type": "default", "rope_theta": model.rotary_base},
+    )
+    return cfg

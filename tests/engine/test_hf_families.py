@@ -162,3 +162,78 @@ def test_exported_config_loads_in_transformers(tmp_path):
     with torch.no_grad():
         logits = theirs(input_ids=h.batch(VOCAB, 2)[0]).logits
     assert _close(got["logits"], logits) < RTOL
+
+
+DEEPSEEK = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=1,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+    q_lora_rank=24,
+    kv_lora_rank=16,
+    qk_nope_head_dim=8,
+    qk_rope_head_dim=4,
+    v_head_dim=12,
+    max_position_embeddings=64,
+    routed_scaling_factor=2.5,
+)
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    """A tiny DeepSeek-V3: MLA (interleaved RoPE rows), a dense first layer, then group-routed
+    experts with a random score-correction bias and a shared expert."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    folder = tmp_path_factory.mktemp("deepseek")
+    torch.manual_seed(0)
+    config = DeepseekV3Config(**DEEPSEEK)
+    config.architectures = ["DeepseekV3ForCausalLM"]
+    model = DeepseekV3ForCausalLM(config).eval()
+    model.config._attn_implementation = "eager"
+    with torch.no_grad():
+        model.model.layers[1].mlp.gate.weight.normal_(0, 0.5)  # HF initialises routers to zero
+        model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0, 0.1)
+    model.save_pretrained(folder)
+    return folder, model
+
+
+@pytest.mark.parametrize(
+    ("ranks", "parallel"),
+    [(1, {}), (2, {"expert": 2}), (2, {"tensor": 2, "sequence_parallel": True})],
+    ids=["1", "ep2", "tp2-sp"],
+)
+def test_deepseek_v3_imports_equal_to_transformers(deepseek, ranks, parallel):
+    folder, model = deepseek
+    spec = h.job(folder, ranks, parallel=parallel, **NO_AUX)
+    got = spawn(h.import_forward_step, ranks, (spec, VOCAB), timeout_s=240)
+    ref_logits, _ = h.hf_logits_and_loss(model, VOCAB, 2)
+    _, ref_loss = h.hf_logits_and_loss(model, VOCAB, 4)
+    assert _close(got[0]["logits"], ref_logits) < RTOL
+    assert got[0]["loss"] == pytest.approx(ref_loss, rel=RTOL)
+
+
+def test_deepseek_v3_export_round_trips(deepseek, tmp_path):
+    folder, _ = deepseek
+    spawn(
+        h.import_save_step,
+        1,
+        (h.job(folder, 1, checkpoint={"path": str(tmp_path / "ckpt")}, **NO_AUX), VOCAB),
+        timeout_s=240,
+    )
+    out = tmp_path / "exported"
+    export_hf(str(tmp_path / "ckpt" / "hf" / "iter_0000000"), str(out), dtype="fp32")
+    original, exported = load_file(folder / "model.safetensors"), load_file(out / "model.safetensors")
+    assert original.keys() == exported.keys()
+    for key, t in original.items():
+        assert torch.equal(t, exported[key]), key
+    assert hf_model_fields(read_hf_config(out)) == hf_model_fields(read_hf_config(folder))
