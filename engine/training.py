@@ -63,6 +63,7 @@ from engine.transformer import context_parallel
 from engine.transformer.config import TransformerConfig
 from engine.transformer.initialization import initialize_weights
 from engine.transformer.moe import TopKRouter, set_aux_loss_scale
+from engine.transformer.mtp import shifted
 from engine.transformer.packed_seq import PackedSeqParams
 
 # Reported min/max over ranks every log interval. "data" is fetching batches, "forward" and
@@ -107,6 +108,8 @@ class StepMetrics:
     energy_j: float | None = None
     power_w: float | None = None
     energy_cumulative_j: float | None = None
+    # Multi-token prediction (model.mtp_num_layers): the depths' mean loss, beside the main loss.
+    mtp_loss: float | None = None
     # Set on the iterations that evaluate (training.eval_interval).
     valid_loss: float | None = None
     valid_ppl: float | None = None
@@ -179,6 +182,9 @@ class Trainer:
             if moe is not None and moe.expert_bias
             else []
         )
+        # The multi-token prediction depths, on the rank holding the last stage.
+        self._mtp = next((c.mtp for c in self.model_chunks if c.mtp is not None), None)
+        self.last_mtp_loss: float | None = None
         self.pipeline = None
         if p.pipeline > 1:
             self.pipeline = PipelineRunner(
@@ -423,6 +429,44 @@ class Trainer:
             dist.all_reduce(count, group=ps.get_group("dp_cp"))
         return (replicas * scale) / count.clamp(min=1.0).reshape(())
 
+    def _set_mtp_weights(self, batches: list[MicroBatch], scale: float) -> torch.Tensor | None:
+        """Multi-token prediction (last stage): each depth's loss weight for this step, so that
+        its loss is the mean over the global batch's tokens that have a target at that depth
+        (engine.transformer.mtp); returns this rank's target counts per depth."""
+        if self._mtp is None:
+            return None
+        c, d = self.config, self.config.mtp_num_layers
+        local = torch.stack(
+            [
+                torch.stack([(shifted(b.labels, k, IGNORE_INDEX) != IGNORE_INDEX).sum() for b in batches]).sum()
+                for k in range(1, d + 1)
+            ]
+        ).float()
+        counts = local.clone()
+        replicas = self.dp_size * self.spec.parallel.context
+        if replicas > 1:
+            dist.all_reduce(counts, group=ps.get_group("dp_cp"))
+        factor = c.mtp_loss_scaling_factor / d * replicas * scale
+        self._mtp.loss_weights = [factor / max(n, 1.0) for n in counts.tolist()]
+        self._mtp.depth_sums.clear()
+        return local
+
+    def _mtp_loss(self, local_counts: torch.Tensor | None, num_microbatches: int) -> float | None:
+        """The step's multi-token prediction loss, the mean over depths of each depth's mean token
+        loss, on every rank (a collective over DP x CP and the pipeline when MTP is on)."""
+        d = self.config.mtp_num_layers
+        if not d:
+            return None
+        vec = torch.zeros(2 * d, device=self.device)
+        if self._mtp is not None:
+            vec[:d] = torch.stack(self._mtp.depth_sums[-num_microbatches:]).sum(dim=0)
+            vec[d:] = local_counts
+        if self.dp_size * self.spec.parallel.context > 1:
+            dist.all_reduce(vec, group=ps.get_group("dp_cp"))
+        if self.pipeline is not None:
+            dist.all_reduce(vec, group=ps.get_group("pp"))
+        return float((vec[:d] / vec[d:].clamp(min=1.0)).mean())
+
     def forward_backward(self, num_microbatches: int) -> torch.Tensor:
         """Accumulate grads of the step's loss (the mean over the global batch's label tokens,
         see _loss_weight) into the DP buffers; returns this rank's share of it times dp x cp (on
@@ -435,6 +479,7 @@ class Trainer:
             batches = self._stage_batches(num_microbatches)
         runner = self.pipeline
         weight = self._loss_weight(batches, scale) if runner is None or runner.has_last else None
+        mtp_counts = self._set_mtp_weights(batches, scale)
 
         def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             """The microbatch's share of the step's loss, times the fp16 loss scale."""
@@ -445,14 +490,16 @@ class Trainer:
             scaled: list[torch.Tensor] = []
             model = self.ddp_chunks[0]
             for tokens, labels, packed in batches:
+                mtp_labels = labels if self._mtp is not None else None
                 with self.timers("forward", 1):
-                    loss = loss_fn(model(tokens, packed_seq_params=packed), labels)
+                    loss = loss_fn(model(tokens, packed_seq_params=packed, mtp_labels=mtp_labels), labels)
                 with self.timers("backward", 1):
                     loss.backward()
                 scaled.append(loss.detach())
         else:
             tokens, labels, packed = self._pipeline_inputs(batches)
-            scaled = runner.run(num_microbatches, tokens, labels, loss_fn, packed=packed)
+            scaled = runner.run(num_microbatches, tokens, labels, loss_fn, packed=packed, mtp=self._mtp is not None)
+        self.last_mtp_loss = self._mtp_loss(mtp_counts, num_microbatches)
         total = torch.stack(scaled).sum() if scaled else torch.zeros((), device=self.device)
         if self.pipeline is not None:  # only the last stage computed the loss
             total = total.reshape(1)
@@ -571,6 +618,7 @@ class Trainer:
             energy_j=lap.energy_j if lap else None,
             power_w=lap.power_w if lap else None,
             energy_cumulative_j=lap.cumulative_j if lap else None,
+            mtp_loss=self.last_mtp_loss,
         )
 
 
@@ -578,6 +626,7 @@ def _progress_line(m: StepMetrics, total: int) -> str:
     return (
         f"iter {m.iteration:>5}/{total} | loss {m.loss:.4f} | lr {m.lr:.3e} | grad_norm {m.grad_norm:.3f} "
         f"| {m.tokens_per_s:,.0f} tok/s | {m.step_time_s * 1000:.0f} ms | MFU {m.mfu:.1%}"
+        + (f" | mtp loss {m.mtp_loss:.4f}" if m.mtp_loss is not None else "")
         + (f" | {m.power_w:.0f} W" if m.power_w is not None else "")
         + (f" | valid loss {m.valid_loss:.4f} ppl {m.valid_ppl:.2f}" if m.valid_loss is not None else "")
     )

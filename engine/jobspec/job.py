@@ -87,6 +87,11 @@ class JobSpec(_Section):
                 "data.packing is not supported with parallel.context > 1 yet (context-parallel attention has "
                 "no per-sample mask): set parallel.context: 1 or data.packing: false"
             )
+        if m.mtp_num_layers and (p.context > 1 or self.data.source == "sft"):
+            raise ValueError(
+                "model.mtp_num_layers with parallel.context > 1 or data.source sft is not supported yet "
+                "(the depths read their tokens from whole, unmasked label rows): set model.mtp_num_layers: 0"
+            )
         if m.attention == "mla" and p.context > 1:
             raise ValueError("model.attention: mla with parallel.context > 1 is not supported yet: use context 1")
         if m.attention == "mla" and m.attention_dropout > 0:

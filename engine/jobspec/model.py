@@ -196,6 +196,14 @@ class ModelSpec(_Section):
         description="standard: (grouped-query) self-attention; mla: multi-latent attention (model.mla).",
     )
     mla: MLASpec | None = Field(None, description="Multi-latent attention's sizes (with attention: mla).")
+    mtp_num_layers: Annotated[int, Field(ge=0, le=8, strict=True)] = Field(
+        0,
+        description="Multi-token prediction depths after the decoder (DeepSeek-V3: 1): depth k also predicts "
+        "the token k+1 places further, sharing the embedding and output layer.",
+    )
+    mtp_loss_scaling_factor: float = Field(
+        0.1, ge=0.0, description="Weight of the mean of the depths' losses in the objective (DeepSeek-V3: 0.1-0.3)."
+    )
     rope_scaling: RopeScalingSpec | None = Field(
         None, description="Scale RoPE frequencies for long contexts (llama arch only); default: none."
     )
@@ -265,6 +273,8 @@ class ModelSpec(_Section):
             raise ValueError(
                 "model.attention: mla is built for arch llama (RMSNorm, RoPE) without qk_layernorm or qkv_bias"
             )
+        if self.mtp_num_layers and self.arch != "llama":
+            raise ValueError("model.mtp_num_layers is built for arch llama (RoPE): use arch llama or 0")
         if self.arch == "gpt2" and self.rope_scaling is not None:
             raise ValueError(
                 "model.rope_scaling scales rotary embeddings, but arch gpt2 learns its positions: "

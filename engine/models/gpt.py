@@ -42,6 +42,7 @@ from engine.transformer import context_parallel
 from engine.transformer.config import TransformerConfig
 from engine.transformer.dropout import dropout
 from engine.transformer.moe.moe_layer import local_experts
+from engine.transformer.mtp import MultiTokenPrediction
 from engine.transformer.packed_seq import PackedSeqParams
 from engine.transformer.rope import RotaryEmbedding
 from engine.transformer.transformer_layer import TransformerBlock
@@ -65,6 +66,9 @@ class GPTModel(nn.Module):
         self.pre_process, self.post_process, self.layer_offset = pre_process, post_process, layer_offset
         c = config
         tie_across_stages = c.tie_embeddings and not (pre_process and post_process)
+        # The last stage's MTP depths embed tokens too: without tying, a copy of the embedding
+        # lives there, kept equal to the first stage's like a tied output weight.
+        mtp_copy = c.mtp_num_layers > 0 and not (pre_process and post_process) and not c.tie_embeddings
         self.embedding = self.position_embeddings = None
         if pre_process:
             self.embedding = VocabParallelEmbedding(
@@ -74,7 +78,7 @@ class GPTModel(nn.Module):
                 params_dtype=c.params_dtype,
                 init_std=c.init_method_std,
             )
-            self.embedding.weight.shared_embedding = tie_across_stages
+            self.embedding.weight.shared_embedding = tie_across_stages or mtp_copy
             if c.position_embedding == "learned_absolute":
                 self.position_embeddings = nn.Embedding(c.seq_length, c.hidden_size, dtype=c.params_dtype)
                 set_partition(self.position_embeddings.weight, (c.seq_length, c.hidden_size), None)
@@ -102,6 +106,22 @@ class GPTModel(nn.Module):
             if tie_across_stages:
                 self.output_layer.weight.shared_embedding = True
                 self.output_layer.weight.embedding_copy = True
+        self.mtp = self.mtp_embedding = None
+        if post_process and c.mtp_num_layers:
+            self.mtp = MultiTokenPrediction(c)
+            if not pre_process:
+                self.mtp_embedding = VocabParallelEmbedding(
+                    c.padded_vocab_size,
+                    c.hidden_size,
+                    sequence_parallel=c.sequence_parallel,
+                    params_dtype=c.params_dtype,
+                    init_std=c.init_method_std,
+                )
+                if c.tie_embeddings:  # the output weight is the embedding's copy already
+                    self.mtp_embedding.weight = self.output_layer.weight
+                else:
+                    self.mtp_embedding.weight.shared_embedding = True
+                    self.mtp_embedding.weight.embedding_copy = True
 
     def global_param_name(self, name: str) -> str:
         """The parameter's name in the whole (unsplit) model: layer numbers are global, and the
@@ -114,6 +134,8 @@ class GPTModel(nn.Module):
         if m:
             return f"decoder.layers.{int(m.group(1)) + self.layer_offset}.{name[m.end() :]}"
         if name == "output_layer.weight" and self.config.tie_embeddings:
+            return "embedding.weight"
+        if name == "mtp_embedding.weight":  # the last stage's copy for the MTP depths
             return "embedding.weight"
         return name
 
@@ -154,12 +176,14 @@ class GPTModel(nn.Module):
         x: torch.Tensor,
         labels: torch.Tensor | None = None,
         packed_seq_params: PackedSeqParams | None = None,
+        mtp_labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """First stage: token ids [b, s] (this CP rank's two chunks under CP); later stages:
         hidden states [s, b, h] (a sequence chunk under SP). Last stage: per-token loss [b, s]
         when labels are given, else this rank's vocabulary slice of the logits [b, s, vocab/tp].
         Other stages return hidden states. `packed_seq_params`: the rows' position and segment
-        ids [b, s] when they hold several samples each (every stage needs them)."""
+        ids [b, s] when they hold several samples each (every stage needs them). `mtp_labels`
+        [b, s]: the labels, for the multi-token prediction depths (last stage; training only)."""
         packed = packed_seq_params
         if self.pre_process:
             x = self._embed(x.t(), packed)
@@ -169,11 +193,21 @@ class GPTModel(nn.Module):
         x = self.decoder(x, rotary, mask)
         if not self.post_process:
             return x
-        tied_here = self.config.tie_embeddings and self.pre_process
-        logits = self._mask_vocab_padding(self.output_layer(x, weight=self.embedding.weight if tied_here else None))
+        if self.mtp is not None and mtp_labels is not None:
+            x = self.mtp(x, mtp_labels, rotary, self._mtp_embed, self._logits)
+        logits = self._logits(x)
         if labels is None:
             return logits.transpose(0, 1)
         return self.loss_from_logits(logits.transpose(0, 1), labels)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        """[s, b, h] -> this rank's vocabulary slice of the logits [s, b, vocab/tp]."""
+        tied_here = self.config.tie_embeddings and self.pre_process
+        return self._mask_vocab_padding(self.output_layer(x, weight=self.embedding.weight if tied_here else None))
+
+    def _mtp_embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids [b, s] -> [s, b, h] (a sequence chunk under SP), for the MTP depths."""
+        return (self.embedding if self.pre_process else self.mtp_embedding)(tokens.t())
 
     def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
         """-inf for the padded vocabulary entries this rank's slice holds, in place: they are not

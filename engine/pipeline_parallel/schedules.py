@@ -85,6 +85,7 @@ class PipelineRunner:
         labels: torch.Tensor | None,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         packed: PackedSeqParams | None = None,
+        mtp: bool = False,
     ) -> list[torch.Tensor]:
         """`tokens` [M * mbs, s] on the rank holding the first stage, `labels` on the last,
         `packed` (rows holding several samples, [M * mbs, s]) on every rank.
@@ -94,7 +95,7 @@ class PipelineRunner:
         Count losses from the schedule, not from calls to loss_fn: on its first step torch calls
         loss_fn once more to infer backward metadata (autograd.grad on the stage inputs only, so
         parameters and the data-parallel buffers see nothing)."""
-        return self._drive(num_microbatches, tokens, labels, loss_fn, packed, forward_only=False)
+        return self._drive(num_microbatches, tokens, labels, loss_fn, packed, forward_only=False, mtp=mtp)
 
     @torch.no_grad()
     def evaluate(
@@ -109,7 +110,7 @@ class PipelineRunner:
         return self._drive(num_microbatches, tokens, labels, loss_fn, packed, forward_only=True)
 
     def _drive(
-        self, num_microbatches, tokens, labels, loss_fn, packed, forward_only: bool
+        self, num_microbatches, tokens, labels, loss_fn, packed, forward_only: bool, mtp: bool = False
     ) -> list[torch.Tensor]:
         self._loss_fn = loss_fn
         sched = self._schedule(num_microbatches)
@@ -118,5 +119,7 @@ class PipelineRunner:
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
         if packed is not None:
             kwargs["packed_seq_params"] = packed
+        if mtp and self.has_last:  # the multi-token prediction depths read the labels
+            kwargs["mtp_labels"] = labels
         (sched.eval if forward_only else sched.step)(*args, **kwargs)
         return [loss.detach() for loss in losses]

@@ -40,6 +40,8 @@ class TransformerConfig:
     kv_channels: int | None = None  # head dim; None: hidden_size // num_attention_heads
     rope_scaling: RopeScaling | None = None
     mla: MLASpec | None = None  # multi-latent attention's sizes (model.attention: mla)
+    mtp_num_layers: int = 0  # multi-token prediction depths (engine.transformer.mtp)
+    mtp_loss_scaling_factor: float = 0.1
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     norm_epsilon: float = 1e-5
@@ -107,6 +109,8 @@ class TransformerConfig:
             kv_channels=m.kv_channels,
             rope_scaling=RopeScaling(**m.rope_scaling.model_dump()) if m.rope_scaling else None,
             mla=m.mla,
+            mtp_num_layers=m.mtp_num_layers,
+            mtp_loss_scaling_factor=m.mtp_loss_scaling_factor,
             hidden_dropout=m.hidden_dropout,
             attention_dropout=m.attention_dropout,
             norm_epsilon=m.norm_epsilon,

@@ -97,6 +97,7 @@ def _train_and_collect(spec_dict: dict) -> dict:
     ps.destroy_model_parallel()
     result = {
         "losses": [m.loss for m in steps],
+        "mtp_losses": [m.mtp_loss for m in steps],
         "grad_norms": [m.grad_norm for m in steps],
         "skipped": [m.skipped for m in steps],
         "global_batch_sizes": [m.global_batch_size for m in steps],
