@@ -51,6 +51,18 @@ def model_flops_per_iteration(
     where an MoE layer's MLP term is 2hE (router) + k * 2hf_e * (3 | 2) (the k experts a token
     goes to) + the shared expert's, if any;
 
+    multi-latent attention (model.attention: mla; q_r, kv_r the latent ranks, n / r / v the
+    per-head no-RoPE, RoPE and value sizes) replaces the attention term with
+
+          2h q_r + 2 q_r a(n+r)       query down and up projections (or 2h a(n+r) without q_r)
+        + 2h(kv_r + r) + 2 kv_r a(n+v) key/value down projection (+ the shared RoPE key) and up
+        + 2 * a(n+r) * s/2 + 2 * av * s/2   QK^T over n+r, attention x V over v; causal half
+        + 2av h                       output projection
+
+    and each multi-token prediction depth (model.mtp_num_layers, D of them) adds
+    2 * 2h * h (eh_proj) + one more layer (attention + its MLP, MoE when the model is) + 2hV
+    (its logits), as Megatron-Core counts them;
+
     and the iteration is 3 * B * s * that. `full_attention_matrix=True` counts all s^2 scores
     (Megatron-LM's convention before 2025) instead of the causal half.
     """
@@ -60,13 +72,27 @@ def model_flops_per_iteration(
     attended = c.seq_length if full_attention_matrix else c.seq_length / 2
     mlp_matrices = 3 if c.activation == "swiglu" else 2
     attention = 2 * c.hidden_size * (qd + 2 * kvd) + 2 * 2 * qd * attended + 2 * qd * c.hidden_size
+    if c.mla is not None:
+        attention = _mla_flops(c, attended)
     dense_mlp = 2 * c.hidden_size * c.ffn_hidden_size * mlp_matrices
-    forward_per_token = 2 * c.hidden_size * c.padded_vocab_size
+    logits = 2 * c.hidden_size * c.padded_vocab_size
+    forward_per_token = logits
     for layer in range(c.num_layers):
         forward_per_token += attention + (
             _moe_mlp_flops(c, mlp_matrices) if c.is_moe_layer(layer) else dense_mlp
         )
+    mtp_mlp = _moe_mlp_flops(c, mlp_matrices) if c.moe is not None else dense_mlp
+    forward_per_token += c.mtp_num_layers * (2 * 2 * c.hidden_size * c.hidden_size + attention + mtp_mlp + logits)
     return 3.0 * global_batch_size * c.seq_length * forward_per_token
+
+
+def _mla_flops(c: TransformerConfig, attended: float) -> float:
+    m, h, a = c.mla, c.hidden_size, c.num_attention_heads
+    qk, v = m.qk_nope_head_dim + m.qk_rope_head_dim, m.v_head_dim
+    query = 2 * h * a * qk if m.q_lora_rank is None else 2 * h * m.q_lora_rank + 2 * m.q_lora_rank * a * qk
+    key_value = 2 * h * (m.kv_lora_rank + m.qk_rope_head_dim) + 2 * m.kv_lora_rank * a * (m.qk_nope_head_dim + v)
+    core = 2 * a * qk * attended + 2 * a * v * attended
+    return query + key_value + core + 2 * a * v * h
 
 
 def _moe_mlp_flops(c: TransformerConfig, mlp_matrices: int) -> float:

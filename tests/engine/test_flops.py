@@ -248,3 +248,27 @@ def test_moe_layers_count_the_router_and_the_k_experts_a_token_visits():
     per_token_delta = (2 * h * 8 + 2 * (2 * h * 32 * 3) + 2 * h * 16 * 3) - 2 * h * f * 3
     delta = model_flops_per_iteration(moe, 4) - model_flops_per_iteration(dense, 4)
     assert delta == pytest.approx(3 * 4 * 16 * per_token_delta)
+
+
+def test_mla_and_mtp_hand_count():
+    """MLA (h=64, a=4, q_r=24, kv_r=16, nope 8, rope 4, v 12) and one MTP depth, each GEMM
+    written out for one sequence of s=32 tokens."""
+    from engine.jobspec.model import MLASpec
+
+    mla = MLASpec(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12)
+    s, h, a, f, V, L = 32, 64, 4, 96, 128, 2
+    attention = (
+        2 * s * h * 24  # q down
+        + 2 * s * 24 * a * 12  # q up: a heads of nope + rope
+        + 2 * s * h * (16 + 4)  # kv down + the shared RoPE key
+        + 2 * s * 16 * a * (8 + 12)  # kv up: k_nope and v per head
+        + a * 2 * s * 12 * s / 2  # QK^T over nope + rope, causal half
+        + a * 2 * s * s * 12 / 2  # probabilities x V over v, causal half
+        + 2 * s * (a * 12) * h  # output projection
+    )
+    mlp = 3 * 2 * s * h * f
+    logits = 2 * s * h * V
+    depth = 2 * s * (2 * h) * h + attention + mlp + logits  # eh_proj, one layer, its logits
+    want = 3 * 5 * (L * (attention + mlp) + logits + depth)
+    got = model_flops_per_iteration(_config(mla=mla, mtp_num_layers=1), 5)
+    assert got == pytest.approx(want)
