@@ -92,8 +92,6 @@ class JobSpec(_Section):
                 "model.mtp_num_layers with parallel.context > 1 or data.source sft is not supported yet "
                 "(the depths read their tokens from whole, unmasked label rows): set model.mtp_num_layers: 0"
             )
-        if m.attention == "mla" and p.context > 1:
-            raise ValueError("model.attention: mla with parallel.context > 1 is not supported yet: use context 1")
         if m.attention == "mla" and m.attention_dropout > 0:
             raise ValueError("model.attention_dropout is not available with model.attention: mla yet: set it to 0")
         if p.context > 1 and m.attention_dropout > 0:

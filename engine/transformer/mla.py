@@ -15,10 +15,14 @@ rank uses, is gathered over the sequence (backward: reduce-scatter of the heads'
 without sequence parallelism every rank projects the whole sequence and the RoPE key's grad,
 partial per rank (its own heads), is all-reduced on its way back.
 
-Not yet: context parallelism (the job spec refuses it with MLA).
+Under context parallelism the core is the CP ring attention, which moves K and V as one tensor:
+the narrower of (q, k) and v is zero-padded to the other's width (a zero key/query column
+changes no score; queries are pre-scaled so the softmax scale stays 1/sqrt(nope + rope)).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +35,7 @@ from engine.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
 )
+from engine.transformer import context_parallel
 from engine.transformer.config import TransformerConfig
 from engine.transformer.norm import build_norm
 from engine.transformer.rope import apply_rotary
@@ -50,6 +55,9 @@ class MultiLatentAttention(nn.Module):
         self.config, self.mla = config, mla
         tp = ps.get_tensor_model_parallel_world_size()
         self.heads_local = c.num_attention_heads // tp
+        self.context_parallel = None
+        if context_parallel.cp_size() > 1:
+            self.context_parallel = context_parallel.core_attention_for_spec("local")
         qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         column = dict(
             sequence_parallel=c.sequence_parallel, params_dtype=c.params_dtype, init_std=c.init_method_std
@@ -87,6 +95,15 @@ class MultiLatentAttention(nn.Module):
             init_std=c.output_layer_init_std,
         )
 
+    def _context_parallel_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        qk, vd = q.shape[-1], v.shape[-1]
+        if vd < qk:
+            return self.context_parallel(q, k, F.pad(v, (0, qk - vd)))[..., :vd]
+        if vd > qk:
+            q = F.pad(q * math.sqrt(vd / qk), (0, vd - qk))
+            k = F.pad(k, (0, vd - qk))
+        return self.context_parallel(q, k, v)
+
     def _queries(self, x: torch.Tensor) -> torch.Tensor:
         if self.mla.q_lora_rank is None:
             return self.linear_q_proj(x)
@@ -117,7 +134,9 @@ class MultiLatentAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1).permute(1, 2, 0, 3)  # [b, heads, s, nope + rope]
         k = torch.cat([k_nope, k_rope], dim=-1).permute(1, 2, 0, 3)
         v = v.permute(1, 2, 0, 3)
-        if attention_mask is None:
+        if self.context_parallel is not None:
+            out = self._context_parallel_core(q, k, v)
+        elif attention_mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)

@@ -1,6 +1,6 @@
 """Multi-latent attention (model.attention: mla): equal to transformers' DeepSeek-V3 attention on
-one rank, and every layout equal to one rank (losses, gradients, weights: the harness's
-tolerances) over TP with and without sequence parallelism, and PP."""
+one rank (tests/engine/test_hf_families.py), and every layout equal to one rank (losses,
+gradients, weights: the harness's tolerances): TP with and without sequence parallelism, PP, CP."""
 
 from __future__ import annotations
 
@@ -27,11 +27,22 @@ def test_mla_trains_on_one_rank(reference):
 
 @pytest.mark.parametrize(
     ("ranks", "parallel"),
-    [(2, {"tensor": 2}), (2, {"tensor": 2, "sequence_parallel": True}), (2, {"pipeline": 2})],
-    ids=["tp2", "tp2-sp", "pp2"],
+    [
+        (2, {"tensor": 2}),
+        (2, {"tensor": 2, "sequence_parallel": True}),
+        (2, {"pipeline": 2}),
+        (2, {"context": 2}),
+        (4, {"context": 2, "tensor": 2, "sequence_parallel": True}),
+    ],
+    ids=["tp2", "tp2-sp", "pp2", "cp2", "cp2-tp2-sp"],
 )
 def test_mla_layouts_match_single_rank(reference, ranks, parallel):
     assert_same_training(run_job(mla_job(ranks, **parallel)), reference)
+
+
+def test_mla_with_values_wider_than_keys_on_cp2():
+    mla = {**MLA, "v_head_dim": 20}  # the ring's K/V pair is padded on the query side
+    assert_same_training(run_job(mla_job(2, mla, context=2)), run_job(mla_job(1, mla)))
 
 
 def test_mla_without_query_latent_on_tp2_sp():
