@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(PY) bench/rerun_overhead.py
 	$(PY) bench/context_parallel.py
 	$(PY) bench/moe_expert_parallel.py
+	$(PY) bench/hf_import.py
 
 clean:
 	rm -rf $(VENV) runs
