@@ -2,13 +2,23 @@
 
 Figures (one JSON line each):
 
-- recovery: a 2-rank job on local Ray, one rank killed with SIGKILL mid-interval between two
-  checkpoints (its pid from the rank's own report). `sigkill_to_first_step_s`: from the kill to
-  the first step completed after the resume, split into `detect_s` (kill -> the driver has the
-  failure), `restart_s` (-> the new ranks are up) and `resume_s` (-> the resumed job's first
-  step); `steps_reexecuted`: steps done before the kill that ran again (those after the last
-  committed checkpoint); `ratio_over_cold_start`: the recovery time over the same job's cold
+- recovery, once per mode: a 2-rank job on local Ray, one rank killed with SIGKILL mid-interval
+  between two persistent checkpoints (its pid from the rank's own report). Every line carries
+  `"mode"`: `persistent` (persistent checkpoints only, every 10 steps: the "before") or `memory`
+  (the same plus in-memory checkpoints every step, `checkpoint.local_interval: 1`: the "after").
+  `sigkill_to_first_step_s`: from the kill to the first step completed after the resume, split
+  into `detect_s` (kill -> the driver has the failure), `restart_s` (-> the new ranks are up) and
+  `resume_s` (-> the resumed job's first step); `steps_reexecuted`: steps done before the kill
+  that ran again; `restart_breakdown_s`: the new group's phases as rank 0's `recovered` event
+  reports them (group start: fit() -> the rank function runs, i.e. Ray Train's worker actors,
+  their placement group and the torch process group; imports; registry and telemetry; model
+  build + persistent resume; the agreement over the in-memory snapshots; their restore) and
+  where it recovered from; `ratio_over_cold_start`: the recovery time over the same job's cold
   start (fit() -> its first step) in the same run.
+- snapshot_overhead: the MEDIUM job on Ray without and with `local_interval: N`
+  (`--local-interval`, default 1), alternating `--rounds` times: mean wall seconds per
+  steady-state iteration (the snapshot is taken between steps, outside the engine's
+  `step_time_s`) and their ratio (`mode` none / memory).
 - overhead: the same spec trained by the engine's local launcher (what `elastron train` runs:
   `engine.launcher.spawn(train_rank)`) and by `workers` on Ray, steady-state iterations only,
   alternating `--rounds` times; `ratio_ray_over_local` for the step time the engine measures
@@ -17,7 +27,7 @@ Figures (one JSON line each):
 - telemetry: what one `TelemetrySender.record()` call (rank 0's per-step cost) takes while the
   sender thread POSTs batches to a live receiver.
 
-    python bench/recovery.py [--repeats 1] [--rounds 3] [--iterations 40] [--skip recovery|overhead]
+    python bench/recovery.py [--repeats 1] [--rounds 3] [--iterations 40] [--skip recovery|overhead|snapshot_overhead]
 """
 
 from __future__ import annotations
@@ -124,10 +134,12 @@ def run_on_ray(job_id: str, spec: dict, storage: str):
     )
 
 
-def recovery(receiver: Receiver, workdir: Path, repeat: int) -> None:
-    job_id = f"recovery-{repeat}"
+def recovery(receiver: Receiver, workdir: Path, repeat: int, mode: str) -> None:
+    job_id = f"recovery-{mode}-{repeat}"
     spec = json.loads(json.dumps(SMALL))
     spec["checkpoint"]["path"] = str(workdir / "ckpt")
+    if mode == "memory":
+        spec["checkpoint"]["local_interval"] = 1
     spec["resilience"] = {"max_restarts": 1}
     marks: dict = {}
 
@@ -154,10 +166,12 @@ def recovery(receiver: Receiver, workdir: Path, repeat: int) -> None:
     failed = next(e for e in receiver.events if e["kind"] == "attempt_failed")
     restarted = next(e for e in receiver.events if e["kind"] == "ranks_started" and e["attempt"] == 1)
     first_started = next(e for e in receiver.events if e["kind"] == "ranks_started" and e["attempt"] == 0)
+    recovered = next((e for e in receiver.events if e["kind"] == "recovered"), {})
     cold = min(r["ts"] for r in records if r["attempt"] == 0) - marks["fit_at"]
     seconds = after[0]["ts"] - marks["killed_at"]
     resumed_from = after[0]["iteration"] - 1
     emit(
+        mode=mode,
         figure="sigkill_to_first_step_s",
         value=round(seconds, 2),
         detect_s=round(failed["ts"] - marks["killed_at"], 2),
@@ -166,20 +180,76 @@ def recovery(receiver: Receiver, workdir: Path, repeat: int) -> None:
         repeat=repeat,
     )
     emit(
+        mode=mode,
         figure="steps_reexecuted",
         value=max(r["iteration"] for r in before) - resumed_from,
         killed_after_iteration=max(r["iteration"] for r in before),
-        resumed_from_checkpoint=resumed_from,
+        resumed_from=resumed_from,
+        recovered_from=recovered.get("recovered_from"),
+        steps_lost_reported=recovered.get("steps_lost"),
         checkpoint_interval=SMALL["checkpoint"]["interval"],
         repeat=repeat,
     )
     emit(
+        mode=mode,
+        figure="restart_breakdown_s",
+        value=recovered.get("phase_seconds"),
+        first_step_after_rank_start_s=round(after[0]["ts"] - restarted["ts"], 2),
+        recovered_from=recovered.get("recovered_from"),
+        repeat=repeat,
+    )
+    emit(
+        mode=mode,
         figure="cold_start_to_first_step_s",
         value=round(cold, 2),
         ranks_up_s=round(first_started["ts"] - marks["fit_at"], 2),
         repeat=repeat,
     )
-    emit(figure="ratio_over_cold_start", value=round(seconds / cold, 3), repeat=repeat)
+    emit(mode=mode, figure="ratio_over_cold_start", value=round(seconds / cold, 3), repeat=repeat)
+
+
+def snapshot_overhead(
+    receiver: Receiver, workdir: Path, iterations: int, rounds: int, local_interval: int = 1
+) -> None:
+    """Wall time per steady-state iteration on Ray without and with in-memory snapshots every step."""
+    base = {"model": "llama-4L-h256-s128-b8", "ranks": 2}
+    walls: dict[str, list[float]] = {"none": [], "memory": []}
+    for r in range(rounds):
+        for mode in walls:
+            spec = json.loads(json.dumps(MEDIUM))
+            spec["training"]["train_iters"] = iterations
+            if mode == "memory":
+                spec["checkpoint"] = {"local_interval": local_interval}
+            receiver.records.clear()
+            result = run_on_ray(f"snapshots-{mode}-{r}", spec, str(workdir / f"runs-{mode}-{r}"))
+            if result.exit_code != 0:
+                raise SystemExit(f"bench: the Ray run failed: {result}")
+            step, _ = steady(receiver.records)
+            # The mean, not the median: with local_interval > 1 only every N-th step snapshots.
+            recs = sorted(
+                (r for r in receiver.records if r["iteration"] > WARMUP), key=lambda r: r["iteration"]
+            )
+            wall = (recs[-1]["ts"] - recs[0]["ts"]) / (recs[-1]["iteration"] - recs[0]["iteration"])
+            walls[mode].append(wall)
+            emit(
+                mode=mode,
+                local_interval=local_interval if mode == "memory" else None,
+                figure="wall_s_per_iteration",
+                **base,
+                round=r,
+                value=round(wall, 4),
+                step_time_s=round(step, 4),
+            )
+    ratios = [m / n for m, n in zip(walls["memory"], walls["none"], strict=True)]
+    emit(
+        mode="memory",
+        figure="snapshot_overhead_ratio",
+        local_interval=local_interval,
+        **base,
+        value=round(statistics.median(ratios), 3),
+        per_round=[round(x, 3) for x in ratios],
+        rounds=rounds,
+    )
 
 
 def _stamp(record: dict) -> None:
@@ -267,7 +337,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1, help="recovery measurements")
     parser.add_argument("--rounds", type=int, default=3, help="local/Ray alternations for the overhead")
     parser.add_argument("--iterations", type=int, default=40, help="iterations per overhead run")
-    parser.add_argument("--skip", choices=["recovery", "overhead"], default=None)
+    parser.add_argument(
+        "--local-interval", type=int, default=1, help="snapshot_overhead: an in-memory snapshot every N steps"
+    )
+    parser.add_argument(
+        "--skip", choices=["recovery", "overhead", "snapshot_overhead"], action="append", default=[]
+    )
     args = parser.parse_args()
 
     receiver = Receiver()
@@ -281,10 +356,15 @@ def main() -> None:
         ray.init(address="local", num_cpus=2, include_dashboard=True, log_to_driver=False)
         try:
             telemetry_cost(receiver)
-            if args.skip != "recovery":
+            if "recovery" not in args.skip:
                 for repeat in range(args.repeats):
-                    recovery(receiver, Path(tmp) / f"recovery-{repeat}", repeat)
-            if args.skip != "overhead":
+                    for mode in ("persistent", "memory"):
+                        recovery(receiver, Path(tmp) / f"recovery-{mode}-{repeat}", repeat, mode)
+            if "snapshot_overhead" not in args.skip:
+                snapshot_overhead(
+                    receiver, Path(tmp) / "snapshots", args.iterations, args.rounds, args.local_interval
+                )
+            if "overhead" not in args.skip:
                 overhead(receiver, Path(tmp) / "overhead", args.iterations, args.rounds)
         finally:
             ray.shutdown()

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from engine import device
 from engine import parallel_state as ps
+from engine.checkpointing import memory as memory_snapshot
 from engine.checkpointing.checkpointer import Checkpointer, layout_signature
 from engine.checkpointing.state import ModelState, OptimizerState, RNGState
 from engine.checkpointing.stateful import (
@@ -273,6 +274,50 @@ class Trainer:
             events=self.events,
             layout=layout_signature(self.spec.parallel),
         )
+
+    def snapshot_parts(self) -> dict[str, Stateful]:
+        """The parts an in-memory snapshot holds: the checkpoint's, less the job record (never
+        restored, and the restarted rank has its spec)."""
+        return {name: part for name, part in self.checkpoint_parts().items() if name != "job"}
+
+    def snapshot_due(self) -> bool:
+        """After iterations that are a multiple of checkpoint.local_interval (not the last)."""
+        n = self.spec.checkpoint.local_interval
+        return n is not None and self.iteration % n == 0 and self.iteration < self.spec.training.train_iters
+
+    def capture_snapshot(self, buffer: bytearray | None = None) -> memory_snapshot.HostSnapshot:
+        """This rank's state copied to host memory (engine/checkpointing/memory.py): a collective,
+        every rank captures at the same iteration. The result's payload lives in `buffer` when it is
+        big enough, so the caller must be done with the previous snapshot before reusing it."""
+        return memory_snapshot.capture(
+            self.snapshot_parts(),
+            job=self.spec.name,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            layout=layout_signature(self.spec.parallel),
+            buffer=buffer,
+        )
+
+    def parse_snapshot(self, blob: bytes | bytearray | memoryview) -> memory_snapshot.HostSnapshot:
+        """`blob` checked for this rank (checksum; same job, rank, world size, layout): SnapshotError
+        if it must not be used."""
+        return memory_snapshot.parse(
+            blob,
+            job=self.spec.name,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            layout=layout_signature(self.spec.parallel),
+        )
+
+    def restore_snapshot(self, blob: bytes | bytearray | memoryview | memory_snapshot.HostSnapshot) -> int:
+        """Continue from an in-memory snapshot of this rank (bytes, or `parse_snapshot`'s result):
+        checked before anything is loaded; SnapshotError if it must not be used. A collective only
+        where the parts' loads are (none today). Returns its iteration."""
+        snap = blob if isinstance(blob, memory_snapshot.HostSnapshot) else self.parse_snapshot(blob)
+        memory_snapshot.restore(self.snapshot_parts(), snap)
+        if self.rerun.state == RerunState.NOT_RUNNING_YET:
+            self.rerun.current_iteration = self.iteration
+        return snap.iteration
 
     def save_checkpoint_if_due(self) -> bool:
         """Save after iterations that are a multiple of checkpoint.interval, and after the last."""
@@ -640,6 +685,7 @@ def train_rank(
     on_record: Callable[[dict], None] | None = None,
     *,
     on_trainer: Callable[[Trainer], None] | None = None,
+    on_snapshot_due: Callable[[Trainer], None] | None = None,
 ) -> list[dict]:
     """Per-rank entry point: train the whole job; rank 0 writes and returns the metrics records.
 
@@ -655,7 +701,12 @@ def train_rank(
     called after construction, never with a half-built Trainer, so that no caller depends on
     the order in which `Trainer.__init__` sets attributes. Setup (model build, data, resume) can
     hang too; a caller that watches for that watches its own stand-in in phase "setup" until
-    on_trainer replaces it (workers/rank.py does), which costs the engine no second hook."""
+    on_trainer replaces it (workers/rank.py does), which costs the engine no second hook.
+
+    `on_snapshot_due` is called on every rank after the iterations checkpoint.local_interval
+    names (`Trainer.snapshot_due`): the caller takes an in-memory snapshot
+    (`Trainer.capture_snapshot`) and keeps it where a restarted rank finds it; the engine keeps
+    none itself (a snapshot that dies with the process is no use)."""
     trainer = Trainer(job if isinstance(job, ResolvedJob) else resolve_job(job), events_path=events_out)
     spec = trainer.spec
     is_logger = dist.get_rank() == 0
@@ -692,6 +743,9 @@ def train_rank(
                 continue
             trainer.evaluate_if_due(m)
             trainer.save_checkpoint_if_due()
+            if on_snapshot_due is not None and trainer.snapshot_due():
+                trainer.phase = "checkpoint-local"
+                on_snapshot_due(trainer)
             if is_logger:
                 rec = asdict(m)
                 records.append(rec)

@@ -131,6 +131,15 @@ class JobSeries:
         phases = _Family("elastron_job_phase_seconds", "gauge", "Engine timers, min/max over ranks.")
         restarts = _Family("elastron_job_restarts_total", "counter", "Worker-group restarts.")
         reruns = _Family("elastron_job_rerun_events_total", "counter", "Rerun state machine diagnoses.")
+        recoveries = _Family(
+            "elastron_job_recoveries_total",
+            "counter",
+            "Resumes after a restart, by where the state came from.",
+        )
+        steps_lost = _Family("elastron_job_steps_lost_total", "counter", "Steps re-executed after restarts.")
+        recovery_s = _Family(
+            "elastron_job_recovery_phase_seconds", "gauge", "Phases of the last restart's resume."
+        )
         checkpoints = _Family("elastron_job_checkpoints_total", "counter", "Checkpoint saves.")
         ckpt_bytes = _Family(
             "elastron_job_checkpoint_bytes", "gauge", "Size of the last committed checkpoint."
@@ -170,6 +179,13 @@ class JobSeries:
                 restarts.add(f'{base},cause="{_label(cause)}"', n)
             for diagnosis, n in (stats.get("reruns") or {}).items():
                 reruns.add(f'{base},diagnosis="{_label(diagnosis)}"', n)
+            for source, n in (stats.get("recoveries") or {}).items():
+                recoveries.add(f'{base},recovered_from="{_label(source)}"', n)
+            if stats.get("recoveries"):
+                steps_lost.add(base, stats.get("steps_lost", 0))
+            for phase, value in (stats.get("recovery_s") or {}).items():
+                if _number(value) is not None:
+                    recovery_s.add(f'{base},phase="{_label(phase)}"', value)
             for result in ("success", "failure"):
                 checkpoints.add(f'{base},result="{result}"', (stats.get("checkpoints") or {}).get(result, 0))
             if _number(stats.get("ckpt_bytes")) is not None:
@@ -194,6 +210,9 @@ class JobSeries:
             phases,
             restarts,
             reruns,
+            recoveries,
+            steps_lost,
+            recovery_s,
             checkpoints,
             ckpt_bytes,
             step,

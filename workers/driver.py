@@ -5,6 +5,8 @@ Process model:
 
     Ray Jobs supervisor ── elastron worker-run JOB_ID        (this module: the driver loop)
                                ├─ job registry actor         (workers/registry.py, 0 CPU, on this node)
+                               ├─ snapshot holders, one per node (workers/snapshots.py, with
+                               │  checkpoint.local_interval: detached, killed at the job's end)
                                └─ TorchTrainer.fit()  ×  attempts
                                     ├─ Ray Train controller  (polls the ranks, resizes elastic groups)
                                     └─ one RayTrainWorker actor per rank ── workers.rank.rank_main
@@ -320,6 +322,7 @@ class JobDriver:
                 "quiet": self.options.quiet,
                 "flush_interval_s": self.options.flush_interval_s,
                 "setup_timeout_s": setup_timeout,
+                "attempt_started_at": time.time(),  # a restart's phases are timed from here
             },
             # A collective that outlives the step timeout is a hang: the watchdog fires first,
             # the process group's own timeout is the backstop (also during setup).
@@ -439,6 +442,13 @@ class JobDriver:
             if self.registry is not None:
                 try:
                     ray.kill(self.registry)
+                except Exception:  # noqa: BLE001
+                    pass
+            if self.spec.checkpoint.local_interval:
+                from workers.snapshots import kill_holders
+
+                try:  # the in-memory checkpoints' holders are detached: they end with the job
+                    kill_holders(self.job_id)
                 except Exception:  # noqa: BLE001
                     pass
             for signum, previous in getattr(self, "_previous_handlers", {}).items():

@@ -19,7 +19,10 @@ call this function:
    the group restarts;
 5. when Ray shuts the group down (resize, cancel), stops rank 0 at a step boundary and delivers
    the telemetry (`on_worker_shutdown`, called from a Ray Train worker callback);
-6. returns rank 0's last record, which the driver reports as the job's outcome.
+6. with `checkpoint.local_interval`: pushes in-memory snapshots to the node holders from a
+   background thread, and on start resumes from the newest one every rank has
+   (workers/snapshots.py), rank 0 sending the `recovered` event with its phases;
+7. returns rank 0's last record, which the driver reports as the job's outcome.
 """
 
 from __future__ import annotations
@@ -103,6 +106,19 @@ def _bind_device(device_type: str, local_world_size: int) -> str:
     return node_id
 
 
+def _process_started_at() -> float | None:
+    """When this process started (epoch seconds; Linux /proc), to split a restart's group start
+    into "until the rank's process exists" and "the process' own start-up"."""
+    try:
+        with open("/proc/self/stat") as f:
+            ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        with open("/proc/stat") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
 def _registry(job_id: str):
     import ray
 
@@ -116,6 +132,7 @@ def _registry(job_id: str):
 
 def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     """Train this rank of the job (Ray Train's train_loop_per_worker)."""
+    entered = time.time()
     import ray
     import ray.train
     import torch.distributed as dist
@@ -123,7 +140,10 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     from engine.jobspec import resolve_job
     from engine.training import train_rank
     from engine.watchdog import StepWatchdog
+    from workers.snapshots import SnapshotPusher, recover
     from workers.telemetry import TelemetrySender
+
+    imports_s = time.time() - entered
 
     job_id, attempt = config["job_id"], config["attempt"]
     ctx = ray.train.get_context()
@@ -179,9 +199,64 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
                 ray.get(registry.report_watchdog.remote(attempt, rank, os.getpid(), message), timeout=5)
         sender.flush(3)
 
+    ckpt = spec_dict.get("checkpoint") or {}
+    local_interval = ckpt.get("local_interval")
+    pusher = (
+        SnapshotPusher(
+            job_id, rank, me["node_id"], [r["node_id"] for r in everyone], int(ckpt.get("local_replicas", 1))
+        )
+        if local_interval
+        else None
+    )
+    setup_started = time.time()
+
     def on_trainer(trainer) -> None:
         _STATE.trainer = trainer
+        built = time.time()
+        recovery = {
+            "recovered_from": "persistent",
+            "iteration": trainer.iteration,
+            "agree_s": 0.0,
+            "restore_s": 0.0,
+        }
+        if pusher is not None:
+            trainer.phase = "recover"
+            recovery = recover(trainer, job_id, me["node_id"])
         watchdog.watch(trainer)
+        restarted = attempt > 0 or (group or 0) > 0
+        if rank == 0 and (restarted or trainer.iteration > 0):
+            reached = None
+            if registry is not None:
+                with contextlib.suppress(Exception):
+                    reached = ray.get(registry.last_progress.remote(), timeout=5)
+            started_at = config.get("attempt_started_at")
+            process_at = _process_started_at()
+            split = started_at is not None and process_at is not None and started_at <= process_at <= entered
+            phases = {
+                "group_start": round(entered - started_at, 3) if started_at else None,
+                # group_start = until the rank's process exists (Ray Train's controller, placement
+                # group, actor scheduling) + the worker's own start (Python, Ray, torch and Ray
+                # Train imports, the torch process group, the train context)
+                "until_rank_process": round(process_at - started_at, 3) if split else None,
+                "rank_process_start": round(entered - process_at, 3) if split else None,
+                "imports": round(imports_s, 3),
+                "process_group_and_registry": round(setup_started - entered - imports_s, 3),
+                "build_and_persistent_resume": round(built - setup_started, 3),
+                "agree": round(recovery["agree_s"], 3),
+                "restore": round(recovery["restore_s"], 3),
+            }
+            sender.event(
+                contract.EVENT_RECOVERED,
+                **{
+                    contract.RECOVERED_FROM: recovery["recovered_from"],
+                    contract.STEPS_LOST: max(0, reached - trainer.iteration) if reached is not None else None,
+                    contract.RECOVERY_PHASES: phases,
+                },
+                iteration=trainer.iteration,
+                reached=reached,
+                group=group,
+                world_size=world,
+            )
 
     resilience = spec_dict.get("resilience", {})
     step_timeout = float(resilience.get("step_timeout_s", 300.0))
@@ -194,6 +269,8 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     checkpoint_interval = (spec_dict.get("checkpoint") or {}).get("interval")
 
     def on_record(record: dict) -> None:
+        if registry is not None:  # how far the job got, for the steps a restart loses (no wait)
+            registry.progress.remote(record["iteration"], time.time())
         sender.record(
             {
                 **record,
@@ -229,9 +306,12 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
             str(events_path),
             on_record if rank == 0 else None,
             on_trainer=on_trainer,
+            on_snapshot_due=pusher.snapshot if pusher is not None else None,
         )
         finished = True
     finally:
+        if pusher is not None:
+            pusher.wait()
         _STATE.running.clear()
         watchdog.stop()
         _STATE.trainer = None

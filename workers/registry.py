@@ -10,6 +10,8 @@ read from here:
 - `report_watchdog(attempt, rank, pid, message)`: a rank's watchdog leaves its message before
   killing the process.
 - `telemetry_settings()`: where to send telemetry, for ranks whose environment does not say.
+- `progress(iteration, ts)` / `last_progress()`: rank 0's newest finished step, so a restart can
+  say how many steps it lost.
 
 The actor is named `elastron-job-<job_id>` in namespace `elastron` (`registry_name`), holds no
 resources, and is killed by the driver when the job ends.
@@ -33,6 +35,7 @@ class JobRegistry:
         self._telemetry = dict(telemetry or {})
         self._groups: list[dict[str, Any]] = []
         self._watchdog: list[dict[str, Any]] = []
+        self._progress: tuple[int, float] | None = None  # rank 0's newest iteration, when
 
     def ping(self) -> bool:
         return True
@@ -62,3 +65,11 @@ class JobRegistry:
 
     def watchdog_reports(self, attempt: int) -> list[dict[str, Any]]:
         return [w for w in self._watchdog if w["attempt"] == attempt]
+
+    def progress(self, iteration: int, ts: float) -> None:
+        """Rank 0 reports every step it finished: a restart's steps lost count from here."""
+        if self._progress is None or iteration >= self._progress[0] or ts > self._progress[1]:
+            self._progress = (iteration, ts)
+
+    def last_progress(self) -> int | None:
+        return self._progress[0] if self._progress is not None else None

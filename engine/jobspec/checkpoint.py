@@ -33,3 +33,18 @@ class CheckpointSpec(_Section):
         None, description="S3 endpoint (default: the boto3 chain, e.g. AWS_ENDPOINT_URL)."
     )
     region: str | None = Field(None, description="S3 region (default: the boto3 chain).")
+    local_interval: PositiveInt | None = Field(
+        None,
+        description=(
+            "In-memory checkpoints: every N iterations each rank's state goes to host memory that "
+            "outlives its process (on Ray: a per-node holder), and a restart of the same layout resumes "
+            "from the newest one every rank still has. Off by default; persistent checkpoints keep `interval`."
+        ),
+    )
+    local_replicas: int = Field(
+        1,
+        ge=0,
+        le=8,
+        strict=True,
+        description="Copies of each in-memory checkpoint kept on other nodes (survive the loss of a node); 0: own node only.",
+    )

@@ -36,3 +36,13 @@ EVENT_CAUSE = "cause"
 
 def telemetry_url(api_url: str, job_id: str) -> str:
     return api_url.rstrip("/") + TELEMETRY_PATH.format(job_id=job_id)
+
+
+# A rank group's resume after a restart (sent by rank 0): where the state came from and what it
+# cost. RECOVERED_FROM is one of RECOVERED_SOURCES.
+EVENT_RECOVERED = "recovered"
+RECOVERED_FROM = "recovered_from"
+RECOVERED_SOURCES = ("memory", "replica", "persistent")
+STEPS_LOST = "steps_lost"
+# {phase: seconds} of the restart ("seconds" alone is a number on the wire: checkpoint_saved's).
+RECOVERY_PHASES = "phase_seconds"

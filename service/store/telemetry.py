@@ -128,6 +128,15 @@ def _apply_events(session: Session, job: Job, events: list[dict], stats: dict, r
             job_stats.count(stats, "restarts", cause)
             if job.state not in FINAL:
                 transition(session, job, JobState.RESTARTING, f"worker group restart: {cause}", stats=stats)
+        elif kind == contract.EVENT_RECOVERED:
+            source = str(event.get(contract.RECOVERED_FROM) or "unknown")[:16]
+            job_stats.count(stats, "recoveries", source)
+            lost = number(event.get(contract.STEPS_LOST))
+            if lost is not None and lost >= 0:
+                job_stats.add(stats, "steps_lost", lost)
+            phases = event.get(contract.RECOVERY_PHASES)
+            if isinstance(phases, dict):  # the last recovery's phases (a gauge per phase)
+                stats["recovery_s"] = {str(k)[:32]: v for k, v in phases.items() if number(v) is not None}
         elif kind == "diagnosis" and event.get("diagnosis"):
             job_stats.count(stats, "reruns", str(event["diagnosis"]))
         elif kind in ("checkpoint_saved", "checkpoint_failed"):

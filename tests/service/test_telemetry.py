@@ -220,6 +220,14 @@ def test_metrics_endpoint_shows_the_jobs_series(env, running):
         ],
         [
             {"kind": "restart", "cause": "worker_died", "ts": 1.0},
+            {
+                "kind": "recovered",
+                "recovered_from": "memory",
+                "steps_lost": 1,
+                "iteration": 2,
+                "phase_seconds": {"group_start": 1.5, "restore": 0.02},
+                "ts": 1.5,
+            },
             {"kind": "diagnosis", "diagnosis": "correct_result", "ts": 2.0},
             {
                 "kind": "checkpoint_saved",
@@ -264,6 +272,9 @@ def test_metrics_endpoint_shows_the_jobs_series(env, running):
     assert one("elastron_job_state_transitions_total", state="restarting") == 1
     assert one("elastron_job_restarts_total", cause="worker_died") == 1
     assert one("elastron_job_rerun_events_total", diagnosis="correct_result") == 1
+    assert one("elastron_job_recoveries_total", recovered_from="memory") == 1
+    assert one("elastron_job_steps_lost_total") == 1
+    assert one("elastron_job_recovery_phase_seconds", phase="group_start") == pytest.approx(1.5)
     assert one("elastron_job_checkpoints_total", result="success") == 1
     assert one("elastron_job_checkpoints_total", result="failure") == 0
     assert one("elastron_job_phase_seconds", phase="forward", stat="max") == pytest.approx(0.12)
@@ -285,6 +296,13 @@ def test_metrics_names_are_the_documented_ones(env, running):
         [rec(1, valid_loss=2.0, timers={"forward": [0.1, 0.1]})],
         [
             {"kind": "restart", "cause": "x", "ts": 1.0},
+            {
+                "kind": "recovered",
+                "recovered_from": "replica",
+                "steps_lost": 0,
+                "phase_seconds": {"agree": 0.1},
+                "ts": 1.0,
+            },
             {"kind": "diagnosis", "diagnosis": "transient_error", "ts": 1.0},
             {"kind": "checkpoint_saved", "iteration": 1, "seconds": 1.0, "bytes": 1, "uri": "/c", "ts": 1.0},
         ],

@@ -1,0 +1,252 @@
+"""In-memory checkpoints on Ray: per-node holders that outlive the ranks, and the rank's side.
+
+The engine makes and takes the bytes (engine/checkpointing/memory.py: one rank's checkpoint
+parts, CRC-32 checksummed, refused if corrupted or not this rank's); here is where they live:
+
+- `SnapshotHolder`: one actor per job and node, named `elastron-snap-<job_id>-<node_id>` in
+  namespace `elastron`, pinned to its node, 0 CPU, *detached* so that it survives the rank
+  processes (Ray Train's workers own nothing that outlives them; an actor a rank created would die
+  with the rank) and the end of a `fit()` attempt. It keeps, per rank, the newest `KEEP`
+  snapshots (two: a rank killed while pushing step N still has N-1 everywhere). The driver kills
+  every holder of the job when the job ends (`kill_holders`).
+- `SnapshotPusher` (in each rank): every `checkpoint.local_interval` steps the training thread
+  captures the host copy (the only part that blocks the step), and a background thread frames it
+  (`to_bytes`), `ray.put`s it once and hands it to the holder on its own node and to
+  `checkpoint.local_replicas` holders on the other nodes of the group (the next ones in node-id
+  order). A push still in flight when the next is due is waited for.
+- `recover` (every rank, once the Trainer is built and has resumed from the newest persistent
+  checkpoint): each rank asks every holder of the job which iterations it has for this rank,
+  world size and layout, newer than the persistent one; the ranks agree on the newest iteration
+  every rank has somewhere (an all-gather); each rank fetches its blob (own node first, then a
+  replica) and checks it; only if every rank holds a good one do they all restore (else the next
+  older common iteration, else the persistent checkpoint stands). `recovered_from` is `memory`
+  when every rank's blob came from its own node, `replica` when any came from another node,
+  `persistent` otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "elastron"
+KEEP = 2
+CALL_TIMEOUT_S = 10.0
+LIST_TIMEOUT_S = 2.0
+PREFIX = "elastron-snap-"
+
+
+def holder_name(job_id: str, node_id: str) -> str:
+    return f"{PREFIX}{job_id}-{node_id}"
+
+
+class SnapshotHolder:
+    """A node's in-memory snapshots of one job: rank -> {iteration: (world_size, layout, blob)}."""
+
+    def __init__(self, job_id: str, node_id: str):
+        self.job_id, self.node_id = job_id, node_id
+        self._by_rank: dict[int, dict[int, tuple[int, str, bytes]]] = {}
+
+    def ping(self) -> str:
+        return self.node_id
+
+    def put(self, rank: int, iteration: int, world_size: int, layout: str, blob: bytes) -> None:
+        # A group of another shape (an elastic resize) trains on a timeline the old snapshots are
+        # not part of: they are dropped, so a later group of the old shape cannot go back to them.
+        for kept in self._by_rank.values():
+            for i in [i for i, (w, lay, _) in kept.items() if (w, lay) != (world_size, layout)]:
+                del kept[i]
+        kept = self._by_rank.setdefault(rank, {})
+        kept[iteration] = (world_size, layout, blob)
+        for old in sorted(kept)[:-KEEP]:
+            del kept[old]
+
+    def available(self, rank: int, world_size: int, layout: str) -> list[int]:
+        """Iterations held for this rank of this group shape, newest first."""
+        kept = self._by_rank.get(rank, {})
+        return sorted(
+            (i for i, (w, lay, _) in kept.items() if (w, lay) == (world_size, layout)), reverse=True
+        )
+
+    def get(self, rank: int, iteration: int) -> bytes | None:
+        entry = self._by_rank.get(rank, {}).get(iteration)
+        return entry[2] if entry is not None else None
+
+    def forget_after(self, iteration: int) -> None:
+        """Drop snapshots newer than the one the group resumed from: they are another timeline."""
+        for kept in self._by_rank.values():
+            for i in [i for i in kept if i > iteration]:
+                del kept[i]
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "ranks": {r: sorted(k) for r, k in self._by_rank.items()},
+            "bytes": sum(len(b) for k in self._by_rank.values() for _, _, b in k.values()),
+        }
+
+
+def holder(job_id: str, node_id: str):
+    """The holder of `job_id` on `node_id`, started there if it is not running yet."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return (
+        ray.remote(num_cpus=0, max_restarts=0)(SnapshotHolder)
+        .options(
+            name=holder_name(job_id, node_id),
+            namespace=NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+        )
+        .remote(job_id, node_id)
+    )
+
+
+def existing_holders(job_id: str) -> dict[str, Any]:
+    """node id -> handle of every holder of this job that Ray still lists."""
+    import ray
+
+    prefix = holder_name(job_id, "")
+    out = {}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != NAMESPACE or not entry["name"].startswith(prefix):
+            continue
+        with contextlib.suppress(ValueError):
+            out[entry["name"][len(prefix) :]] = ray.get_actor(entry["name"], namespace=NAMESPACE)
+    return out
+
+
+def kill_holders(job_id: str) -> None:
+    import ray
+
+    for handle in existing_holders(job_id).values():
+        with contextlib.suppress(Exception):
+            ray.kill(handle)
+
+
+def replica_nodes(my_node: str, group_nodes: list[str], replicas: int) -> list[str]:
+    """The `replicas` nodes after mine in the group's node-id order (wrapping), never mine."""
+    others = sorted(set(group_nodes) - {my_node})
+    if not others or replicas <= 0:
+        return []
+    after = [n for n in others if n > my_node] + [n for n in others if n < my_node]
+    return after[:replicas]
+
+
+class SnapshotPusher:
+    """The rank's side: capture in the training thread, push from a background thread."""
+
+    def __init__(self, job_id: str, rank: int, my_node: str, group_nodes: list[str], replicas: int):
+        self.job_id, self.rank = job_id, rank
+        self.targets = [my_node, *replica_nodes(my_node, group_nodes, replicas)]
+        self._holders = {n: holder(job_id, n) for n in self.targets}
+        self._buffer: bytearray | None = None
+        self._thread: threading.Thread | None = None
+        self.last_error: BaseException | None = None
+        self.pushed: int | None = None  # newest iteration every target holds
+        self.capture_s: list[float] = []
+
+    def snapshot(self, trainer) -> None:
+        """Called by the engine when a snapshot is due (train_rank's on_snapshot_due)."""
+        self.wait()
+        started = time.perf_counter()
+        snap = trainer.capture_snapshot(self._buffer)
+        if self._buffer is None or len(self._buffer) < snap.nbytes:
+            self._buffer = snap.payload.obj if isinstance(snap.payload, memoryview) else snap.payload
+        self.capture_s.append(time.perf_counter() - started)
+        self._thread = threading.Thread(target=self._push, args=(snap,), daemon=True, name="snapshot-push")
+        self._thread.start()
+
+    def _push(self, snap) -> None:
+        import ray
+
+        try:
+            blob = ray.put(snap.to_bytes())
+            calls = [
+                h.put.remote(self.rank, snap.iteration, snap.world_size, snap.layout, blob)
+                for h in self._holders.values()
+            ]
+            ray.get(calls, timeout=CALL_TIMEOUT_S)
+            self.pushed = snap.iteration
+        except Exception as err:  # noqa: BLE001 - a lost holder costs recovery speed, not training
+            self.last_error = err
+            log.warning("in-memory snapshot of iteration %d not pushed: %s", snap.iteration, err)
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+
+def recover(trainer, job_id: str, my_node: str) -> dict[str, Any]:
+    """Resume `trainer` (built, resumed from the persistent checkpoint) from the newest in-memory
+    snapshot every rank has (see the module docstring). A collective: every rank calls it.
+    Returns {"recovered_from", "iteration", "agree_s", "restore_s", "nodes"}."""
+    import ray
+    import torch.distributed as dist
+
+    from engine.checkpointing.checkpointer import layout_signature
+    from engine.checkpointing.memory import SnapshotError
+
+    started = time.perf_counter()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    layout = layout_signature(trainer.spec.parallel)
+    baseline = trainer.iteration
+    holders = existing_holders(job_id)
+    refs = {h.available.remote(rank, world, layout): node for node, h in holders.items()}
+    # A holder on a node that vanished (and is not marked dead yet) does not answer: not waited for.
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=LIST_TIMEOUT_S) if refs else ([], [])
+    where: dict[int, list[str]] = {}  # iteration -> nodes holding it, own node first
+    for ref in ready:
+        node = refs[ref]
+        try:
+            iterations = ray.get(ref)
+        except Exception:  # noqa: BLE001 - a holder on a lost node
+            continue
+        for it in iterations:
+            if it > baseline:
+                where.setdefault(it, []).append(node)
+    for nodes in where.values():
+        nodes.sort(key=lambda n: n != my_node)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, sorted(where))
+    common = sorted(set.intersection(*(set(g) for g in gathered)), reverse=True) if gathered else []
+    agree_s = time.perf_counter() - started
+    for iteration in common:
+        started = time.perf_counter()
+        good, source = None, None
+        for node in where[iteration]:
+            try:
+                blob = ray.get(holders[node].get.remote(rank, iteration), timeout=CALL_TIMEOUT_S)
+                if blob is None:
+                    continue
+                good = trainer.parse_snapshot(blob)
+                source = node
+                break
+            except SnapshotError as err:
+                log.warning("in-memory snapshot of iteration %d on node %s refused: %s", iteration, node, err)
+            except Exception as err:  # noqa: BLE001 - the holder went away meanwhile
+                log.warning(
+                    "in-memory snapshot of iteration %d on node %s unreachable: %s", iteration, node, err
+                )
+        sources: list[Any] = [None] * world
+        dist.all_gather_object(sources, None if good is None else source == my_node)
+        if any(s is None for s in sources):
+            continue  # some rank has no good copy of it: an older one, or the persistent checkpoint
+        trainer.restore_snapshot(good)
+        for h in holders.values():
+            with contextlib.suppress(Exception):
+                h.forget_after.remote(iteration)
+        return {
+            "recovered_from": "memory" if all(sources) else "replica",
+            "iteration": iteration,
+            "agree_s": agree_s,
+            "restore_s": time.perf_counter() - started,
+        }
+    return {"recovered_from": "persistent", "iteration": baseline, "agree_s": agree_s, "restore_s": 0.0}
