@@ -174,8 +174,13 @@ def initialize_model_parallel(
     virtual_pipeline: int | None = None,
     expert_tensor: int | None = None,
     order: str = "tp-cp-ep-dp-pp",
+    data_parallel_shard: int | None = None,
 ) -> RankGrid:
-    """Create every process group of the layout on an initialised default group."""
+    """Create every process group of the layout on an initialised default group.
+
+    `data_parallel_shard` (hybrid sharding, HSDP): also split every DP group into shard groups
+    of that many consecutive DP ranks ("dp_shard") and the groups of ranks with the same place
+    in their shard group ("dp_replica")."""
     global _STATE
     if not dist.is_initialized():
         raise RuntimeError(
@@ -202,8 +207,27 @@ def initialize_model_parallel(
         group = dist.new_group(ranks)
         if rank in ranks:
             state.groups["embd"], state.ranks["embd"] = group, ranks
+    if data_parallel_shard is not None and data_parallel_shard < grid.dp:
+        for name, split in (("dp_shard", _shard_groups), ("dp_replica", _replica_groups)):
+            for dp_ranks in grid.groups("dp"):
+                for ranks in split(dp_ranks, data_parallel_shard):
+                    group = dist.new_group(ranks)
+                    if rank in ranks:
+                        state.groups[name], state.ranks[name] = group, ranks
     _STATE = state
     return grid
+
+
+def _shard_groups(dp_ranks: list[int], size: int) -> list[list[int]]:
+    return [dp_ranks[i : i + size] for i in range(0, len(dp_ranks), size)]
+
+
+def _replica_groups(dp_ranks: list[int], size: int) -> list[list[int]]:
+    return [dp_ranks[i::size] for i in range(size)]
+
+
+def has_group(name: str) -> bool:
+    return _STATE is not None and name in _STATE.groups
 
 
 def destroy_model_parallel() -> None:

@@ -132,6 +132,7 @@ class Trainer:
             expert=p.expert,
             virtual_pipeline=p.virtual_pipeline,
             expert_tensor=1,  # MoE experts are whole on their EP rank (no expert TP yet)
+            data_parallel_shard=p.data_parallel_shard_size,
         )
         model_parallel_manual_seed(t.seed)
         tokenizer = build_tokenizer(spec.data.tokenizer)
@@ -148,6 +149,8 @@ class Trainer:
         # Weights are replicated over context parallelism as well: gradients are averaged over
         # DP x CP and the distributed optimizer shards over it (Megatron-Core's dp_cp group).
         grad_group = ps.get_group("dp_cp") if p.context > 1 else ps.get_group("dp")
+        # Hybrid sharding: shard within groups of data_parallel_shard_size, all-reduce across them.
+        hybrid = ps.has_group("dp_shard")
         self.ddp_chunks = [
             DataParallel(
                 chunk,
@@ -155,8 +158,10 @@ class Trainer:
                 grad_dtype=grad_dtype,
                 bucket_size=p.grad_bucket_size,
                 overlap=p.overlap_grad_reduce,
-                shard=p.distributed_optimizer,
+                sharding=p.data_parallel_sharding,
                 expert_group=ps.get_group("edp") if self.config.moe else None,
+                shard_group=ps.get_group("dp_shard") if hybrid else None,
+                replica_group=ps.get_group("dp_replica") if hybrid else None,
             )
             for chunk in self.model_chunks
         ]
@@ -172,7 +177,7 @@ class Trainer:
             self.ddp_chunks,
             spec.optimizer,
             # Replicas over DP hold the same grads unless the distributed optimizer split them.
-            norm_group=None if p.distributed_optimizer else ps.get_group("mp"),
+            norm_group=self._norm_group(),
             grad_scaler=self.grad_scaler,
             expert_norm_group=ps.get_group("emp") if self.config.moe else None,
         )
@@ -220,6 +225,27 @@ class Trainer:
         if self.rerun.state == RerunState.NOT_RUNNING_YET:
             self.rerun.current_iteration = self.iteration
 
+    def _norm_group(self) -> dist.ProcessGroup | None:
+        """The ranks whose squared gradients add up to the global norm once each: the
+        model-parallel group when DP replicas hold the same gradients; every rank under the
+        distributed optimizer (each DP rank holds its own slice); under hybrid sharding, the
+        ranks of one replica (a new group, made on every rank in the same order)."""
+        p = self.spec.parallel
+        if not p.distributed_optimizer:
+            return ps.get_group("mp")
+        if not ps.has_group("dp_shard"):
+            return None
+        # Replica r: every rank whose DP index lies in the r-th block of data_parallel_shard_size.
+        grid, size, mine = ps.get_grid(), p.data_parallel_shard_size, None
+        members: dict[int, list[int]] = {}
+        for rank in range(grid.world_size):
+            members.setdefault(grid.coords(rank)["dp"] // size, []).append(rank)
+        for key in sorted(members):
+            group = dist.new_group(members[key])
+            if dist.get_rank() in members[key]:
+                mine = group
+        return mine
+
     def _will_import(self) -> bool:
         """model.init_from's weights are loaded (before the optimizer copies them into its fp32
         masters, and instead of a random init: the import writes every element, the vocabulary
@@ -255,7 +281,7 @@ class Trainer:
         """What a checkpoint of this rank holds, by part name (the first component of the part's
         shard keys: "model/...", "optim/...", "rng/..."), in the order every rank saves them."""
         return {
-            "model": ModelState(self.model_chunks),
+            "model": ModelState(self.model_chunks, self.ddp_chunks),
             "optim": OptimizerState(self.optimizer, self.model_chunks, self.ddp_chunks),
             "rng": RNGState(self.spec.training.seed),
             "data": DataPosition(self),

@@ -97,16 +97,29 @@ class ModelState:
     """This rank's model chunks: every parameter and the buffers that must survive a restart.
 
     Its state dict is views of the parameters themselves, so a save copies nothing (an async
-    save snapshots it) and a load lands straight in the parameters."""
+    save snapshots it) and a load lands straight in the parameters. When data parallelism keeps
+    parameters as shards (optim_grads_params), `ddp_chunks` gathers them whole first (a
+    collective; the next training step frees them again) and the state dict holds copies (one
+    transient model-sized copy per rank during a save, as for the optimizer state); a load
+    copies this rank's slices back into the shards: the checkpoint holds the same global
+    tensors at every sharding level."""
 
-    def __init__(self, chunks: list[nn.Module]) -> None:
+    def __init__(self, chunks: list[nn.Module], ddp_chunks: list[DataParallel] | None = None) -> None:
         self.chunks = chunks
+        self.ddp_chunks = ddp_chunks or []
 
     def state_dict(self) -> dict[str, Any]:
+        return self._tensors(copies=any(ddp.shard_params for ddp in self.ddp_chunks))
+
+    def _tensors(self, copies: bool) -> dict[str, Any]:
+        """Views of the parameters, or copies of them: the storage of gathered sharded parameters
+        is freed by resizing it, which storage handed to the checkpoint's I/O (numpy views) forbids."""
+        for ddp in self.ddp_chunks:
+            ddp.gather_all_params()
         mesh = _tp_mesh()
         out: dict[str, Any] = {}
         for gname, p in named_params(self.chunks):
-            out.update(_pieces(gname, p.detach(), p, mesh))
+            out.update(_pieces(gname, p.detach().clone() if copies else p.detach(), p, mesh))
         for gname, buf in named_buffers(self.chunks):
             out[gname] = buf
         return out
@@ -114,10 +127,12 @@ class ModelState:
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # What was loaded into state_dict()'s views is in place already; other tensors are copied in.
-        for key, mine in self.state_dict().items():
+        for key, mine in self._tensors(copies=False).items():
             dst, src = _local(mine), _local(state_dict[key])
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
+        for ddp in self.ddp_chunks:
+            ddp.params_loaded()
 
 
 def _adam_state(opt: TrainingOptimizer, main: torch.Tensor, name: str) -> torch.Tensor:
@@ -160,7 +175,7 @@ class OptimizerState:
         out = {}
         for _, p, ddp in named:
             # The shards span the chunk's data-parallel group: DP, or DP x CP under context parallelism.
-            sharded = ddp.shard and ddp.dp > 1
+            sharded = ddp.shard and ddp.sdp > 1 and not getattr(p, "expert", False)
             states = {}
             for name in STATE_NAMES:
                 if name == "master" and not with_master:
@@ -176,8 +191,8 @@ class OptimizerState:
                 for i, lo, hi in segs:
                     m = opt.main_params[i]
                     flat[lo:hi] = m if name == "master" else _adam_state(opt, m, name)
-                if sharded:
-                    dist.all_reduce(flat, group=ddp.group)
+                if sharded:  # over one shard group: HSDP replicas hold the same pieces
+                    dist.all_reduce(flat, group=ddp.shard_group)
                 states[name] = flat.view(p.shape)
             out[id(p)] = states
         return out

@@ -10,7 +10,9 @@
 All sums are linear, so their order does not matter. With the distributed optimizer only this
 rank's shard of `main_grad` is meaningful after step 1; steps 2 and 3 still reduce the whole
 tensor, which is right because the ranks they reduce with hold the same bucket layout (TP peers
-build the same model; a tied embedding has a bucket of its own on both stages).
+build the same model; a tied embedding has a bucket of its own on both stages). With sharded
+gradients (optim_grads and up) only the shard exists, and steps 2 and 3 reduce this rank's
+segments of it, which the same argument lines up.
 """
 
 from __future__ import annotations
@@ -39,12 +41,25 @@ def all_reduce_coalesced(tensors: list[torch.Tensor], group) -> None:
 def finalize_model_grads(chunks: list[DataParallel]) -> None:
     for chunk in chunks:
         chunk.finish_grad_sync()
-    params = [p for chunk in chunks for p in chunk.module.parameters() if p.requires_grad]
     if ps.get_tensor_model_parallel_world_size() > 1:
-        sp = [p.main_grad for p in params if getattr(p, "sequence_parallel", False)]
+        sp = _grads_marked(chunks, "sequence_parallel")
         if sp:
             all_reduce_coalesced(sp, ps.get_tensor_model_parallel_group())
     if ps.get_pipeline_model_parallel_world_size() > 1:
-        tied = [p.main_grad for p in params if getattr(p, "shared_embedding", False)]
+        tied = _grads_marked(chunks, "shared_embedding")
         if tied:
             all_reduce_coalesced(tied, ps.get_group("embd"))
+
+
+def _grads_marked(chunks: list[DataParallel], mark: str) -> list[torch.Tensor]:
+    """The reduced gradients of the params carrying `mark`: whole main_grads, or this rank's
+    shard segments when gradients are sharded (no full gradient exists then)."""
+    out = []
+    for chunk in chunks:
+        if chunk.shard_grads:
+            segments = zip(chunk.param_shard_ranges(), chunk.grad_views(), strict=True)
+            out.extend(g for (p, _, _), g in segments if getattr(p, mark, False))
+        else:
+            params = [p for p in chunk.module.parameters() if p.requires_grad]
+            out.extend(p.main_grad for p in params if getattr(p, mark, False))
+    return out

@@ -80,8 +80,11 @@ class JobSpec(_Section):
         m, p = self.model, self.parallel
         if m.moe is not None and p.context > 1:
             raise ValueError("MoE with parallel.context > 1 is not supported yet: use context 1")
-        if m.moe is not None and p.distributed_optimizer:
-            raise ValueError("MoE with parallel.distributed_optimizer is not supported yet: set it to false")
+        if p.data_parallel_shard_size is not None and p.context > 1:
+            raise ValueError(
+                "parallel.data_parallel_shard_size (hybrid sharding) with parallel.context > 1 is not supported "
+                "yet: leave data_parallel_shard_size unset, or use context 1"
+            )
         if self.data.packing and p.context > 1:
             raise ValueError(
                 "data.packing is not supported with parallel.context > 1 yet (context-parallel attention has "
@@ -119,6 +122,12 @@ class JobSpec(_Section):
                 raise ValueError(
                     f"{field} ({size}) is not a multiple of parallel.tensor x pipeline x context ({mp}): a "
                     f"resize changes only the data-parallel size; use {hint}"
+                )
+            shard = p.data_parallel_shard_size
+            if shard is not None and (size // mp) % shard:
+                raise ValueError(
+                    f"parallel.data_parallel_shard_size ({shard}) must divide the data-parallel size at {field} "
+                    f"({size // mp}): a resize keeps the shard groups"
                 )
             per_step = t.micro_batch_size * (size // mp)
             batches = {"training.global_batch_size": t.global_batch_size}
@@ -203,6 +212,17 @@ class JobSpec(_Section):
                     f"model.seq_length ({m.seq_length}) must be a multiple of {multiple} with parallel.context "
                     f"({p.context}): each sequence is cut into 2 x parallel.context equal chunks, two per "
                     f"context-parallel rank{why}; use model.seq_length {hint}"
+                )
+        if p.data_parallel_shard_size is not None:
+            if p.data_parallel_sharding == "none":
+                raise ValueError(
+                    "parallel.data_parallel_shard_size needs parallel.data_parallel_sharding other than none "
+                    "(there is nothing to shard)"
+                )
+            if dp % p.data_parallel_shard_size:
+                raise ValueError(
+                    f"parallel.data_parallel_shard_size ({p.data_parallel_shard_size}) must divide the "
+                    f"data-parallel size ({dp}): choose it from {_divisors(dp)}"
                 )
         if p.virtual_pipeline is not None and p.pipeline == 1:
             raise ValueError(

@@ -123,6 +123,12 @@ class GPTModel(nn.Module):
                     self.mtp_embedding.weight.shared_embedding = True
                     self.mtp_embedding.weight.embedding_copy = True
 
+    def fsdp_units(self) -> list[nn.Module]:
+        """What data-parallel parameter sharding gathers at once, in forward order: one
+        transformer layer each; the other parameters (embeddings, final norm, output layer)
+        form the model's own unit."""
+        return list(self.decoder.layers)
+
     def global_param_name(self, name: str) -> str:
         """The parameter's name in the whole (unsplit) model: layer numbers are global, and the
         last stage's tied output weight is the embedding."""

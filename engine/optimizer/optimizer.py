@@ -2,7 +2,8 @@
 
 It steps whatever slice of the model this rank owns, as (param, lo, hi) segments handed out by
 the data-parallel buffers: whole parameters normally, this rank's 1/dp of every bucket with the
-distributed optimizer (ZeRO-1). Each segment has an fp32 master: a view of the parameter itself
+distributed optimizer (ZeRO-1) and the higher sharding levels (whose gradients and parameters
+live in shard buffers, handed out as views). Each segment has an fp32 master: a view of the parameter itself
 when the model is fp32 (nothing copied), an fp32 clone for bf16/fp16 models (small updates are
 not rounded away; the result is copied back). Gradients come from `param.main_grad`, already
 reduced over data parallel. Weight decay applies to matrices only, as in Megatron-Core; the
@@ -56,10 +57,13 @@ class TrainingOptimizer:
         # are summed there instead of over norm_group. Set on every rank of an MoE model.
         self.expert_norm_group = expert_norm_group
         self.segments = [seg for c in chunks for seg in c.param_shard_ranges()]
+        # Where each segment's values and reduced gradient live: slices of the parameter and its
+        # main_grad, or of the buckets' persistent shards when those are sharded (data_parallel.py).
+        self.param_views = [v for c in chunks for v in c.param_views()]
+        self.grad_views = [g for c in chunks for g in c.grad_views()]
         self.main_params: list[torch.Tensor] = []
         self.needs_copy_back: list[bool] = []
-        for p, lo, hi in self.segments:
-            view = p.detach().view(-1)[lo:hi]
+        for (p, _, _), view in zip(self.segments, self.param_views, strict=True):
             fp32 = p.dtype == torch.float32
             self.main_params.append(view if fp32 else view.float().clone())
             self.needs_copy_back.append(not fp32)
@@ -89,11 +93,7 @@ class TrainingOptimizer:
         return self.inner.param_groups
 
     def _grads(self) -> list[torch.Tensor]:
-        out = []
-        for p, lo, hi in self.segments:
-            g = p.main_grad.view(-1)[lo:hi]
-            out.append(g if g.dtype == torch.float32 else g.float())
-        return out
+        return [g if g.dtype == torch.float32 else g.float() for g in self.grad_views]
 
     def _all_reduce(self, value: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
         if dist.is_initialized() and dist.get_world_size(self.norm_group) > 1:
@@ -144,10 +144,10 @@ class TrainingOptimizer:
         for m, g in zip(self.main_params, grads, strict=True):
             m.grad = g
         self.inner.step()
-        for (p, lo, hi), m, copy in zip(self.segments, self.main_params, self.needs_copy_back, strict=True):
+        for view, m, copy in zip(self.param_views, self.main_params, self.needs_copy_back, strict=True):
             m.grad = None
             if copy:
-                p.detach().view(-1)[lo:hi].copy_(m)
+                view.copy_(m)
         for chunk in self.chunks:
             chunk.gather_params()
         return StepResult(grad_norm=norm, loss_scale=scale)
@@ -161,11 +161,10 @@ class TrainingOptimizer:
             for k, t in state.items()
             if k in ("exp_avg", "exp_avg_sq")
         )
-        grads = sum(c.grad_buffer.numel() * c.grad_buffer.element_size() for c in self.chunks)
-        params = sum(p.numel() * p.element_size() for c in self.chunks for p in c.module.parameters())
+        held = [c.memory_bytes() for c in self.chunks]
         return {
             "master_params": masters,
             "adam_moments": moments,
-            "grad_buffer": grads,
-            "model_params": params,
+            "grad_buffer": sum(h["grad_buffer"] for h in held),
+            "model_params": sum(h["model_params"] for h in held),
         }

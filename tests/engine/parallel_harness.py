@@ -65,11 +65,13 @@ def _full(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 def _train_and_collect(spec_dict: dict) -> dict:
     trainer = Trainer(JobSpec.model_validate(spec_dict))
     steps = [trainer.train_step() for _ in range(spec_dict["training"]["train_iters"])]
-    sharded_grads = (
-        trainer.spec.parallel.distributed_optimizer
-    )  # main_grad is valid in this rank's shard only
+    # ZeRO-1: main_grad is valid in this rank's shard only. Sharded gradients (optim_grads and
+    # up) are all-gathered from their shards; sharded parameters are gathered whole.
+    sharded_grads = trainer.spec.parallel.data_parallel_sharding == "optim"
     grads, params, copies = {}, {}, {}
-    for chunk in trainer.model_chunks:
+    for chunk, ddp in zip(trainer.model_chunks, trainer.ddp_chunks, strict=True):
+        ddp.gather_all_params()
+        whole_grads = {} if sharded_grads else ddp.unsharded_grads()
         for name, p in chunk.named_parameters():
             key = chunk.global_param_name(name)
             if getattr(p, "embedding_copy", False):
@@ -77,7 +79,7 @@ def _train_and_collect(spec_dict: dict) -> dict:
                 continue
             params[key] = _full(p, p)
             if not sharded_grads:
-                grads[key] = _full(p.main_grad, p)
+                grads[key] = _full(whole_grads[id(p)], p)
     if ps.get_grid().ep > 1:  # MoE: each expert-parallel rank holds its own experts
         mine = tuple({k: v for k, v in d.items() if ".experts." in k} for d in (grads, params))
         peers = [None] * ps.get_grid().ep

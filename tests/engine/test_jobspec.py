@@ -486,6 +486,7 @@ def test_misspelt_key_inside_a_section():
         job(parallel={"tensor_paralel": 2}, resources={"ranks": 2}),
         r"^parallel\.tensor_paralel: unknown key: did you mean 'tensor'\? known keys here: tensor, pipeline, "
         r"virtual_pipeline, context, expert, sequence_parallel, pipeline_layers, distributed_optimizer, "
+        r"data_parallel_sharding, data_parallel_shard_size, "
         r"grad_reduce_in_fp32, overlap_grad_reduce, grad_bucket_size$",
     )
     refused(

@@ -1,0 +1,266 @@
+"""Data-parallel sharding levels (`parallel.data_parallel_sharding`) train the same model as one rank.
+
+A 4-layer model, global batch 8 (microbatch 1), 10 AdamW steps. Tolerances (fp32): per-iteration
+loss and global grad norm within 1e-5 relative (the harness's LOSS_RTOL); the last step's
+gradients, all-gathered from their shards, within 1e-5 of each tensor's largest magnitude;
+parameters after 10 steps within the harness's 1e-4. Sharding changes only where the same sums
+are split and in which order the microbatches' reduced shards are added.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.jobspec import JobSpec
+from engine.launcher import spawn
+from tests.engine.parallel_harness import (
+    assert_continues,
+    assert_same_training,
+    job,
+    max_rel_diff,
+    run_job,
+    train_until,
+)
+
+LLAMA = {"num_layers": 4}
+GPT2 = {"arch": "gpt2", "num_layers": 4, "num_query_groups": None}
+TRAINING = {"global_batch_size": 8, "micro_batch_size": 1, "train_iters": 10}
+GRAD_RTOL = 1e-5
+
+
+def _spec(ranks: int = 4, **parallel) -> JobSpec:
+    return JobSpec.model_validate(job(ranks, training=TRAINING, parallel=parallel))
+
+
+# --- the job spec ---
+
+
+def test_distributed_optimizer_is_an_alias_of_optim():
+    assert _spec(distributed_optimizer=True).parallel.data_parallel_sharding == "optim"
+    assert _spec().parallel.data_parallel_sharding == "none"
+    p = _spec(data_parallel_sharding="optim_grads_params").parallel
+    assert p.distributed_optimizer is True  # the optimizer state is sharded at every level but none
+    again = JobSpec.model_validate(_spec(data_parallel_sharding="optim_grads").model_dump(mode="json"))
+    assert again.parallel.data_parallel_sharding == "optim_grads"
+
+
+@pytest.mark.parametrize("alias,level", [(True, "none"), (False, "optim"), (False, "optim_grads_params")])
+def test_contradicting_alias_names_both_fields(alias, level):
+    with pytest.raises(
+        ValueError, match=r"parallel\.distributed_optimizer .* parallel\.data_parallel_sharding"
+    ):
+        _spec(distributed_optimizer=alias, data_parallel_sharding=level)
+
+
+def test_shard_size_must_divide_the_data_parallel_size():
+    with pytest.raises(
+        ValueError, match=r"parallel\.data_parallel_shard_size \(3\) must divide the data-parallel size \(4\)"
+    ):
+        _spec(data_parallel_sharding="optim_grads_params", data_parallel_shard_size=3)
+    with pytest.raises(
+        ValueError, match=r"parallel\.data_parallel_shard_size needs parallel\.data_parallel_sharding"
+    ):
+        _spec(data_parallel_shard_size=2)
+    assert (
+        _spec(data_parallel_sharding="optim", data_parallel_shard_size=2).parallel.data_parallel_shard_size
+        == 2
+    )
+
+
+def test_not_supported_yet_is_refused_naming_the_fields():
+    with pytest.raises(ValueError, match=r"parallel\.data_parallel_shard_size .* parallel\.context > 1"):
+        _spec(context=2, data_parallel_sharding="optim_grads_params", data_parallel_shard_size=1)
+
+
+# --- equal to one rank ---
+
+
+@pytest.fixture(scope="module")
+def llama_reference():
+    return run_job(job(1, model=LLAMA, training=TRAINING))
+
+
+def _assert_equal(got: dict, ref: dict) -> None:
+    assert_same_training(got, ref)
+    if got["grads"] is None:  # optim (ZeRO-1): main_grad is valid in this rank's shard only
+        return
+    diff, where = max_rel_diff(got["grads"], ref["grads"])
+    assert diff < GRAD_RTOL, f"gradient of {where} differs by {diff:.2e} (relative)"
+
+
+LAYOUTS = {
+    "dp2-optim-grads": (2, {"data_parallel_sharding": "optim_grads"}, {}),
+    "dp4-optim-grads-params": (4, {"data_parallel_sharding": "optim_grads_params"}, {}),
+    "dp2-tp2-sp-optim-grads-params": (
+        4,
+        {"data_parallel_sharding": "optim_grads_params", "tensor": 2, "sequence_parallel": True},
+        {},
+    ),
+    "dp2-pp2-1f1b-optim-grads-params": (
+        4,
+        {"data_parallel_sharding": "optim_grads_params", "pipeline": 2},
+        {},
+    ),
+    "dp2-pp2-vp2-interleaved-optim-grads-params": (
+        4,
+        {"data_parallel_sharding": "optim_grads_params", "pipeline": 2, "virtual_pipeline": 2},
+        {},
+    ),
+    "hsdp-2x2-optim-grads-params": (
+        4,
+        {"data_parallel_sharding": "optim_grads_params", "data_parallel_shard_size": 2},
+        {},
+    ),
+    "hsdp-2x2-optim": (4, {"data_parallel_sharding": "optim", "data_parallel_shard_size": 2}, {}),
+    "dp2-optim-grads-params-full-recompute": (
+        2,
+        {"data_parallel_sharding": "optim_grads_params"},
+        {"recompute": "full"},
+    ),
+    "cp2-dp2-optim-grads-params": (4, {"data_parallel_sharding": "optim_grads_params", "context": 2}, {}),
+    "dp2-small-buckets-optim-grads": (
+        2,
+        {"data_parallel_sharding": "optim_grads", "grad_bucket_size": 5000},
+        {},
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_sharding_level_matches_single_rank(llama_reference, layout):
+    ranks, parallel, training = LAYOUTS[layout]
+    got = run_job(job(ranks, model=LLAMA, training={**TRAINING, **training}, parallel=parallel))
+    _assert_equal(got, llama_reference)
+
+
+def test_gpt2_tied_embeddings_with_sharded_params():
+    """The tied embedding is used by the first unit in forward and by the output layer: one
+    stage (the root unit holds both uses) and split across pipeline stages (a bucket of its own)."""
+    ref = run_job(job(1, model=GPT2, training=TRAINING))
+    got = run_job(
+        job(2, model=GPT2, training=TRAINING, parallel={"data_parallel_sharding": "optim_grads_params"})
+    )
+    _assert_equal(got, ref)
+    parallel = {"data_parallel_sharding": "optim_grads_params", "pipeline": 2}
+    got = run_job(job(4, model=GPT2, training=TRAINING, parallel=parallel))
+    _assert_equal(got, ref)
+    assert got["tied_copy_diff"] is not None and got["tied_copy_diff"] < 1e-6, got["tied_copy_diff"]
+
+
+MOE = {"num_experts": 4, "top_k": 2, "aux_loss_coeff": 0.01, "z_loss_coeff": 0.001}
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    return run_job(job(1, model={**LLAMA, "moe": MOE}, training=TRAINING))
+
+
+@pytest.mark.parametrize(
+    "ranks,parallel",
+    [
+        (2, {"expert": 2, "data_parallel_sharding": "optim_grads_params"}),
+        (4, {"expert": 2, "data_parallel_sharding": "optim_grads_params"}),
+        (4, {"expert": 2, "data_parallel_sharding": "optim"}),
+    ],
+    ids=["ep2-dp2-optim-grads-params", "ep2-edp2-dp4-optim-grads-params", "ep2-edp2-dp4-optim"],
+)
+def test_moe_expert_parallel_with_sharded_dense_params(moe_reference, ranks, parallel):
+    """Dense parameters sharded over DP; experts stay whole on their EP rank (reduced over the
+    expert data-parallel group as without sharding)."""
+    model = {**LLAMA, "moe": MOE}
+    _assert_equal(run_job(job(ranks, model=model, training=TRAINING, parallel=parallel)), moe_reference)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_low_precision_with_fp32_master_shards_tracks_fp32(llama_reference, precision):
+    """bf16/fp16 params sharded, fp32 master and gradient shards (fp16: dynamic loss scaling,
+    no step skipped at this scale), on DP=2: loss within 2% of the fp32 single-rank run every
+    iteration (8 and 11 bits of mantissa)."""
+    training = {**TRAINING, "precision": precision}
+    got = run_job(
+        job(2, model=LLAMA, training=training, parallel={"data_parallel_sharding": "optim_grads_params"})
+    )
+    assert not any(got["skipped"]), got["skipped"]
+    for it, (a, b) in enumerate(zip(got["losses"], llama_reference["losses"], strict=True)):
+        assert a == pytest.approx(b, rel=2e-2), f"iteration {it + 1}: {precision} {a} vs fp32 {b}"
+
+
+def test_rerun_state_machine_reruns_a_sharded_step(tmp_path):
+    """An injected transient error re-runs one step's forward-backward under optim_grads_params
+    (the shards are zeroed and refilled, the parameters gathered again): the run ends on the
+    clean run's losses."""
+    from tests.engine.test_rerun_training import (
+        make_job,
+        read_jsonl,
+        seed_with_one_early_injection,
+        train_spawned,
+    )
+
+    seed, _ = seed_with_one_early_injection(rate=4, iterations=6)
+    runs = {}
+    for name, resilience in (
+        ("clean", {}),
+        ("injected", {"error_injection_rate": 4, "error_injection_type": "transient_error"}),
+    ):
+        spec = make_job(tmp_path / name, **resilience)
+        spec["training"]["seed"] = seed
+        spec["parallel"] = {"data_parallel_sharding": "optim_grads_params"}
+        assert train_spawned(tmp_path / name, spec) == 0
+        runs[name] = read_jsonl(tmp_path / name / "out" / "metrics.jsonl")
+    assert runs["injected"][-1]["rerun"]["reruns"] == 1
+    losses = [r["loss"] for r in runs["injected"]]
+    assert losses == pytest.approx([r["loss"] for r in runs["clean"]], rel=1e-6)
+
+
+# --- checkpoints: any level and layout to any other ---
+
+CKPT_TRAINING = {"global_batch_size": 8, "micro_batch_size": 1, "train_iters": 8}
+CKPT_MODEL = {"num_layers": 4, "num_attention_heads": 4, "num_query_groups": 4}
+
+
+def _segment(ranks: int, parallel: dict, stop_at: int, path, name: str, resume_from=None) -> dict:
+    checkpoint = {"path": str(path)}
+    if resume_from is not None:
+        checkpoint["resume_from"] = str(resume_from)
+    spec = job(
+        ranks, name=name, model=CKPT_MODEL, training=CKPT_TRAINING, parallel=parallel, checkpoint=checkpoint
+    )
+    return spawn(train_until, ranks, (spec, stop_at), timeout_s=240)[0]
+
+
+@pytest.fixture(scope="module")
+def ckpt_reference(tmp_path_factory):
+    return _segment(1, {}, 8, tmp_path_factory.mktemp("ref"), "reference")["losses"]
+
+
+@pytest.fixture(scope="module")
+def saved_fsdp_dp4(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp4")
+    return root / "src", _segment(4, {"data_parallel_sharding": "optim_grads_params"}, 4, root, "src")
+
+
+@pytest.mark.parametrize(
+    "ranks,parallel",
+    [
+        (1, {}),
+        (4, {"tensor": 2, "data_parallel_sharding": "optim_grads"}),
+        (4, {"data_parallel_sharding": "optim_grads_params", "data_parallel_shard_size": 2}),
+    ],
+    ids=["to-dp1", "to-tp2-dp2-optim-grads", "to-hsdp-2x2"],
+)
+def test_fsdp_checkpoint_resumes_on_other_levels_and_layouts(
+    saved_fsdp_dp4, ckpt_reference, tmp_path, ranks, parallel
+):
+    src, first = saved_fsdp_dp4
+    second = _segment(ranks, parallel, 8, tmp_path, "dst", resume_from=src)
+    assert first["start"] == 0 and second["start"] == 4, (first["start"], second["start"])
+    assert_continues(first["losses"] + second["losses"], ckpt_reference)
+
+
+def test_unsharded_checkpoint_resumes_under_fsdp(ckpt_reference, tmp_path):
+    """The other way round: TP=2 without sharding saves, FSDP on DP=2 x PP=2 continues."""
+    first = _segment(2, {"tensor": 2}, 4, tmp_path / "a", "src")
+    parallel = {"pipeline": 2, "data_parallel_sharding": "optim_grads_params"}
+    second = _segment(4, parallel, 8, tmp_path / "b", "dst", resume_from=tmp_path / "a" / "src")
+    assert second["start"] == 4
+    assert_continues(first["losses"] + second["losses"], ckpt_reference)
