@@ -264,3 +264,39 @@ def test_unsharded_checkpoint_resumes_under_fsdp(ckpt_reference, tmp_path):
     second = _segment(4, parallel, 8, tmp_path / "b", "dst", resume_from=tmp_path / "a" / "src")
     assert second["start"] == 4
     assert_continues(first["losses"] + second["losses"], ckpt_reference)
+
+
+# --- a model over one rank's memory budget ---
+
+BUDGET_BYTES_PER_PARAM = 8.0  # the budget: 8 bytes per parameter of the model, per rank
+
+
+def _held(spec: dict) -> dict:
+    """This rank's held bytes after a step (params, grads, master, moments: allocated tensors,
+    bench/optimizer_memory.py's count) and its largest transient unsharded working set."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "optimizer_memory.py"
+    module_spec = importlib.util.spec_from_file_location("optimizer_memory_bench", path)
+    bench = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(bench)
+    return bench._measure(spec)
+
+
+def test_a_model_over_one_ranks_budget_trains_with_full_sharding():
+    """bf16 with fp32 grads, master and moments needs 18 bytes/param unsharded; the budget is 8.
+    On 4 ranks only optim_grads_params stays under it (4.5 held + the largest unit's working set),
+    optim (9) and optim_grads (6 + a whole-model fp32 gradient bucket while a step runs) do not,
+    and the sharded job trains. (A budget on allocated tensors, not a cgroup: CPU ranks share one
+    allocator-free machine, so the limit is checked on what each rank holds.)"""
+    budgets = {}
+    for level in ("none", "optim", "optim_grads", "optim_grads_params"):
+        spec = job(4, parallel={"data_parallel_sharding": level},
+                   training={"global_batch_size": 4, "micro_batch_size": 1, "train_iters": 3, "precision": "bf16"})
+        per_rank = spawn(_held, 4, (spec,), timeout_s=240)
+        held = ("master_params", "adam_moments", "grad_buffer", "model_params")
+        worst = max(sum(r[k] for k in held) + r["working_set"] for r in per_rank)
+        budgets[level] = worst / per_rank[0]["params"]
+    assert budgets["optim_grads_params"] < BUDGET_BYTES_PER_PARAM, budgets
+    assert all(budgets[level] > BUDGET_BYTES_PER_PARAM for level in ("none", "optim", "optim_grads")), budgets
