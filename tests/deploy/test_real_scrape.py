@@ -2,7 +2,7 @@
 
 The control plane (`service.app.create_app`, with the service tests' fake Ray launcher) runs on a
 loopback port; four jobs go through it: one trains and reports telemetry in two batches (every
-field of the engine's metrics record, checkpoints, a restart, two rerun diagnoses), one
+field of the engine's metrics record, checkpoints, a restart and its recovery, two rerun diagnoses), one
 succeeds, one fails, one is cancelled. Prometheus scrapes /metrics every second with the API scrape settings of
 deploy/prometheus/prometheus.yml and evaluates deploy/prometheus/rules. Then:
 
@@ -227,6 +227,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory, prometheus_bin: Path) -> Ite
             [record(i) for i in range(6, 11)],
             [
                 {"kind": "restart", "cause": "node_lost", "iteration": 7},
+                {
+                    "kind": "recovered",
+                    "recovered_from": "replica",
+                    "steps_lost": 1,
+                    "iteration": 7,
+                    "phase_seconds": {"group_start": 4.2, "restore": 0.02},
+                },
                 {"kind": "diagnosis", "iteration": 8, "diagnosis": "persistent_error", "rank": 1},
                 {
                     "kind": "checkpoint_saved",
