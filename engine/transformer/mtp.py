@@ -11,7 +11,7 @@ The tokens t_{i+k} are read from the labels (label i is token i + 1), so the las
 where the depths live, needs nothing the schedule does not already give it. Positions whose
 target falls past the sequence take no loss. The objective adds mtp_loss_scaling_factor / D x
 sum_k L_k, each L_k the mean over the global batch's tokens that have a depth-k target: its
-gradient is attached to h^0 in backward (`_AttachLoss`), so the main loss the schedule sees and
+gradient is attached to h^0 in backward (engine.transformer.loss_attach), so the main loss the schedule sees and
 reports stays the main loss, and the depths' own losses are reported beside it.
 
 eh_proj is replicated over TP like the norms (under SP each rank projects its sequence chunk:
@@ -30,22 +30,9 @@ from engine.tensor_parallel import mark_sequence_parallel, vocab_parallel_cross_
 from engine.tensor_parallel.cross_entropy import IGNORE_INDEX
 from engine.tensor_parallel.layers import set_partition
 from engine.transformer.config import TransformerConfig
+from engine.transformer.loss_attach import attach_loss
 from engine.transformer.norm import build_norm
 from engine.transformer.transformer_layer import TransformerLayer
-
-
-class _AttachLoss(torch.autograd.Function):
-    """Identity on `out`; in backward `loss` gets gradient 1 (its weight is already inside)."""
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, loss: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(loss)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (loss,) = ctx.saved_tensors
-        return grad, torch.ones_like(loss)
 
 
 def shifted(labels: torch.Tensor, k: int, fill: int) -> torch.Tensor:
@@ -110,4 +97,4 @@ class MultiTokenPrediction(nn.Module):
             total = total + weight * depth_sum
         if hidden.device.type != "meta":
             self.depth_sums.append(torch.stack(sums))
-        return _AttachLoss.apply(hidden, total) if total.requires_grad else hidden
+        return attach_loss(hidden, total) if total.requires_grad else hidden

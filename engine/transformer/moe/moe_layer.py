@@ -13,30 +13,18 @@ import torch
 from torch import nn
 
 from engine import parallel_state as ps
+from engine.transformer.loss_attach import attach_loss
 from engine.transformer.moe.experts import LocalExperts
 from engine.transformer.moe.router import MoEConfig, TopKRouter
 from engine.transformer.moe.token_dispatcher import AllToAllDispatcher
 
-
-class _AuxLossScaler(torch.autograd.Function):
-    """Identity on `out`; in backward, d(aux)/d(aux) = the current loss scale."""
-
-    scale = 1.0
-
-    @staticmethod
-    def forward(ctx, out: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(aux)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (aux,) = ctx.saved_tensors
-        return grad, torch.full_like(aux, _AuxLossScaler.scale)
+# What the main loss is multiplied by before backward; the balancing losses get the same.
+_AUX_LOSS_SCALE = [1.0]
 
 
 def set_aux_loss_scale(scale: float) -> None:
     """What the main loss is multiplied by before backward (fp16 scale / microbatches)."""
-    _AuxLossScaler.scale = scale
+    _AUX_LOSS_SCALE[0] = scale
 
 
 def local_experts(num_experts: int) -> tuple[int, int]:
@@ -87,5 +75,5 @@ class MoELayer(nn.Module):
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         if routing.aux_loss.requires_grad:
-            out = _AuxLossScaler.apply(out, routing.aux_loss)
+            out = attach_loss(out, routing.aux_loss, _AUX_LOSS_SCALE[0])
         return out
