@@ -179,7 +179,7 @@ class Trainer:
             # Replicas over DP hold the same grads unless the distributed optimizer split them.
             norm_group=self._norm_group(),
             grad_scaler=self.grad_scaler,
-            expert_norm_group=ps.get_group("emp") if self.config.moe else None,
+            expert_norm_group=self._expert_norm_group(),
         )
         self.scheduler = OptimizerParamScheduler.from_spec(self.optimizer, spec.optimizer, t.train_iters)
         moe = self.config.moe
@@ -245,6 +245,16 @@ class Trainer:
             if dist.get_rank() in members[key]:
                 mine = group
         return mine
+
+    def _expert_norm_group(self) -> dist.ProcessGroup | None:
+        """The ranks whose squared expert gradients add up to the experts' share of the norm once
+        each: one of every expert (expert TP x EP x PP); with sharded optimizer state each expert
+        is also split over the expert data-parallel group, so every rank (the world group)."""
+        if not self.config.moe:
+            return None
+        if self.spec.parallel.distributed_optimizer and dist.get_world_size(ps.get_group("edp")) > 1:
+            return dist.group.WORLD
+        return ps.get_group("emp")
 
     def _will_import(self) -> bool:
         """model.init_from's weights are loaded (before the optimizer copies them into its fp32

@@ -174,8 +174,10 @@ class OptimizerState:
         with_master = self._with_master()
         out = {}
         for _, p, ddp in named:
-            # The shards span the chunk's data-parallel group: DP, or DP x CP under context parallelism.
-            sharded = ddp.shard and ddp.sdp > 1 and not getattr(p, "expert", False)
+            # The shards span the param's bucket group: DP (DP x CP under context parallelism, one
+            # shard group under HSDP), or the expert data-parallel group for MoE experts.
+            bucket = ddp.bucket_of[id(p)]
+            sharded = ddp.shard and bucket.world > 1
             states = {}
             for name in STATE_NAMES:
                 if name == "master" and not with_master:
@@ -192,7 +194,7 @@ class OptimizerState:
                     m = opt.main_params[i]
                     flat[lo:hi] = m if name == "master" else _adam_state(opt, m, name)
                 if sharded:  # over one shard group: HSDP replicas hold the same pieces
-                    dist.all_reduce(flat, group=ddp.shard_group)
+                    dist.all_reduce(flat, group=bucket.group)
                 states[name] = flat.view(p.shape)
             out[id(p)] = states
         return out

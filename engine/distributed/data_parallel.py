@@ -15,6 +15,11 @@ data-parallel rank r gets the summed gradient of its 1/dp of every bucket, and p
 live in a flat buffer so that, after each rank has updated its slice, one all-gather per bucket
 brings every rank's parameters up to date. Buckets are padded to a multiple of the shard size
 (the DP size, or the HSDP shard group's).
+MoE expert parameters get buckets of their own, sharded over the expert data-parallel group
+instead (the ranks holding the same experts: Megatron-Core's expert_data_parallel group), so at
+every level an expert's gradient, optimizer state and (optim_grads_params) parameters are split
+1/edp like the dense ones are 1/dp; under HSDP experts shard over the whole expert-DP group
+(their replicas span nodes anyway when EP fills a node). Each bucket carries its group.
 Parameters marked `shared_embedding` (a tied embedding split across pipeline stages) get a bucket
 of their own so their shard ranges line up on the first and last stage.
 
@@ -59,6 +64,13 @@ class Bucket:
     work: object | None = None
     shard_out: torch.Tensor | None = None
     expert: bool = False  # MoE expert params: reduced over the expert data-parallel group
+    # The ranks this bucket is reduced and sharded over (dense: the DP or HSDP shard group;
+    # experts: the expert data-parallel group), their number, this rank's place among them, and
+    # the HSDP replica group its reduced shards are then summed over (dense only).
+    group: object | None = None
+    world: int = 1
+    rank: int = 0
+    replica_group: object | None = None
     launched: bool = False
     # Sharded gradients (optim_grads and up): `grad` is a transient staging buffer (None between
     # microbatches), `grad_shard` this rank's persistent slice of the reduced gradient.
@@ -70,10 +82,10 @@ class Bucket:
     full: torch.Tensor | None = None
     unit: Unit | None = None
 
-    def shard_range(self, rank: int, world: int) -> tuple[int, int]:
-        """This DP rank's slice of the bucket, as offsets into the bucket."""
-        size = self.numel // world
-        return rank * size, (rank + 1) * size
+    def shard_range(self) -> tuple[int, int]:
+        """This rank's slice of the bucket, as offsets into the bucket."""
+        size = self.numel // self.world
+        return self.rank * size, (self.rank + 1) * size
 
 
 class DataParallel(nn.Module):
@@ -107,49 +119,45 @@ class DataParallel(nn.Module):
         self.replica_group = replica_group
         self.expert_group = expert_group
         self.edp = dist.get_world_size(expert_group) if expert_group is not None else 1
+        self.edp_rank = dist.get_rank(expert_group) if expert_group is not None else 0
         self.sharding = sharding
         self.shard = sharding != "none"  # the optimizer state is sharded
         self.shard_grads = sharding in ("optim_grads", "optim_grads_params")
-        # One shard rank holds everything: nothing to free, parameters stay whole.
-        self.shard_params = sharding == "optim_grads_params" and self.sdp > 1
         self.overlap = overlap
         self.grad_dtype = grad_dtype
         params = [p for p in module.parameters() if p.requires_grad]
         dense = [p for p in params if not getattr(p, "expert", False)]
         experts = [p for p in params if getattr(p, "expert", False)]
+        # Where one shard rank holds everything (no DP and no expert DP) there is nothing to
+        # free: parameters stay whole.
+        self.shard_params = sharding == "optim_grads_params" and (self.sdp > 1 or (bool(experts) and self.edp > 1))
         self.gatherer: ParamGatherer | None = None
         if self.shard_params:
-            self.buckets, units, root, layers = self._plan_units(module, dense, bucket_size)
+            self.buckets, units, root, layers = self._plan_units(module, dense, experts, bucket_size)
         else:
             self.buckets = self._plan_buckets(dense, bucket_size)
-        dense_total = sum(b.numel for b in self.buckets)
-        if experts:
-            # MoE experts are not sharded at any level: each is whole on its EP rank, its grads
-            # all-reduced over the expert data-parallel group as without sharding.
-            offset = dense_total
-            for bucket in self._plan_buckets(experts, bucket_size):
+            expert_buckets = self._plan_buckets(experts, bucket_size, expert=True)
+            offset = sum(b.numel for b in self.buckets)
+            for bucket in expert_buckets:
                 bucket.offset += offset
-                bucket.expert = True
-                self.buckets.append(bucket)
+            self.buckets += expert_buckets
         total = sum(b.numel for b in self.buckets)
         device = params[0].device
-        # optim_grads and up: the persistent gradient is this rank's shard of every dense bucket
-        # only (then the experts' whole gradients).
-        grad_numel = dense_total // self.sdp + (total - dense_total) if self.shard_grads else total
+        # optim_grads and up: the persistent gradient is this rank's shard of every bucket.
+        grad_numel = sum(b.numel // b.world for b in self.buckets) if self.shard_grads else total
         self.grad_buffer = torch.zeros(grad_numel, dtype=grad_dtype, device=device)
-        grad_base = dense_total - dense_total // self.sdp if self.shard_grads else 0
         whole_params = self.shard and not self.shard_params
         self.param_buffer = torch.zeros(total, dtype=params[0].dtype, device=device) if whole_params else None
         self.bucket_of: dict[int, Bucket] = {}
         self.param_offset: dict[int, int] = {}
+        grad_offset = 0
         for bucket in self.buckets:
-            if self.shard_grads and not bucket.expert:
-                lo = bucket.offset // self.sdp
-                bucket.grad_shard = self.grad_buffer[lo : lo + bucket.numel // self.sdp]
+            if self.shard_grads:
+                bucket.grad_shard = self.grad_buffer[grad_offset : grad_offset + bucket.numel // bucket.world]
+                grad_offset += bucket.numel // bucket.world
                 bucket.grad = None
             else:
-                lo = bucket.offset - grad_base
-                bucket.grad = self.grad_buffer[lo : lo + bucket.numel]
+                bucket.grad = self.grad_buffer[bucket.offset : bucket.offset + bucket.numel]
             if whole_params:
                 bucket.param = self.param_buffer[bucket.offset : bucket.offset + bucket.numel]
             if self.shard_params:
@@ -157,8 +165,8 @@ class DataParallel(nn.Module):
             start = bucket.offset
             for p in bucket.params:
                 n = p.numel()
-                if not self.shard_grads or bucket.expert:
-                    p.main_grad = self.grad_buffer[start - grad_base : start - grad_base + n].view_as(p)
+                if not self.shard_grads:
+                    p.main_grad = self.grad_buffer[start : start + n].view_as(p)
                     if p.dtype == grad_dtype:
                         # autograd accumulates straight into the buffer: no copy per microbatch
                         p.grad = p.main_grad
@@ -171,10 +179,10 @@ class DataParallel(nn.Module):
                 self.param_offset[id(p)] = start
                 start += n
             if self.shard_params:
-                lo, hi = bucket.shard_range(self.sdp_rank, self.sdp)
+                lo, hi = bucket.shard_range()
                 bucket.param_shard = bucket.full[lo:hi].clone()
         if self.shard_params:
-            self.gatherer = ParamGatherer(module, units, root, layers, self.shard_group)
+            self.gatherer = ParamGatherer(module, units, root, layers)
             for unit in [*units, root]:  # free_all frees gathered units only
                 for b in unit.buckets:
                     b.full.untyped_storage().resize_(0)
@@ -183,11 +191,14 @@ class DataParallel(nn.Module):
         self._rounds_done: dict[int, int] = {}  # per unit: buckets reduced this microbatch
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]
 
-    def _plan_units(self, module: nn.Module, dense: list[nn.Parameter], bucket_size: int):
+    def _plan_units(
+        self, module: nn.Module, dense: list[nn.Parameter], experts: list[nn.Parameter], bucket_size: int
+    ):
         """ZeRO-3: buckets that never span two units (a unit is gathered whole): each layer of
-        `module.fsdp_units()` is one, the rest of the model is the root."""
+        `module.fsdp_units()` is one, the rest of the model is the root. A layer's experts are
+        buckets of its unit, sharded over the expert data-parallel group."""
         layers = list(module.fsdp_units()) if hasattr(module, "fsdp_units") else []
-        wanted = {id(p) for p in dense}
+        wanted = {id(p) for p in dense} | {id(p) for p in experts}
         owner: dict[int, int] = {}
         for i, layer in enumerate(layers):
             for p in layer.parameters():
@@ -200,25 +211,35 @@ class DataParallel(nn.Module):
         ]
         buckets, offset = [], 0
         for unit, unit_params in reversed(groups):  # backward order, like _plan_buckets
-            for bucket in self._plan_buckets(unit_params, bucket_size):
-                bucket.offset += offset  # _plan_buckets' offsets start at 0 in each unit
+            unit_dense = [p for p in unit_params if not getattr(p, "expert", False)]
+            unit_experts = [p for p in unit_params if getattr(p, "expert", False)]
+            planned = self._plan_buckets(unit_experts, bucket_size, expert=True)
+            planned += self._plan_buckets(unit_dense, bucket_size)
+            for bucket in planned:
                 bucket.unit = unit
+                bucket.offset = offset  # _plan_buckets' offsets start at 0 in each call
+                offset += bucket.numel
                 unit.buckets.append(bucket)
                 buckets.append(bucket)
-            offset += sum(b.numel for b in unit.buckets)
+        if any(id(p) not in owner and getattr(p, "expert", False) for p in experts):
+            raise ValueError("an expert parameter outside every fsdp_units() layer: it would never be gathered")
         return buckets, units, root, layers
 
-    def _plan_buckets(self, params: list[nn.Parameter], bucket_size: int) -> list[Bucket]:
+    def _plan_buckets(self, params: list[nn.Parameter], bucket_size: int, expert: bool = False) -> list[Bucket]:
         """Reverse registration order approximates backward order: the first bucket fills first."""
         buckets, current, offset = [], [], 0
+        if expert:
+            where = dict(group=self.expert_group, world=self.edp, rank=self.edp_rank, expert=True)
+        else:
+            where = dict(group=self.shard_group, world=self.sdp, rank=self.sdp_rank, replica_group=self.replica_group)
 
         def close(group: list[nn.Parameter]) -> None:
             nonlocal offset
             if not group:
                 return
             n = sum(p.numel() for p in group)
-            padded = -(-n // self.sdp) * self.sdp
-            buckets.append(Bucket(params=list(group), offset=offset, numel=padded, grad=torch.empty(0)))
+            padded = -(-n // where["world"]) * where["world"]
+            buckets.append(Bucket(params=list(group), offset=offset, numel=padded, grad=torch.empty(0), **where))
             offset += padded
 
         for p in reversed(params):
@@ -247,13 +268,13 @@ class DataParallel(nn.Module):
             bucket.work = None
             bucket.shard_out = None
             bucket.launched = False
-            if self.shard_grads and not bucket.expert:
+            if self.shard_grads:
                 bucket.grad, bucket.round, bucket.inflight = None, set(), []
         self._rounds_done = {}
 
     @torch.no_grad()
     def _on_grad_ready(self, param: nn.Parameter) -> None:
-        if self.shard_grads and not getattr(param, "expert", False):
+        if self.shard_grads:
             self._stage(param)
             return
         if param.grad is not None and param.grad.data_ptr() != param.main_grad.data_ptr():
@@ -287,9 +308,9 @@ class DataParallel(nn.Module):
         self._drain(bucket)  # at most one round of a bucket in flight: bounded staging memory
         if self.dp > 1:
             staged.mul_(1.0 / self.dp)  # averaged over DP (see _launch)
-        if self.sdp > 1:
-            out = torch.empty(bucket.numel // self.sdp, dtype=staged.dtype, device=staged.device)
-            work = reduce_scatter_into(out, staged, group=self.shard_group, async_op=True)
+        if bucket.world > 1:
+            out = torch.empty(bucket.numel // bucket.world, dtype=staged.dtype, device=staged.device)
+            work = reduce_scatter_into(out, staged, group=bucket.group, async_op=True)
             bucket.inflight.append((work, out, staged))
         else:
             bucket.inflight.append((None, staged, None))
@@ -305,8 +326,8 @@ class DataParallel(nn.Module):
         for work, out, _ in bucket.inflight:
             if work is not None:
                 work.wait()
-            if self.replica_group is not None:
-                dist.all_reduce(out, group=self.replica_group)
+            if bucket.replica_group is not None:
+                dist.all_reduce(out, group=bucket.replica_group)
             bucket.grad_shard.add_(out)
         bucket.inflight = []
 
@@ -322,35 +343,29 @@ class DataParallel(nn.Module):
         # tokens from every rank of its EP group, each scaled by its own rank's 1/samples: the
         # same 1/dp, then a sum over the expert-DP replicas.
         bucket.grad.mul_(1.0 / self.dp)
-        if bucket.expert:
-            if self.edp > 1:
-                bucket.work = dist.all_reduce(bucket.grad, group=self.expert_group, async_op=True)
-            return
-        if self.shard:
+        if bucket.world == 1 and bucket.replica_group is None:
+            bucket.work = None  # an expert on one expert-DP rank: nothing to sum with
+        elif self.shard:
             bucket.shard_out = torch.empty(
-                bucket.numel // self.sdp, dtype=bucket.grad.dtype, device=bucket.grad.device
+                bucket.numel // bucket.world, dtype=bucket.grad.dtype, device=bucket.grad.device
             )
-            bucket.work = reduce_scatter_into(
-                bucket.shard_out, bucket.grad, group=self.shard_group, async_op=True
-            )
+            bucket.work = reduce_scatter_into(bucket.shard_out, bucket.grad, group=bucket.group, async_op=True)
         else:
-            bucket.work = dist.all_reduce(bucket.grad, group=self.group, async_op=True)
+            bucket.work = dist.all_reduce(bucket.grad, group=bucket.group if bucket.expert else self.group, async_op=True)
 
     @torch.no_grad()
     def finish_grad_sync(self) -> None:
         """Launch what backward did not (overlap off, unused params) and wait for every bucket."""
         if self.shard_grads:
             for bucket in self.buckets:
-                if bucket.grad is not None and not bucket.expert:
+                if bucket.grad is not None:
                     self._launch_round(bucket)
             for bucket in self.buckets:
-                if not bucket.expert:
-                    self._drain(bucket)
+                self._drain(bucket)
             if self.gatherer is not None:
                 self.gatherer.free_all()
+            return
         for bucket in self.buckets:
-            if self.shard_grads and not bucket.expert:
-                continue
             if not bucket.launched and self._needs_sync(bucket):
                 self._launch(bucket)
         for bucket in self.buckets:
@@ -358,9 +373,9 @@ class DataParallel(nn.Module):
                 bucket.work.wait()
                 bucket.work = None
             if bucket.shard_out is not None:
-                if self.replica_group is not None:
-                    dist.all_reduce(bucket.shard_out, group=self.replica_group)
-                lo, hi = bucket.shard_range(self.sdp_rank, self.sdp)
+                if bucket.replica_group is not None:
+                    dist.all_reduce(bucket.shard_out, group=bucket.replica_group)
+                lo, hi = bucket.shard_range()
                 bucket.grad[lo:hi].copy_(bucket.shard_out)
                 bucket.shard_out = None
 
@@ -371,15 +386,15 @@ class DataParallel(nn.Module):
         if self.gatherer is not None:
             self.gatherer.free_all()
             return
-        if not self.shard or self.sdp == 1:
+        if not self.shard:
             return
         works = []
         for bucket in self.buckets:
-            if bucket.expert:  # whole on every rank that holds it: each updated all of it
+            if bucket.world == 1:  # this rank updated all of it
                 continue
-            lo, hi = bucket.shard_range(self.sdp_rank, self.sdp)
+            lo, hi = bucket.shard_range()
             mine = bucket.param[lo:hi].clone()
-            works.append(all_gather_into(bucket.param, mine, group=self.shard_group, async_op=True))
+            works.append(all_gather_into(bucket.param, mine, group=bucket.group, async_op=True))
         for w in works:
             w.wait()
 
@@ -387,10 +402,10 @@ class DataParallel(nn.Module):
         """(param, lo, hi, bucket, offset of lo in the bucket's shard) for what this rank owns."""
         out = []
         for bucket in self.buckets:
-            if not self.shard or bucket.expert:
+            if not self.shard:
                 out.extend((p, 0, p.numel(), bucket, 0) for p in bucket.params)
                 continue
-            b_lo, b_hi = bucket.shard_range(self.sdp_rank, self.sdp)
+            b_lo, b_hi = bucket.shard_range()
             lo_abs, hi_abs = bucket.offset + b_lo, bucket.offset + b_hi
             for p in bucket.params:
                 start = self.param_offset[id(p)]
@@ -408,18 +423,14 @@ class DataParallel(nn.Module):
         """Per param_shard_ranges segment, the memory holding its values: a slice of the
         parameter, or of the bucket's persistent shard when parameters are sharded."""
         return [
-            b.param_shard[o : o + hi - lo]
-            if self.shard_params and not b.expert
-            else p.detach().view(-1)[lo:hi]
+            b.param_shard[o : o + hi - lo] if self.shard_params else p.detach().view(-1)[lo:hi]
             for p, lo, hi, b, o in self._segments()
         ]
 
     def grad_views(self) -> list[torch.Tensor]:
         """Per param_shard_ranges segment, its reduced gradient (valid after finish_grad_sync)."""
         return [
-            b.grad_shard[o : o + hi - lo]
-            if self.shard_grads and not b.expert
-            else p.main_grad.view(-1)[lo:hi]
+            b.grad_shard[o : o + hi - lo] if self.shard_grads else p.main_grad.view(-1)[lo:hi]
             for p, lo, hi, b, o in self._segments()
         ]
 
@@ -437,7 +448,7 @@ class DataParallel(nn.Module):
         if self.gatherer is None:
             return
         for bucket in self.buckets:
-            lo, hi = bucket.shard_range(self.sdp_rank, self.sdp)
+            lo, hi = bucket.shard_range()
             bucket.param_shard.copy_(bucket.full[lo:hi])
 
     @torch.no_grad()
@@ -448,12 +459,9 @@ class DataParallel(nn.Module):
             return {id(p): p.main_grad.detach().clone() for b in self.buckets for p in b.params}
         out = {}
         for bucket in self.buckets:
-            if bucket.expert:
-                out.update({id(p): p.main_grad.detach().clone() for p in bucket.params})
-                continue
             full = torch.empty(bucket.numel, dtype=bucket.grad_shard.dtype, device=bucket.grad_shard.device)
-            if self.sdp > 1:
-                all_gather_into(full, bucket.grad_shard.clone(), group=self.shard_group)
+            if bucket.world > 1:
+                all_gather_into(full, bucket.grad_shard.clone(), group=bucket.group)
             else:
                 full.copy_(bucket.grad_shard)
             for p in bucket.params:
@@ -467,8 +475,6 @@ class DataParallel(nn.Module):
         if self.shard_params:
             params = sum(
                 b.param_shard.numel() * b.param_shard.element_size() + b.full.untyped_storage().nbytes()
-                if not b.expert
-                else sum(p.numel() * p.element_size() for p in b.params)
                 for b in self.buckets
             )
         else:

@@ -4,8 +4,9 @@ backward and freed right after.
 
 A *unit* is what is gathered at once: one transformer layer each (`model.fsdp_units()`), and
 the model's own parameters outside them (embeddings, final norm, output layer), the root. A
-unit's buckets each have a persistent shard (1/d of the bucket: what the optimizer updates) and
-a full buffer the unit's parameters are views of. Freeing a unit resizes the full buffer's
+unit's buckets each have a persistent shard (1/d of the bucket over the bucket's own group: the
+data-parallel shard group, or for MoE experts the expert data-parallel group; what the optimizer
+updates) and a full buffer the unit's parameters are views of. Freeing a unit resizes the full buffer's
 storage to zero and gathering resizes it back and all-gathers into it, so the parameters stay
 the same objects, with the same shapes and autograd identity: tensors saved for backward refer
 to the same storage and see the gathered values again when backward runs (torch FSDP1's
@@ -58,10 +59,8 @@ class Unit:
 class ParamGatherer:
     """Owns the units of one model chunk: their hooks, gathers, prefetches and frees."""
 
-    def __init__(
-        self, module: nn.Module, units: list[Unit], root: Unit, layers: list[nn.Module], group
-    ) -> None:
-        self.units, self.root, self.group = units, root, group
+    def __init__(self, module: nn.Module, units: list[Unit], root: Unit, layers: list[nn.Module]) -> None:
+        self.units, self.root = units, root
         self._hooks = []
         for unit, layer in zip(units, layers, strict=True):
             self._hooks.append(layer.register_forward_pre_hook(self._pre_hook(unit)))
@@ -85,7 +84,10 @@ class ParamGatherer:
             return
         for b in unit.buckets:
             b.full.untyped_storage().resize_(b.full.numel() * b.full.element_size())
-            unit.works.append(all_gather_into(b.full, b.param_shard, group=self.group, async_op=True))
+            if b.world == 1:  # this rank's shard is the whole bucket
+                b.full.copy_(b.param_shard)
+                continue
+            unit.works.append(all_gather_into(b.full, b.param_shard, group=b.group, async_op=True))
 
     def ensure(self, unit: Unit) -> None:
         """`unit`'s parameters hold the full, current values when this returns."""

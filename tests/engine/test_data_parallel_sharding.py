@@ -13,6 +13,7 @@ import pytest
 
 from engine.jobspec import JobSpec
 from engine.launcher import spawn
+from engine.training import Trainer
 from tests.engine.parallel_harness import (
     assert_continues,
     assert_same_training,
@@ -155,20 +156,74 @@ def moe_reference():
     return run_job(job(1, model={**LLAMA, "moe": MOE}, training=TRAINING))
 
 
-@pytest.mark.parametrize(
-    "ranks,parallel",
-    [
-        (2, {"expert": 2, "data_parallel_sharding": "optim_grads_params"}),
-        (4, {"expert": 2, "data_parallel_sharding": "optim_grads_params"}),
-        (4, {"expert": 2, "data_parallel_sharding": "optim"}),
-    ],
-    ids=["ep2-dp2-optim-grads-params", "ep2-edp2-dp4-optim-grads-params", "ep2-edp2-dp4-optim"],
-)
-def test_moe_expert_parallel_with_sharded_dense_params(moe_reference, ranks, parallel):
-    """Dense parameters sharded over DP; experts stay whole on their EP rank (reduced over the
-    expert data-parallel group as without sharding)."""
+MOE_LAYOUTS = {
+    # EP=2 on 2 ranks: each expert on one rank (expert DP 1), dense params sharded over DP=2.
+    "ep2-dp2-optim-grads-params": (2, {"expert": 2, "data_parallel_sharding": "optim_grads_params"}),
+    # EP=2 on 4 ranks: each expert on 2 ranks (expert DP 2), sharded over them at every level.
+    "ep2-edp2-dp4-optim-grads-params": (4, {"expert": 2, "data_parallel_sharding": "optim_grads_params"}),
+    "ep2-edp2-dp4-optim-grads": (4, {"expert": 2, "data_parallel_sharding": "optim_grads"}),
+    "ep2-edp2-dp4-optim": (4, {"expert": 2, "data_parallel_sharding": "optim"}),
+    # TP=2 with EP=1: no dense DP to shard over, but every expert lives on both TP ranks (expert
+    # TP 1): experts alone are sharded, dense parameters stay whole.
+    "tp2-sp-edp2-optim-grads-params": (
+        2,
+        {"tensor": 2, "sequence_parallel": True, "data_parallel_sharding": "optim_grads_params"},
+    ),
+    "tp2-sp-ep2-dp2-optim-grads-params": (
+        4,
+        {"tensor": 2, "sequence_parallel": True, "expert": 2, "data_parallel_sharding": "optim_grads_params"},
+    ),
+    # HSDP: dense shards in groups of 2 replicated twice; experts over their expert-DP group.
+    "hsdp-2x2-ep2-optim-grads-params": (
+        4,
+        {"expert": 2, "data_parallel_sharding": "optim_grads_params", "data_parallel_shard_size": 2},
+    ),
+    "pp2-ep2-optim-grads-params": (
+        4,
+        {"pipeline": 2, "expert": 2, "data_parallel_sharding": "optim_grads_params"},
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(MOE_LAYOUTS))
+def test_moe_experts_sharded_over_expert_data_parallel(moe_reference, layout):
+    """Dense parameters sharded over DP, experts over the expert data-parallel group (the ranks
+    holding the same experts): equal to one rank."""
+    ranks, parallel = MOE_LAYOUTS[layout]
     model = {**LLAMA, "moe": MOE}
     _assert_equal(run_job(job(ranks, model=model, training=TRAINING, parallel=parallel)), moe_reference)
+
+
+def _expert_holdings(spec: dict) -> dict:
+    """After one step: this rank's local expert parameter count, and how many of those elements
+    it holds optimizer state, persistent gradient and persistent parameter storage for."""
+    trainer = Trainer(JobSpec.model_validate(spec))
+    trainer.train_step()
+    local = sum(p.numel() for c in trainer.model_chunks for p in c.parameters() if getattr(p, "expert", False))
+    state = sum(m.numel() for m, e in zip(trainer.optimizer.main_params, trainer.optimizer.is_expert) if e)
+    grads = params = 0
+    for ddp in trainer.ddp_chunks:
+        for b in ddp.buckets:
+            if b.expert:
+                grads += b.grad_shard.numel() if b.grad_shard is not None else b.grad.numel()
+                params += b.param_shard.numel() if b.param_shard is not None else b.numel
+    return {"local": local, "state": state, "grads": grads, "params": params}
+
+
+@pytest.mark.parametrize(
+    "level,sharded",
+    [("none", ()), ("optim", ("state",)), ("optim_grads", ("state", "grads")),
+     ("optim_grads_params", ("state", "grads", "params"))],
+)
+def test_each_level_shards_the_experts_it_names(level, sharded):
+    """EP=2 on 4 ranks: every expert lives on 2 ranks. At each level, what the level shards is
+    held for half of the rank's expert elements (1/edp), the rest for all of them."""
+    spec = job(4, model={**LLAMA, "moe": MOE}, training={**TRAINING, "train_iters": 1},
+               parallel={"expert": 2, "data_parallel_sharding": level})
+    for rank, held in enumerate(spawn(_expert_holdings, 4, (spec,), timeout_s=240)):
+        for what in ("state", "grads", "params"):
+            want = held["local"] // 2 if what in sharded else held["local"]
+            assert held[what] == want, f"rank {rank} {level}: {what} for {held[what]} of {held['local']} elements"
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
@@ -218,13 +273,13 @@ CKPT_TRAINING = {"global_batch_size": 8, "micro_batch_size": 1, "train_iters": 8
 CKPT_MODEL = {"num_layers": 4, "num_attention_heads": 4, "num_query_groups": 4}
 
 
-def _segment(ranks: int, parallel: dict, stop_at: int, path, name: str, resume_from=None) -> dict:
+def _segment(
+    ranks: int, parallel: dict, stop_at: int, path, name: str, resume_from=None, model=CKPT_MODEL
+) -> dict:
     checkpoint = {"path": str(path)}
     if resume_from is not None:
         checkpoint["resume_from"] = str(resume_from)
-    spec = job(
-        ranks, name=name, model=CKPT_MODEL, training=CKPT_TRAINING, parallel=parallel, checkpoint=checkpoint
-    )
+    spec = job(ranks, name=name, model=model, training=CKPT_TRAINING, parallel=parallel, checkpoint=checkpoint)
     return spawn(train_until, ranks, (spec, stop_at), timeout_s=240)[0]
 
 
@@ -264,6 +319,19 @@ def test_unsharded_checkpoint_resumes_under_fsdp(ckpt_reference, tmp_path):
     second = _segment(4, parallel, 8, tmp_path / "b", "dst", resume_from=tmp_path / "a" / "src")
     assert second["start"] == 4
     assert_continues(first["losses"] + second["losses"], ckpt_reference)
+
+
+def test_moe_checkpoint_with_sharded_experts_resumes_elsewhere(tmp_path):
+    """Experts sharded over expert DP (EP=2 on 4 ranks, optim_grads_params) save; EP=1 on 2 ranks
+    without sharding continues, and back: experts sharded again from an unsharded checkpoint."""
+    model = {**CKPT_MODEL, "moe": MOE}
+    reference = _segment(1, {}, 8, tmp_path / "ref", "reference", model=model)["losses"]
+    fsdp = {"expert": 2, "data_parallel_sharding": "optim_grads_params"}
+    first = _segment(4, fsdp, 4, tmp_path / "a", "src", model=model)
+    second = _segment(2, {}, 6, tmp_path / "b", "mid", resume_from=tmp_path / "a" / "src", model=model)
+    third = _segment(4, fsdp, 8, tmp_path / "c", "dst", resume_from=tmp_path / "b" / "mid", model=model)
+    assert (second["start"], third["start"]) == (4, 6)
+    assert_continues(first["losses"] + second["losses"] + third["losses"], reference)
 
 
 # --- a model over one rank's memory budget ---
