@@ -180,7 +180,9 @@ def initialize_model_parallel(
 
     `data_parallel_shard` (hybrid sharding, HSDP): also split every DP group into shard groups
     of that many consecutive DP ranks ("dp_shard") and the groups of ranks with the same place
-    in their shard group ("dp_replica")."""
+    in their shard group ("dp_replica"). Under context parallelism gradients are reduced over DP
+    x CP, so a shard group also holds its DP ranks' CP peers (N x cp ranks) and a replica group
+    the ranks with the same place and the same CP rank."""
     global _STATE
     if not dist.is_initialized():
         raise RuntimeError(
@@ -208,22 +210,27 @@ def initialize_model_parallel(
         if rank in ranks:
             state.groups["embd"], state.ranks["embd"] = group, ranks
     if data_parallel_shard is not None and data_parallel_shard < grid.dp:
-        for name, split in (("dp_shard", _shard_groups), ("dp_replica", _replica_groups)):
-            for dp_ranks in grid.groups("dp"):
-                for ranks in split(dp_ranks, data_parallel_shard):
-                    group = dist.new_group(ranks)
-                    if rank in ranks:
-                        state.groups[name], state.ranks[name] = group, ranks
+        for name, members in _hybrid_groups(grid, data_parallel_shard).items():
+            for ranks in members:
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    state.groups[name], state.ranks[name] = group, ranks
     _STATE = state
     return grid
 
 
-def _shard_groups(dp_ranks: list[int], size: int) -> list[list[int]]:
-    return [dp_ranks[i : i + size] for i in range(0, len(dp_ranks), size)]
-
-
-def _replica_groups(dp_ranks: list[int], size: int) -> list[list[int]]:
-    return [dp_ranks[i::size] for i in range(size)]
+def _hybrid_groups(grid: RankGrid, size: int) -> dict[str, list[list[int]]]:
+    """HSDP's groups, each a sorted rank list, in an order every rank computes alike. Ranks of
+    one DP x CP group (same tp, pp) fall in block dp // size (a shard group, with every cp) and
+    place (dp % size, cp) in their block (a replica group)."""
+    shards: dict[tuple, list[int]] = {}
+    replicas: dict[tuple, list[int]] = {}
+    for r in range(grid.world_size):
+        c = grid.coords(r)
+        block, place = divmod(c["dp"], size)
+        shards.setdefault((c["tp"], c["pp"], block), []).append(r)
+        replicas.setdefault((c["tp"], c["pp"], place, c["cp"]), []).append(r)
+    return {"dp_shard": [shards[k] for k in sorted(shards)], "dp_replica": [replicas[k] for k in sorted(replicas)]}
 
 
 def has_group(name: str) -> bool:

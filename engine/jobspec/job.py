@@ -80,11 +80,6 @@ class JobSpec(_Section):
         m, p = self.model, self.parallel
         if m.moe is not None and p.context > 1:
             raise ValueError("MoE with parallel.context > 1 is not supported yet: use context 1")
-        if p.data_parallel_shard_size is not None and p.context > 1:
-            raise ValueError(
-                "parallel.data_parallel_shard_size (hybrid sharding) with parallel.context > 1 is not supported "
-                "yet: leave data_parallel_shard_size unset, or use context 1"
-            )
         if self.data.packing and p.context > 1:
             raise ValueError(
                 "data.packing is not supported with parallel.context > 1 yet (context-parallel attention has "

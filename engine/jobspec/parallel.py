@@ -43,8 +43,9 @@ class ParallelSpec(_Section):
     )
     data_parallel_shard_size: PositiveInt | None = Field(
         None,
-        description="Hybrid sharding (HSDP): shard within groups of this many data-parallel ranks and "
-        "replicate across groups (gradients all-reduced over the replicas). Default: the whole DP size.",
+        description="Hybrid sharding (HSDP): shard within groups of this many data-parallel ranks (with "
+        "their context-parallel peers) and replicate across groups (gradients all-reduced over the "
+        "replicas). Default: the whole DP size.",
     )
     grad_reduce_in_fp32: bool = Field(
         True, description="Accumulate and reduce gradients in fp32 even when params are bf16/fp16."

@@ -68,9 +68,10 @@ def test_shard_size_must_divide_the_data_parallel_size():
     )
 
 
-def test_not_supported_yet_is_refused_naming_the_fields():
-    with pytest.raises(ValueError, match=r"parallel\.data_parallel_shard_size .* parallel\.context > 1"):
-        _spec(context=2, data_parallel_sharding="optim_grads_params", data_parallel_shard_size=1)
+def test_hybrid_sharding_with_context_parallelism_is_accepted():
+    """Once refused ("not supported yet"); a shard group now carries its CP peers."""
+    p = _spec(context=2, data_parallel_sharding="optim_grads_params", data_parallel_shard_size=1).parallel
+    assert (p.context, p.data_parallel_shard_size) == (2, 1)
 
 
 # --- equal to one rank ---
@@ -119,6 +120,12 @@ LAYOUTS = {
         {"recompute": "full"},
     ),
     "cp2-dp2-optim-grads-params": (4, {"data_parallel_sharding": "optim_grads_params", "context": 2}, {}),
+    # HSDP under CP: each shard group is one DP rank's 2 CP ranks, replicated over DP=2.
+    "hsdp-cp2-shard1x2-optim-grads-params": (
+        4,
+        {"data_parallel_sharding": "optim_grads_params", "context": 2, "data_parallel_shard_size": 1},
+        {},
+    ),
     "dp2-small-buckets-optim-grads": (
         2,
         {"data_parallel_sharding": "optim_grads", "grad_bucket_size": 5000},

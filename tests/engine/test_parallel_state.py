@@ -379,3 +379,25 @@ def test_initialize_without_torch_distributed():
     assert not dist.is_initialized()
     with pytest.raises(RuntimeError, match=r"torch\.distributed is not initialised"):
         ps.initialize_model_parallel(tensor=1)
+
+
+# --- hybrid sharding (HSDP) groups, worked out by hand --------------------------------------------
+
+
+def test_hybrid_groups_without_context_split_each_dp_group():
+    """8 ranks, TP=2 (DP=4), shard size 2: DP group [0,2,4,6] -> shards [0,2], [4,6]; replicas
+    pair the same place in each shard: [0,4], [2,6]."""
+    groups = ps._hybrid_groups(RankGrid(world_size=8, tp=2), 2)
+    assert groups["dp_shard"] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert groups["dp_replica"] == [[0, 4], [2, 6], [1, 5], [3, 7]]
+
+
+def test_hybrid_groups_with_context_take_the_cp_peers_along():
+    """8 ranks, CP=2 (DP=4; rank = cp + 2*dp), shard size 2: a shard group is 2 DP ranks with
+    both of their CP ranks (what the DP x CP reduction shards over), a replica the same (dp
+    place, cp) in each block; each family partitions the ranks."""
+    groups = ps._hybrid_groups(RankGrid(world_size=8, cp=2), 2)
+    assert groups["dp_shard"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["dp_replica"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for family in groups.values():
+        assert sorted(r for g in family for r in g) == list(range(8))
