@@ -779,9 +779,6 @@ def train_rank(
                 continue
             trainer.evaluate_if_due(m)
             trainer.save_checkpoint_if_due()
-            if on_snapshot_due is not None and trainer.snapshot_due():
-                trainer.phase = "checkpoint-local"
-                on_snapshot_due(trainer)
             if is_logger:
                 rec = asdict(m)
                 records.append(rec)
@@ -792,6 +789,12 @@ def train_rank(
                     sink.flush()
                 if not quiet and (m.iteration % spec.training.log_interval == 0 or m.valid_loss is not None):
                     print(_progress_line(m, spec.training.train_iters), flush=True)
+            # After the record: the snapshot is a collective, and a peer that dies after the
+            # persistent save would otherwise leave the step that checkpointed without its record
+            # (a resume from that checkpoint never runs the step again).
+            if on_snapshot_due is not None and trainer.snapshot_due():
+                trainer.phase = "checkpoint-local"
+                on_snapshot_due(trainer)
         if trainer.checkpointer is not None:
             trainer.checkpointer.wait()  # the last save is committed before the job reports done
     finally:

@@ -88,3 +88,31 @@ def test_snapshot_fields_in_the_job_spec():
     for bad, field in (({"local_interval": 0}, "local_interval"), ({"local_replicas": -1}, "local_replicas")):
         with pytest.raises(ValueError, match=field):
             JobSpec.model_validate(job(1, checkpoint=bad))
+
+
+def _records_before_a_failed_snapshot(spec_dict: dict) -> list[int]:
+    """Rank function: the snapshot due after iteration 4 fails (as a peer's death makes its
+    collective fail); returns the iterations rank 0 recorded before that."""
+    from engine.training import train_rank
+
+    recorded: list[int] = []
+
+    def fail(trainer: Trainer) -> None:
+        if trainer.iteration == 4:
+            raise RuntimeError("a peer died during the snapshot")
+
+    with pytest.raises(RuntimeError, match="peer died"):
+        train_rank(
+            spec_dict, quiet=True, on_record=lambda r: recorded.append(r["iteration"]), on_snapshot_due=fail
+        )
+    ps.destroy_model_parallel()
+    return recorded
+
+
+def test_a_failed_snapshot_does_not_cost_the_checkpointed_steps_record(tmp_path):
+    """Iteration 4 saves its persistent checkpoint, then its snapshot fails: its record was
+    already handed on (a resume from that checkpoint never runs step 4 again)."""
+    spec = job(
+        1, training={"train_iters": 8}, checkpoint={"path": str(tmp_path), "interval": 4, "local_interval": 1}
+    )
+    assert spawn(_records_before_a_failed_snapshot, 1, (spec,), timeout_s=240)[0] == [1, 2, 3, 4]
