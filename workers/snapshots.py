@@ -10,10 +10,15 @@ parts, CRC-32 checksummed, refused if corrupted or not this rank's); here is whe
   snapshots (two: a rank killed while pushing step N still has N-1 everywhere). The driver kills
   every holder of the job when the job ends (`kill_holders`).
 - `SnapshotPusher` (in each rank): every `checkpoint.local_interval` steps the training thread
-  captures the host copy (the only part that blocks the step), and a background thread frames it
-  (`to_bytes`), `ray.put`s it once and hands it to the holder on its own node and to
-  `checkpoint.local_replicas` holders on the other nodes of the group (the next ones in node-id
-  order). A push still in flight when the next is due is waited for.
+  captures the host copy (the only part that blocks the step) straight into the framed block,
+  itself a memory-mapped file in the node's RAM-backed directory (snapshot_files.py), and a
+  background thread seals it (the CRC-32) and tells the holder on its own node which file holds
+  which iteration; for the `checkpoint.local_replicas` holders on the other nodes of the group
+  (the next ones in node-id order) it `ray.put`s the block once as a numpy array (one copy into
+  the object store, no pickling copy) and they copy it out into memory they own (the store's
+  copy belongs to the rank and goes with it). Where the directory cannot hold the files, the own
+  node's holder gets its copy through the store too. A push still in flight when the next is due
+  is waited for.
 - `recover` (every rank, once the Trainer is built and has resumed from the newest persistent
   checkpoint): each rank asks every holder of the job which iterations it has for this rank,
   world size and layout, newer than the persistent one; the ranks agree on the newest iteration
@@ -46,7 +51,9 @@ def holder_name(job_id: str, node_id: str) -> str:
 
 
 class SnapshotHolder:
-    """A node's in-memory snapshots of one job: rank -> {iteration: (world_size, layout, blob)}."""
+    """A node's in-memory snapshots of one job: rank -> {iteration: (world_size, layout, blob)},
+    a blob being bytes (a replica, or the store fallback) or {"path", "nbytes"}: a slot file the
+    rank wrote on this node."""
 
     def __init__(self, job_id: str, node_id: str):
         self.job_id, self.node_id = job_id, node_id
@@ -55,7 +62,21 @@ class SnapshotHolder:
     def ping(self) -> str:
         return self.node_id
 
-    def put(self, rank: int, iteration: int, world_size: int, layout: str, blob: bytes) -> None:
+    def put(self, rank: int, iteration: int, world_size: int, layout: str, blob) -> None:
+        """`blob`: bytes, or the pusher's read-only numpy view of the object store, copied here."""
+        self._keep(rank, iteration, world_size, layout, blob if isinstance(blob, bytes) else blob.tobytes())
+
+    def put_file(
+        self, rank: int, iteration: int, world_size: int, layout: str, path: str, nbytes: int
+    ) -> None:
+        """The rank sealed `iteration` into its slot file `path` on this node: whatever this
+        holder listed under that file before (two snapshots ago) is gone, overwritten."""
+        for kept in self._by_rank.values():
+            for i in [i for i, (_, _, b) in kept.items() if isinstance(b, dict) and b["path"] == path]:
+                del kept[i]
+        self._keep(rank, iteration, world_size, layout, {"path": path, "nbytes": nbytes})
+
+    def _keep(self, rank: int, iteration: int, world_size: int, layout: str, blob) -> None:
         # A group of another shape (an elastic resize) trains on a timeline the old snapshots are
         # not part of: they are dropped, so a later group of the old shape cannot go back to them.
         for kept in self._by_rank.values():
@@ -73,9 +94,16 @@ class SnapshotHolder:
             (i for i, (w, lay, _) in kept.items() if (w, lay) == (world_size, layout)), reverse=True
         )
 
-    def get(self, rank: int, iteration: int) -> bytes | None:
+    def get(self, rank: int, iteration: int) -> bytes | dict | None:
+        """The blob, or where its slot file is (the asking rank is on this node and reads it)."""
         entry = self._by_rank.get(rank, {}).get(iteration)
         return entry[2] if entry is not None else None
+
+    def drop_files(self) -> None:
+        """The job is over: remove its slot files on this node."""
+        from workers.snapshot_files import drop_job_files
+
+        drop_job_files(self.job_id)
 
     def forget_after(self, iteration: int) -> None:
         """Drop snapshots newer than the one the group resumed from: they are another timeline."""
@@ -86,7 +114,11 @@ class SnapshotHolder:
     def stats(self) -> dict[str, Any]:
         return {
             "ranks": {r: sorted(k) for r, k in self._by_rank.items()},
-            "bytes": sum(len(b) for k in self._by_rank.values() for _, _, b in k.values()),
+            "bytes": sum(
+                b["nbytes"] if isinstance(b, dict) else len(b)
+                for k in self._by_rank.values()
+                for _, _, b in k.values()
+            ),
         }
 
 
@@ -125,7 +157,14 @@ def existing_holders(job_id: str) -> dict[str, Any]:
 def kill_holders(job_id: str) -> None:
     import ray
 
-    for handle in existing_holders(job_id).values():
+    handles = list(existing_holders(job_id).values())
+    drops = []
+    for handle in handles:
+        with contextlib.suppress(Exception):
+            drops.append(handle.drop_files.remote())
+    with contextlib.suppress(Exception):
+        ray.wait(drops, num_returns=len(drops), timeout=LIST_TIMEOUT_S)
+    for handle in handles:
         with contextlib.suppress(Exception):
             ray.kill(handle)
 
@@ -143,10 +182,14 @@ class SnapshotPusher:
     """The rank's side: capture in the training thread, push from a background thread."""
 
     def __init__(self, job_id: str, rank: int, my_node: str, group_nodes: list[str], replicas: int):
-        self.job_id, self.rank = job_id, rank
+        from workers.snapshot_files import SlotFiles
+
+        self.job_id, self.rank, self.my_node = job_id, rank, my_node
         self.targets = [my_node, *replica_nodes(my_node, group_nodes, replicas)]
         self._holders = {n: holder(job_id, n) for n in self.targets}
-        self._buffer: bytearray | None = None
+        self._files: SlotFiles | None = SlotFiles(job_id, rank)
+        self._size = 0  # the last snapshot's block: the slot files are sized from it
+        self._buffer: bytearray | None = None  # the capture buffer when no slot file is used
         self._thread: threading.Thread | None = None
         self.last_error: BaseException | None = None
         self.pushed: int | None = None  # newest iteration every target holds
@@ -156,22 +199,46 @@ class SnapshotPusher:
         """Called by the engine when a snapshot is due (train_rank's on_snapshot_due)."""
         self.wait()
         started = time.perf_counter()
-        snap = trainer.capture_snapshot(self._buffer)
-        if self._buffer is None or len(self._buffer) < snap.nbytes:
-            self._buffer = snap.payload.obj if isinstance(snap.payload, memoryview) else snap.payload
+        slot, buffer = None, self._buffer
+        if self._files is not None and self._size:  # the first snapshot tells the size
+            try:
+                slot, buffer = self._files.buffer(self._size)
+            except OSError as err:
+                log.warning(
+                    "in-memory snapshots go through the object store: %s cannot hold them (%s)",
+                    self._files.dir,
+                    err,
+                )
+                self._files = None
+        snap = trainer.capture_snapshot(buffer)
+        self._size = len(snap.block)
+        if slot is not None and snap.block.obj is not buffer:  # it outgrew the slot: resized next time
+            slot = None
+        if slot is None:
+            self._buffer = snap.block.obj  # reused by the next capture (touched pages are faster)
+        else:
+            self._files.advance()
         self.capture_s.append(time.perf_counter() - started)
-        self._thread = threading.Thread(target=self._push, args=(snap,), daemon=True, name="snapshot-push")
+        path = str(self._files.paths[slot]) if slot is not None else None
+        self._thread = threading.Thread(
+            target=self._push, args=(snap, path), daemon=True, name="snapshot-push"
+        )
         self._thread.start()
 
-    def _push(self, snap) -> None:
+    def _push(self, snap, path: str | None) -> None:
+        import numpy as np
         import ray
 
         try:
-            blob = ray.put(snap.to_bytes())
-            calls = [
-                h.put.remote(self.rank, snap.iteration, snap.world_size, snap.layout, blob)
-                for h in self._holders.values()
-            ]
+            block = snap.seal()
+            where = (self.rank, snap.iteration, snap.world_size, snap.layout)
+            calls, through_store = [], list(self._holders.items())
+            if path is not None:  # the own node's copy is the file itself
+                calls.append(self._holders[self.my_node].put_file.remote(*where, path, len(block)))
+                through_store = [(n, h) for n, h in through_store if n != self.my_node]
+            if through_store:
+                blob = ray.put(np.frombuffer(block, dtype=np.uint8))
+                calls += [h.put.remote(*where, blob) for _, h in through_store]
             ray.get(calls, timeout=CALL_TIMEOUT_S)
             self.pushed = snap.iteration
         except Exception as err:  # noqa: BLE001 - a lost holder costs recovery speed, not training
@@ -193,6 +260,7 @@ def recover(trainer, job_id: str, my_node: str) -> dict[str, Any]:
 
     from engine.checkpointing.checkpointer import layout_signature
     from engine.checkpointing.memory import SnapshotError
+    from workers.snapshot_files import read_slot
 
     started = time.perf_counter()
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -226,7 +294,11 @@ def recover(trainer, job_id: str, my_node: str) -> dict[str, Any]:
                 blob = ray.get(holders[node].get.remote(rank, iteration), timeout=CALL_TIMEOUT_S)
                 if blob is None:
                     continue
+                if isinstance(blob, dict):  # a slot file on this node (own node: always here)
+                    blob = read_slot(blob["path"], blob["nbytes"])
                 good = trainer.parse_snapshot(blob)
+                if good.iteration != iteration:  # listed under one iteration, holding another
+                    raise SnapshotError(f"holds iteration {good.iteration}, listed as {iteration}")
                 source = node
                 break
             except SnapshotError as err:

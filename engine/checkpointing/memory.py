@@ -12,10 +12,12 @@ bytes, and knows nothing of Ray.
 `capture(parts, ...)` runs in the training thread and costs the host copy: every part's
 state_dict() (the same collectives a persistent save makes: the ZeRO-1 assembly, the rerun
 state gather), tensors copied (DTensors as their local shard) into one host buffer, the rest
-kept as JSON meta exactly as the manifest would hold it. `HostSnapshot.to_bytes()` (any thread)
-frames it: a magic line, a JSON header (job, rank, world size, layout, iteration, meta, where
-each tensor lies) and the tensor bytes, with a CRC-32 (the persistent shards' checksum) over
-header and payload. `parse(blob, ...)` refuses a blob whose checksum, job, rank, world size or
+kept as JSON meta exactly as the manifest would hold it. The buffer is laid out as the framed
+block from the start (a magic line, the CRC-32 frame, a JSON header: job, rank, world size,
+layout, iteration, meta, where each tensor lies; then the tensor bytes, 64-byte aligned), so
+the copy is the only pass over the state the training thread makes; `HostSnapshot.seal()` (any
+thread) writes the CRC-32 (the persistent shards' checksum) over header and payload into the
+frame and returns the block itself, no copy. `parse(blob, ...)` refuses a blob whose checksum, job, rank, world size or
 layout does not match (`SnapshotError`), so a corrupted or foreign shard is never loaded; the
 launcher decides which iteration is current (a stale one is never offered). `restore(parts, snap)`
 loads it like a persistent resume of the same layout: `load_target` where a part plans its load,
@@ -62,6 +64,8 @@ class HostSnapshot:
     meta: dict[str, dict[str, Any]]  # part -> its non-tensor values
     index: list[list[Any]]  # [part, key, dtype, shape, offset, nbytes] per tensor
     payload: bytearray | memoryview = field(repr=False)
+    # The whole framed block the payload ends (captured snapshots only; its CRC set by seal()).
+    block: memoryview | None = field(default=None, repr=False)
 
     @property
     def nbytes(self) -> int:
@@ -78,11 +82,20 @@ class HostSnapshot:
             "tensors": self.index,
         }
 
+    def seal(self) -> memoryview:
+        """The framed block with its CRC-32 written in: a view of the capture buffer (valid until
+        the buffer is reused for the next capture)."""
+        if self.block is None:
+            raise ValueError("only a captured snapshot can be sealed")
+        start = len(MAGIC) + _FRAME.size
+        header_len = len(self.block) - len(self.payload) - start
+        crc = zlib.crc32(self.payload, zlib.crc32(self.block[start : start + header_len]))
+        _FRAME.pack_into(self.block, len(MAGIC), header_len, crc)
+        return self.block
+
     def to_bytes(self) -> bytes:
-        """The framed, checksummed block (a copy: the payload buffer may be reused afterwards)."""
-        header = json.dumps(self.header(), separators=(",", ":")).encode()
-        crc = zlib.crc32(self.payload, zlib.crc32(header))
-        return b"".join((MAGIC, _FRAME.pack(len(header), crc), header, self.payload))
+        """The framed, checksummed block as bytes of its own (a copy)."""
+        return bytes(self.seal())
 
     def tensor(self, part: str, key: str) -> torch.Tensor:
         for p, k, dtype, shape, offset, nbytes in self.index:
@@ -133,14 +146,22 @@ def capture(
     iterations = [m["iteration"] for m in meta.values() if isinstance(m.get("iteration"), int)]
     if len(iterations) != 1:
         raise ValueError("no checkpoint part gives the iteration that names the snapshot (DataPosition does)")
-    if buffer is None or len(buffer) < offset:
-        buffer = bytearray(offset)
-    payload = memoryview(buffer)[:offset]
+    snap = HostSnapshot(job, rank, world_size, layout, iterations[0], meta, index, b"")
+    header = json.dumps(snap.header(), separators=(",", ":")).encode()
+    start = len(MAGIC) + _FRAME.size
+    header += b" " * (-(start + len(header)) % _ALIGN)  # JSON ignores it; the payload is aligned
+    total = start + len(header) + offset
+    if buffer is None or len(buffer) < total:
+        buffer = bytearray(total)
+    block = memoryview(buffer)[:total]
+    block[: len(MAGIC)] = MAGIC
+    block[start : start + len(header)] = header
+    snap.block, snap.payload = block, block[start + len(header) :]
     tensors = iter(v for state in states.values() for v in state.values() if isinstance(v, torch.Tensor))
     for (_, _, dtype, shape, off, nbytes), value in zip(index, tensors, strict=True):
         if nbytes:
-            _view(payload, dtype, shape, off, nbytes).copy_(_local(value).detach())
-    return HostSnapshot(job, rank, world_size, layout, iterations[0], meta, index, payload)
+            _view(snap.payload, dtype, shape, off, nbytes).copy_(_local(value).detach())
+    return snap
 
 
 def parse(

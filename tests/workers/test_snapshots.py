@@ -3,6 +3,8 @@ is plain Python; tests/workers/test_ray_recovery.py runs it on a cluster)."""
 
 from __future__ import annotations
 
+import pytest
+
 from workers.snapshots import KEEP, SnapshotHolder, replica_nodes
 
 
@@ -27,3 +29,76 @@ def test_replicas_go_to_the_next_nodes_never_to_the_own_one():
     assert replica_nodes("c", nodes, 5) == ["a", "b"]
     assert replica_nodes("a", ["a", "a"], 1) == []  # one node: own copy only
     assert replica_nodes("a", nodes, 0) == []
+
+
+def test_a_slot_file_entry_replaces_what_the_holder_listed_under_that_file():
+    h = SnapshotHolder("job", "node-a")
+    h.put_file(0, 1, 2, "L", "/shm/rank0-slot0.snap", 100)
+    h.put_file(0, 2, 2, "L", "/shm/rank0-slot1.snap", 100)
+    h.put_file(0, 3, 2, "L", "/shm/rank0-slot0.snap", 120)  # slot 0 rewritten: iteration 1 is gone
+    assert h.available(0, 2, "L") == [3, 2]
+    assert h.get(0, 3) == {"path": "/shm/rank0-slot0.snap", "nbytes": 120} and h.get(0, 1) is None
+    assert h.stats()["bytes"] == 220
+
+
+def test_slot_files_alternate_and_refuse_a_directory_that_cannot_hold_them(tmp_path, monkeypatch):
+    from workers.snapshot_files import SLACK, SlotFiles
+
+    monkeypatch.setenv("ELASTRON_SNAPSHOT_DIR", str(tmp_path))
+    files = SlotFiles("job", 3)
+    first, m0 = files.buffer(1000)
+    files.advance()
+    second, m1 = files.buffer(1000)
+    files.advance()
+    assert (first, second, files.next) == (0, 1, 0) and len(m0) == len(m1) == 1000 + SLACK
+    assert sorted(p.name for p in (tmp_path / "job").iterdir()) == ["rank3-slot0.snap", "rank3-slot1.snap"]
+    assert files.buffer(500)[1] is m0  # big enough: the same map again
+    (tmp_path / "blocked").write_text("a file where the directory should be")
+    monkeypatch.setenv("ELASTRON_SNAPSHOT_DIR", str(tmp_path / "blocked"))
+    with pytest.raises(OSError):
+        SlotFiles("job", 0).buffer(1000)
+
+
+def _through_a_slot_file(directory: str) -> dict:
+    """Rank function: capture into a slot file's map, seal, read it back as a restarted rank
+    would, restore it; then flip one byte of the file: refused."""
+    import torch.distributed as dist
+
+    from engine import parallel_state as ps
+    from engine.checkpointing.memory import SnapshotError
+    from engine.jobspec import JobSpec
+    from engine.training import Trainer
+    from tests.engine.parallel_harness import job
+    from workers.snapshot_files import SlotFiles, read_slot
+
+    trainer = Trainer(JobSpec.model_validate(job(1, training={"train_iters": 4})))
+    trainer.train_step()
+    size = len(trainer.capture_snapshot().block)
+    files = SlotFiles("job", dist.get_rank())
+    slot, buffer = files.buffer(size)
+    snap = trainer.capture_snapshot(buffer)
+    captured_in_file = snap.block.obj is buffer
+    snap.seal()
+    blob = read_slot(str(files.paths[slot]), len(snap.block))
+    restored = trainer.restore_snapshot(blob)
+    with open(files.paths[slot], "r+b") as f:
+        f.seek(len(blob) - 5)
+        byte = f.read(1)
+        f.seek(len(blob) - 5)
+        f.write(bytes([byte[0] ^ 1]))
+    try:
+        trainer.restore_snapshot(read_slot(str(files.paths[slot]), len(blob)))
+        refused = None
+    except SnapshotError as err:
+        refused = str(err)
+    ps.destroy_model_parallel()
+    return {"in_file": captured_in_file, "restored": restored, "refused": refused}
+
+
+def test_a_snapshot_captured_into_a_slot_file_restores_and_a_flipped_byte_is_refused(tmp_path, monkeypatch):
+    from engine.launcher import spawn
+
+    monkeypatch.setenv("ELASTRON_SNAPSHOT_DIR", str(tmp_path))
+    (result,) = spawn(_through_a_slot_file, 1, (str(tmp_path),), timeout_s=240)
+    assert result["in_file"] and result["restored"] == 1
+    assert result["refused"] is not None and "checksum mismatch" in result["refused"]

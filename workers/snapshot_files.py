@@ -1,0 +1,81 @@
+"""A rank's in-memory snapshots as files in a RAM-backed directory of its node.
+
+Handing a snapshot to the node's holder actor through Ray's object store costs three passes over
+it besides the capture (into the store, out of it into the holder, and the pages of a fresh
+allocation each time), all of them CPU time the training ranks of the node do not get. For the
+own node's copy none of that is needed: the rank captures straight into a memory-mapped file
+under /dev/shm (tmpfs: RAM, shared between processes, and it outlives the process that wrote it),
+seals it there, and tells the holder which file holds which iteration. The holder owns the
+bookkeeping and removes the job's files when the job ends; a restarted rank on the node reads
+the file the holder names. Replicas on other nodes still go through the object store.
+
+Two files per rank (`slot0`, `slot1`) are written in turn, the same two snapshots the holders
+keep: a rank killed while writing one still has the other. Space is reserved with
+posix_fallocate when a file is (re)sized, so a full tmpfs is an OSError then (the pusher falls
+back to the object store) and never a SIGBUS while writing through the map.
+
+`ELASTRON_SNAPSHOT_DIR` names the directory (default /dev/shm/elastron-snapshots where /dev/shm
+exists, else the temp directory: a disk then, still working, only slower).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+ENV_SNAPSHOT_DIR = "ELASTRON_SNAPSHOT_DIR"
+SLACK = 1 << 20  # room for a header that grows (iteration digits, meta) without a resize
+
+
+def snapshot_dir(job_id: str) -> Path:
+    root = os.environ.get(ENV_SNAPSHOT_DIR)
+    if not root:
+        shm = Path("/dev/shm")
+        root = (
+            shm / "elastron-snapshots" if shm.is_dir() else Path(tempfile.gettempdir()) / "elastron-snapshots"
+        )
+    return Path(root) / job_id
+
+
+def read_slot(path: str, nbytes: int) -> bytes:
+    """The first `nbytes` of a slot file (the framed block; the rest is slack)."""
+    with open(path, "rb") as f:
+        return f.read(nbytes)
+
+
+def drop_job_files(job_id: str) -> None:
+    shutil.rmtree(snapshot_dir(job_id), ignore_errors=True)
+
+
+class SlotFiles:
+    """One rank's slot files, mapped: the capture buffer of every other snapshot."""
+
+    def __init__(self, job_id: str, rank: int, slots: int = 2):
+        self.dir = snapshot_dir(job_id)
+        self.paths = [self.dir / f"rank{rank}-slot{k}.snap" for k in range(slots)]
+        self._maps: list[mmap.mmap | None] = [None] * slots
+        self.next = 0
+
+    def buffer(self, nbytes: int) -> tuple[int, mmap.mmap]:
+        """(slot, its map of at least `nbytes`) for the next snapshot. OSError when the directory
+        cannot hold it (e.g. ENOSPC on a full /dev/shm)."""
+        k = self.next
+        m = self._maps[k]
+        if m is None or len(m) < nbytes:
+            self._maps[k] = None  # an old map still viewed by a snapshot closes when dropped
+            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            size = nbytes + SLACK
+            fd = os.open(self.paths[k], os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.ftruncate(fd, size)
+                os.posix_fallocate(fd, 0, size)
+                m = self._maps[k] = mmap.mmap(fd, size)
+            finally:
+                os.close(fd)
+        return k, m
+
+    def advance(self) -> None:
+        self.next = (self.next + 1) % len(self.paths)
