@@ -94,10 +94,16 @@ class SnapshotHolder:
             (i for i, (w, lay, _) in kept.items() if (w, lay) == (world_size, layout)), reverse=True
         )
 
-    def get(self, rank: int, iteration: int) -> bytes | dict | None:
-        """The blob, or where its slot file is (the asking rank is on this node and reads it)."""
+    def get(self, rank: int, iteration: int, inline: bool = False) -> bytes | dict | None:
+        """The blob, or where its slot file is for a rank on this node to read (`inline`: the
+        file's bytes, for a rank on another node)."""
+        from workers.snapshot_files import read_slot
+
         entry = self._by_rank.get(rank, {}).get(iteration)
-        return entry[2] if entry is not None else None
+        if entry is None:
+            return None
+        blob = entry[2]
+        return read_slot(blob["path"], blob["nbytes"]) if inline and isinstance(blob, dict) else blob
 
     def drop_files(self) -> None:
         """The job is over: remove its slot files on this node."""
@@ -291,10 +297,11 @@ def recover(trainer, job_id: str, my_node: str) -> dict[str, Any]:
         good, source = None, None
         for node in where[iteration]:
             try:
-                blob = ray.get(holders[node].get.remote(rank, iteration), timeout=CALL_TIMEOUT_S)
+                here = node == my_node
+                blob = ray.get(holders[node].get.remote(rank, iteration, not here), timeout=CALL_TIMEOUT_S)
                 if blob is None:
                     continue
-                if isinstance(blob, dict):  # a slot file on this node (own node: always here)
+                if isinstance(blob, dict):  # a slot file on this node
                     blob = read_slot(blob["path"], blob["nbytes"])
                 good = trainer.parse_snapshot(blob)
                 if good.iteration != iteration:  # listed under one iteration, holding another

@@ -102,3 +102,13 @@ def test_a_snapshot_captured_into_a_slot_file_restores_and_a_flipped_byte_is_ref
     (result,) = spawn(_through_a_slot_file, 1, (str(tmp_path),), timeout_s=240)
     assert result["in_file"] and result["restored"] == 1
     assert result["refused"] is not None and "checksum mismatch" in result["refused"]
+
+
+def test_a_slot_file_is_read_by_the_holder_for_a_rank_on_another_node(tmp_path):
+    path = tmp_path / "rank0-slot0.snap"
+    path.write_bytes(b"framed-block" + b"\0" * 20)  # the slack after the block is not sent
+    h = SnapshotHolder("job", "node-a")
+    h.put_file(0, 5, 1, "L", str(path), len(b"framed-block"))
+    assert h.get(0, 5) == {"path": str(path), "nbytes": 12}
+    assert h.get(0, 5, inline=True) == b"framed-block"
+    assert h.get(0, 4, inline=True) is None
