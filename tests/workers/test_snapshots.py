@@ -95,12 +95,13 @@ def _through_a_slot_file(directory: str) -> dict:
     return {"in_file": captured_in_file, "restored": restored, "refused": refused}
 
 
-def test_a_snapshot_captured_into_a_slot_file_restores_and_a_flipped_byte_is_refused(tmp_path, monkeypatch):
+def test_a_snapshot_captured_into_a_slot_file_restores_and_a_flipped_byte_is_refused(tmp_path):
     from engine.launcher import spawn
 
-    monkeypatch.setenv("ELASTRON_SNAPSHOT_DIR", str(tmp_path))
-    (result,) = spawn(_through_a_slot_file, 1, (str(tmp_path),), timeout_s=240)
+    env = {"ELASTRON_SNAPSHOT_DIR": str(tmp_path)}
+    (result,) = spawn(_through_a_slot_file, 1, (str(tmp_path),), timeout_s=240, env=env)
     assert result["in_file"] and result["restored"] == 1
+    assert (tmp_path / "job" / "rank0-slot0.snap").exists()  # where it was told, not /dev/shm
     assert result["refused"] is not None and "checksum mismatch" in result["refused"]
 
 
