@@ -106,11 +106,56 @@ def _rope_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         }
     elif kind == "linear":
         out["rope_scaling"] = {"type": "linear", "factor": float(params["factor"])}
+    elif kind == "yarn":
+        for needed in ("factor", "original_max_position_embeddings"):
+            if params.get(needed) is None:
+                raise HFConfigError(f"config.json rope_scaling (yarn) has no {needed}: it is needed to import it")
+        scaling = {
+            "type": "yarn",
+            "factor": float(params["factor"]),
+            "original_max_position_embeddings": int(params["original_max_position_embeddings"]),
+            # transformers' defaults where the file leaves them out
+            "beta_fast": float(params.get("beta_fast") or 32.0),
+            "beta_slow": float(params.get("beta_slow") or 1.0),
+            "truncate": bool(params.get("truncate", True)),
+        }
+        for key in YARN_OPTIONAL:
+            if params.get(key) is not None:
+                scaling[key] = float(params[key])
+        out["rope_scaling"] = scaling
     elif kind not in ("default", None):
         raise HFConfigError(
-            f"config.json rope_type={kind!r} is not supported (default, llama3 and linear are)"
+            f"config.json rope_type={kind!r} is not supported (default, llama3, linear and yarn are)"
         )
     return out
+
+
+# yarn's parameters without a default value: in config.json only when they have one.
+YARN_OPTIONAL = ("mscale", "mscale_all_dim", "attention_factor")
+
+
+def _rope_parameters(model) -> dict[str, Any]:
+    """config.json's rope_parameters (transformers 5) for the model's rotary base and scaling."""
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": model.rotary_base}
+    r = model.rope_scaling
+    if r is None:
+        return rope
+    rope.update(rope_type=r.type, factor=r.factor)
+    if r.type == "llama3":
+        rope.update(
+            low_freq_factor=r.low_freq_factor,
+            high_freq_factor=r.high_freq_factor,
+            original_max_position_embeddings=r.original_max_position_embeddings,
+        )
+    if r.type == "yarn":
+        rope.update(
+            original_max_position_embeddings=r.original_max_position_embeddings,
+            beta_fast=r.beta_fast,
+            beta_slow=r.beta_slow,
+            truncate=r.truncate,
+        )
+        rope.update({k: getattr(r, k) for k in YARN_OPTIONAL if getattr(r, k) is not None})
+    return rope
 
 
 def hf_model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -345,17 +390,7 @@ def hf_config_for(model: Any, base: dict[str, Any] | None = None, *, dtype: str 
         cfg.update(attention_bias=False)
     if arch == "LlamaForCausalLM":
         cfg.update(mlp_bias=False)
-    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": model.rotary_base}
-    if model.rope_scaling is not None:
-        r = model.rope_scaling
-        rope.update(rope_type=r.type, factor=r.factor)
-        if r.type == "llama3":
-            rope.update(
-                low_freq_factor=r.low_freq_factor,
-                high_freq_factor=r.high_freq_factor,
-                original_max_position_embeddings=r.original_max_position_embeddings,
-            )
-    cfg["rope_parameters"] = rope
+    cfg["rope_parameters"] = _rope_parameters(model)
     moe = model.moe
     if arch == "MixtralForCausalLM":
         cfg.update(num_local_experts=moe.num_experts, num_experts_per_tok=moe.top_k)
@@ -467,6 +502,6 @@ def _deepseek_config(model: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         tie_word_embeddings=model.tie_embeddings,
         max_position_embeddings=max(int(cfg.get("max_position_embeddings") or 0), model.seq_length),
         rope_interleave=cfg.get("rope_interleave", True),
-        rope_parameters={"rope_type": "default", "rope_theta": model.rotary_base},
+        rope_parameters=_rope_parameters(model),
     )
     return cfg

@@ -90,9 +90,11 @@ class RopeScalingSpec(_Section):
     """RoPE frequency scaling for contexts longer than pretraining, as transformers computes it
     (its `rope_scaling` / `rope_parameters`): `linear` divides every inverse frequency by
     `factor`; `llama3` (Llama 3.1) divides only the low frequencies, smoothly between the two
-    wavelength bounds that `low_freq_factor` and `high_freq_factor` set."""
+    wavelength bounds that `low_freq_factor` and `high_freq_factor` set; `yarn` (DeepSeek-V3,
+    Qwen long context) interpolates the slow dimensions, keeps the fast ones, ramps between
+    `beta_slow` and `beta_fast` rotations, and scales attention."""
 
-    type: Literal["llama3", "linear"] = Field(description="transformers' rope_type.")
+    type: Literal["llama3", "linear", "yarn"] = Field(description="transformers' rope_type.")
     factor: float = Field(gt=0.0, description="How much longer the context is than at pretraining.")
     low_freq_factor: float = Field(
         1.0, gt=0.0, description="llama3: wavelengths above original/low_freq_factor are divided by factor."
@@ -101,21 +103,41 @@ class RopeScalingSpec(_Section):
         4.0, gt=0.0, description="llama3: wavelengths below original/high_freq_factor are kept."
     )
     original_max_position_embeddings: PositiveInt = Field(
-        8192, description="llama3: the context length the model was pretrained on."
+        8192, description="llama3 and yarn: the context length the model was pretrained on."
     )
+    beta_fast: float = Field(32.0, gt=0.0, description="yarn: dimensions turning more often than this keep their frequency.")
+    beta_slow: float = Field(1.0, gt=0.0, description="yarn: dimensions turning less often than this are interpolated.")
+    mscale: float | None = Field(None, description="yarn: attention factor numerator's mscale (with mscale_all_dim).")
+    mscale_all_dim: float | None = Field(
+        None, description="yarn: attention factor denominator's mscale; MLA also scales its softmax by it."
+    )
+    attention_factor: float | None = Field(None, gt=0.0, description="yarn: cos/sin scale (default from factor).")
+    truncate: bool = Field(True, description="yarn: round the ramp's bounds to whole dimensions.")
 
     @model_validator(mode="after")
     def _check(self) -> RopeScalingSpec:
-        llama3_only = {"low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
-        given = sorted(llama3_only & self.model_fields_set)
-        if self.type == "linear" and given:
-            raise ValueError(
-                f"model.rope_scaling.{given[0]} applies to type llama3 only: remove it for type linear"
-            )
+        owners = {
+            "low_freq_factor": ("llama3",),
+            "high_freq_factor": ("llama3",),
+            "original_max_position_embeddings": ("llama3", "yarn"),
+            **{k: ("yarn",) for k in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate")},
+        }
+        for name in sorted(self.model_fields_set & owners.keys()):
+            # A dumped spec carries every field at its default: only a value that says something counts.
+            if self.type not in owners[name] and getattr(self, name) != type(self).model_fields[name].default:
+                raise ValueError(
+                    f"model.rope_scaling.{name} applies to type {' and '.join(owners[name])} only: remove it for "
+                    f"type {self.type}"
+                )
         if self.type == "llama3" and self.high_freq_factor <= self.low_freq_factor:
             raise ValueError(
                 f"model.rope_scaling.high_freq_factor ({self.high_freq_factor}) must be larger than "
                 f"model.rope_scaling.low_freq_factor ({self.low_freq_factor})"
+            )
+        if self.type == "yarn" and self.beta_fast <= self.beta_slow:
+            raise ValueError(
+                f"model.rope_scaling.beta_fast ({self.beta_fast}) must be larger than "
+                f"model.rope_scaling.beta_slow ({self.beta_slow})"
             )
         return self
 

@@ -38,7 +38,7 @@ from engine.tensor_parallel.mappings import (
 from engine.transformer import context_parallel
 from engine.transformer.config import TransformerConfig
 from engine.transformer.norm import build_norm
-from engine.transformer.rope import apply_rotary
+from engine.transformer.rope import apply_rotary, mla_softmax_mscale
 
 
 def _replicated_linear(config: TransformerConfig, inputs: int, outputs: int) -> nn.Parameter:
@@ -53,6 +53,7 @@ class MultiLatentAttention(nn.Module):
         super().__init__()
         c, mla = config, config.mla
         self.config, self.mla = config, mla
+        self.softmax_mscale = mla_softmax_mscale(config.rope_scaling)
         tp = ps.get_tensor_model_parallel_world_size()
         self.heads_local = c.num_attention_heads // tp
         self.context_parallel = None
@@ -132,6 +133,8 @@ class MultiLatentAttention(nn.Module):
         q_rope = apply_rotary(q_rope, cos, sin)
         k_rope = apply_rotary(k_rope.unsqueeze(2), cos, sin).expand(s, b, heads, rope)
         q = torch.cat([q_nope, q_rope], dim=-1).permute(1, 2, 0, 3)  # [b, heads, s, nope + rope]
+        if self.softmax_mscale != 1.0:  # YaRN's extra MLA scale, folded into the queries
+            q = q * self.softmax_mscale
         k = torch.cat([k_nope, k_rope], dim=-1).permute(1, 2, 0, 3)
         v = v.permute(1, 2, 0, 3)
         if self.context_parallel is not None:

@@ -54,6 +54,8 @@ LLAMA31_ROPE = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8,
 }
+# YaRN (Qwen's long-context setting): a 4x context, the ramp's bounds inside the 8 frequencies.
+QWEN_YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 16}
 NO_AUX = {"model": {"moe": {"aux_loss_coeff": 0.0}}}
 TP2 = {"parallel": {"tensor": 2}}
 EP2 = {"parallel": {"expert": 2}}
@@ -61,6 +63,7 @@ FAMILIES = {
     # name: (config class, model class, config fields, job sections, the parallel layout)
     "llama3.1": (LlamaConfig, LlamaForCausalLM, dict(BASE, rope_parameters=LLAMA31_ROPE), {}, TP2),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(BASE, tie_word_embeddings=True), {}, TP2),
+    "qwen2-yarn": (Qwen2Config, Qwen2ForCausalLM, dict(BASE, rope_parameters=QWEN_YARN_ROPE), {}, TP2),
     "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(BASE, head_dim=16), {}, TP2),
     "gpt2": (
         GPT2Config,
@@ -188,15 +191,27 @@ DEEPSEEK = dict(
 )
 
 
-@pytest.fixture(scope="module")
-def deepseek(tmp_path_factory):
+# DeepSeek-V3's published rope setting, shrunk: YaRN with mscale = mscale_all_dim (so the cos/sin
+# factor is 1) and MLA's softmax scaled by mscale(factor, mscale_all_dim)^2.
+DEEPSEEK_YARN_ROPE = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 40.0,
+    "original_max_position_embeddings": 16,
+    "beta_fast": 32.0,
+    "beta_slow": 1.0,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
+
+
+def _tiny_deepseek(folder, **fields):
     """A tiny DeepSeek-V3: MLA (interleaved RoPE rows), a dense first layer, then group-routed
     experts with a random score-correction bias and a shared expert."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    folder = tmp_path_factory.mktemp("deepseek")
     torch.manual_seed(0)
-    config = DeepseekV3Config(**DEEPSEEK)
+    config = DeepseekV3Config(**DEEPSEEK, **fields)
     config.architectures = ["DeepseekV3ForCausalLM"]
     model = DeepseekV3ForCausalLM(config).eval()
     model.config._attn_implementation = "eager"
@@ -205,6 +220,27 @@ def deepseek(tmp_path_factory):
         model.model.layers[1].mlp.gate.e_score_correction_bias.normal_(0, 0.1)
     model.save_pretrained(folder)
     return folder, model
+
+
+@pytest.fixture(scope="module")
+def deepseek(tmp_path_factory):
+    return _tiny_deepseek(tmp_path_factory.mktemp("deepseek"))
+
+
+@pytest.mark.parametrize("ranks", [1, 2], ids=["1", "tp2-sp"])
+def test_deepseek_v3_with_yarn_imports_equal_to_transformers_and_exports_its_rope(tmp_path, ranks):
+    folder, model = _tiny_deepseek(tmp_path / "deepseek-yarn", rope_parameters=DEEPSEEK_YARN_ROPE)
+    parallel = {"tensor": 2, "sequence_parallel": True} if ranks == 2 else {}
+    spec = h.job(folder, ranks, parallel=parallel, checkpoint={"path": str(tmp_path / "ckpt")}, **NO_AUX)
+    got = spawn(h.import_save_step, ranks, (spec, VOCAB), timeout_s=240)
+    ref_logits, _ = h.hf_logits_and_loss(model, VOCAB, 2)
+    _, ref_loss = h.hf_logits_and_loss(model, VOCAB, 4)
+    assert _close(next(r["logits"] for r in got if r["logits"] is not None), ref_logits) < RTOL
+    assert got[0]["loss"] == pytest.approx(ref_loss, rel=RTOL)
+    out = tmp_path / "exported"
+    export_hf(str(tmp_path / "ckpt" / "hf" / "iter_0000000"), str(out), dtype="fp32")
+    rope = json.loads((out / "config.json").read_text())["rope_parameters"]
+    assert {k: rope[k] for k in DEEPSEEK_YARN_ROPE} == DEEPSEEK_YARN_ROPE
 
 
 @pytest.mark.parametrize(

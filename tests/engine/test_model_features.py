@@ -225,7 +225,7 @@ def test_job_spec_refusals_name_the_field():
         r"model\.rope_scaling\.high_freq_factor",
     )
     _refused({"rope_scaling": {"type": "llama3", "factor": 0.0}}, r"model\.rope_scaling\.factor")
-    _refused({"rope_scaling": {"type": "yarn", "factor": 2.0}}, r"model\.rope_scaling\.type")
+    _refused({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, r"model\.rope_scaling\.type")
     _refused({"activation": "relu"}, r"model\.activation")
     _refused({"moe": {"num_experts": 4, "norm_topk_prob": "maybe"}}, r"model\.moe\.norm_topk_prob")
 
