@@ -14,6 +14,7 @@ wrong folder fails with the tensor's name rather than loading partially.
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from dataclasses import dataclass
 
@@ -141,9 +142,8 @@ def import_hf_weights(chunks: list[nn.Module], uri: str, arch: str, config) -> I
     A collective when torch.distributed is initialised (the unused-tensor check)."""
     start = time.perf_counter()
     folder = HFFolder(uri)
-    shapes = dataclasses.replace(
-        Shapes.of(config), rope_interleave=read_hf_config(uri).get("rope_interleave", True)
-    )
+    hf_config = read_hf_config(uri)
+    shapes = dataclasses.replace(Shapes.of(config), rope_interleave=hf_config.get("rope_interleave", True))
     loader = _Loader(folder, arch, shapes)
     count = 0
     for chunk in chunks:
@@ -162,7 +162,7 @@ def import_hf_weights(chunks: list[nn.Module], uri: str, arch: str, config) -> I
     unused = sorted(
         n
         for n in set(folder.tensors) - set().union(*used)
-        if not n.endswith(IGNORED_SUFFIXES) and not _tied_head(n, config)
+        if not n.endswith(IGNORED_SUFFIXES) and not _tied_head(n, config) and not _nextn_layer(n, hf_config)
     )
     if unused:
         shown = ", ".join(unused[:8]) + (f" and {len(unused) - 8} more" if len(unused) > 8 else "")
@@ -179,6 +179,16 @@ def _maps(arch: str, name: str, shapes: Shapes) -> bool:
         return True
     except KeyError:
         return False
+
+
+def _nextn_layer(name: str, hf_config: dict) -> bool:
+    """DeepSeek-V3's multi-token-prediction modules, stored as the layers after the last one
+    (`num_nextn_predict_layers` of them): not read, as transformers does not read them either
+    (our MTP depths start from their own initialisation)."""
+    extra = int(hf_config.get("num_nextn_predict_layers") or 0)
+    match = re.match(r"model\.layers\.(\d+)\.", name)
+    first = int(hf_config.get("num_hidden_layers") or 0)
+    return extra > 0 and match is not None and first <= int(match.group(1)) < first + extra
 
 
 def _tied_head(name: str, config) -> bool:

@@ -274,3 +274,28 @@ def test_deepseek_v3_export_round_trips(deepseek, tmp_path):
     for key, t in original.items():
         assert torch.equal(t, exported[key]), key
     assert hf_model_fields(read_hf_config(out)) == hf_model_fields(read_hf_config(folder))
+
+
+def test_deepseek_v3_multi_token_prediction_layers_in_the_checkpoint_are_skipped(deepseek, tmp_path):
+    """The published DeepSeek-V3 stores its MTP module as the layer after the last
+    (num_nextn_predict_layers); transformers does not read it and neither does the import: the
+    model equals transformers'. Without that config field the same tensors are refused by name."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    folder, model = deepseek
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.2.eh_proj.weight"] = torch.randn(32, 64)
+    tensors["model.layers.2.enorm.weight"] = torch.ones(32)
+    config = json.loads((folder / "config.json").read_text())
+    for name, nextn in (("with-mtp", 1), ("without", 0)):
+        out = tmp_path / name
+        shutil.copytree(folder, out)
+        save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+        (out / "config.json").write_text(json.dumps({**config, "num_nextn_predict_layers": nextn}))
+    got = spawn(h.import_forward_step, 1, (h.job(tmp_path / "with-mtp", 1, **NO_AUX), VOCAB), timeout_s=240)
+    ref_logits, _ = h.hf_logits_and_loss(model, VOCAB, 2)
+    assert _close(got[0]["logits"], ref_logits) < RTOL
+    with pytest.raises(Exception, match=r"model\.layers\.2\.eh_proj\.weight"):
+        spawn(h.import_forward_step, 1, (h.job(tmp_path / "without", 1, **NO_AUX), VOCAB), timeout_s=240)
