@@ -195,8 +195,9 @@ class DataParallel(nn.Module):
         self, module: nn.Module, dense: list[nn.Parameter], experts: list[nn.Parameter], bucket_size: int
     ):
         """ZeRO-3: buckets that never span two units (a unit is gathered whole): each layer of
-        `module.fsdp_units()` is one, the rest of the model is the root. A layer's experts are
-        buckets of its unit, sharded over the expert data-parallel group."""
+        `module.fsdp_units()` is one, the rest of the model is the root (the MTP depths, with
+        their experts, among it). Experts are buckets of their unit, sharded over the expert
+        data-parallel group."""
         layers = list(module.fsdp_units()) if hasattr(module, "fsdp_units") else []
         wanted = {id(p) for p in dense} | {id(p) for p in experts}
         owner: dict[int, int] = {}
@@ -205,7 +206,8 @@ class DataParallel(nn.Module):
                 owner[id(p)] = i
         units = [Unit(index=i) for i in range(len(layers))]
         root = Unit(index=-1)
-        groups: list[tuple[Unit, list[nn.Parameter]]] = [(root, [p for p in dense if id(p) not in owner])]
+        rest = [p for p in [*dense, *experts] if id(p) not in owner]
+        groups: list[tuple[Unit, list[nn.Parameter]]] = [(root, rest)]
         groups += [
             (units[i], [p for p in layer.parameters() if id(p) in wanted]) for i, layer in enumerate(layers)
         ]
@@ -221,8 +223,6 @@ class DataParallel(nn.Module):
                 offset += bucket.numel
                 unit.buckets.append(bucket)
                 buckets.append(bucket)
-        if any(id(p) not in owner and getattr(p, "expert", False) for p in experts):
-            raise ValueError("an expert parameter outside every fsdp_units() layer: it would never be gathered")
         return buckets, units, root, layers
 
     def _plan_buckets(self, params: list[nn.Parameter], bucket_size: int, expert: bool = False) -> list[Bucket]:

@@ -38,16 +38,22 @@ MODEL = {
 
 
 def test_saved_on_tp2_ep2_resumes_on_pp2_and_continues(tmp_path):
+    """TP=2+SP x EP=2, then PP=2, then EP=2 with fully sharded data parallelism (the MTP depth's
+    experts live in the root unit, sharded over the expert data-parallel group)."""
+
     def spec(ranks: int, name: str, **parallel) -> dict:
         return job(ranks, name=name, model=MODEL, parallel=parallel, checkpoint={"path": str(tmp_path)})
 
-    reference = spawn(train_until, 1, (spec(1, "ref"), 5), timeout_s=240)[0]["losses"]
+    reference = spawn(train_until, 1, (spec(1, "ref"), 7), timeout_s=240)[0]["losses"]
     first = spawn(
         train_until, 4, (spec(4, "ds", tensor=2, sequence_parallel=True, expert=2), 3), timeout_s=240
     )[0]
     second = spawn(train_until, 2, (spec(2, "ds", pipeline=2), 5), timeout_s=240)[0]
-    assert first["start"] == 0 and second["start"] == 3
-    assert_continues(first["losses"] + second["losses"], reference)
+    fsdp = spec(4, "ds", expert=2, data_parallel_sharding="optim_grads_params")
+    fsdp["training"]["micro_batch_size"] = 1  # DP=4 of the same global batch
+    third = spawn(train_until, 4, (fsdp, 7), timeout_s=240)[0]
+    assert (first["start"], second["start"], third["start"]) == (0, 3, 5)
+    assert_continues(first["losses"] + second["losses"] + third["losses"], reference)
 
 
 def test_example_validates():
