@@ -140,11 +140,17 @@ class Trainer:
         self.device = device.current_device()
         importing = self._will_import()
         self.model_chunks = self._build_model_chunks(initialize=not importing)
-        self.hf_import = (
-            import_hf_weights(self.model_chunks, spec.model.init_from, hf_architecture(spec.model.init_from), self.config)
-            if importing
-            else None
-        )
+        self.hf_import = None
+        if importing:
+            uri = spec.model.init_from
+            self.hf_import = import_hf_weights(
+                self.model_chunks,
+                uri,
+                hf_architecture(uri),
+                self.config,
+                # what the checkpoint has no weights for (MTP depths it lacks)
+                initialize=lambda chunk, only: initialize_weights(chunk, t.seed, only=only),
+            )
         grad_dtype = torch.float32 if p.grad_reduce_in_fp32 else self.config.params_dtype
         # Weights are replicated over context parallelism as well: gradients are averaged over
         # DP x CP and the distributed optimizer shards over it (Megatron-Core's dp_cp group).

@@ -86,6 +86,7 @@ class Shapes:
     shared_expert_ffn_hidden_size: int | None = None
     mla: Any = None  # the MLASpec of an MLA model
     rope_interleave: bool = True  # DeepSeek checkpoints: RoPE dimensions interleaved
+    num_layers: int = 0  # DeepSeek's MTP depths are stored as the layers after these
 
     @classmethod
     def of(cls, config: Any) -> Shapes:
@@ -101,6 +102,7 @@ class Shapes:
             tie_embeddings=config.tie_embeddings,
             shared_expert_ffn_hidden_size=moe.shared_expert_ffn_hidden_size if moe is not None else None,
             mla=getattr(config, "mla", None),
+            num_layers=config.num_layers,
         )
 
 
@@ -131,6 +133,7 @@ def _gpt2_qkv(name: str, h: Heads, transposed: bool) -> list[Segment]:
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_MTP = re.compile(r"^mtp\.layers\.(\d+)\.(.+)$")
 _EXPERT = re.compile(r"^mlp\.experts\.local_experts\.(\d+)\.(linear_fc1|linear_fc2)\.weight$")
 
 
@@ -231,6 +234,25 @@ def _deepseek_layer(prefix: str, suffix: str, s: Shapes) -> list[Segment]:
     raise KeyError(suffix)
 
 
+def _deepseek_mtp(depth: int, suffix: str, s: Shapes) -> list[Segment]:
+    """MTP depth k is DeepSeek-V3's layer num_layers + k: enorm, hnorm, eh_proj (its input is
+    [enorm(embedding); hnorm(hidden)], as ours), a decoder layer, and shared_head.norm (our
+    final_layernorm); its embed_tokens and shared_head.head copies of the shared embedding and
+    output layer are not ours to read (our depths share the model's own)."""
+    prefix = f"model.layers.{s.num_layers + depth}"
+    own = {
+        "enorm.weight": _whole(f"{prefix}.enorm.weight", s.hidden_size),
+        "hnorm.weight": _whole(f"{prefix}.hnorm.weight", s.hidden_size),
+        "eh_proj.weight": _whole(f"{prefix}.eh_proj.weight", s.hidden_size),
+        "final_layernorm.weight": _whole(f"{prefix}.shared_head.norm.weight", s.hidden_size),
+    }
+    if suffix in own:
+        return own[suffix]
+    if suffix.startswith("transformer_layer."):
+        return _deepseek_layer(prefix, suffix.removeprefix("transformer_layer."), s)
+    raise KeyError(suffix)
+
+
 def _gpt2_layer(prefix: str, suffix: str, s: Shapes) -> list[Segment]:
     hidden, ffn = s.hidden_size, s.ffn_hidden_size
     table = {
@@ -265,6 +287,9 @@ def segments(arch: str, our_name: str, s: Shapes) -> list[Segment]:
         if arch in DEEPSEEK_STYLE:
             return _deepseek_layer(prefix, suffix, s)
         return _llama_layer(prefix, suffix, s, arch)
+    m = _MTP.match(our_name)
+    if m and arch in DEEPSEEK_STYLE:
+        return _deepseek_mtp(int(m.group(1)), m.group(2), s)
     embed = "transformer.wte.weight" if gpt2 else "model.embed_tokens.weight"
     if our_name == "embedding.weight" or (our_name == "output_layer.weight" and s.tie_embeddings):
         return _vocab(embed, s)

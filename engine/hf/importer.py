@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -137,21 +138,39 @@ def hf_architecture(uri: str) -> str:
     return read_hf_config(uri)["architectures"][0]
 
 
-def import_hf_weights(chunks: list[nn.Module], uri: str, arch: str, config) -> ImportReport:
+def import_hf_weights(
+    chunks: list[nn.Module],
+    uri: str,
+    arch: str,
+    config,
+    initialize: Callable[[nn.Module, Callable[[str], bool]], None] | None = None,
+) -> ImportReport:
     """Fill every parameter of this rank's `chunks` (GPTModels) from the HF folder at `uri`.
-    A collective when torch.distributed is initialised (the unused-tensor check)."""
+    MTP depths the checkpoint does not have (a job may train more than it imports) are handed
+    to `initialize(chunk, only=name filter)` instead; without it they are an error. A
+    collective when torch.distributed is initialised (the unused-tensor check)."""
     start = time.perf_counter()
     folder = HFFolder(uri)
     hf_config = read_hf_config(uri)
     shapes = dataclasses.replace(Shapes.of(config), rope_interleave=hf_config.get("rope_interleave", True))
     loader = _Loader(folder, arch, shapes)
     count = 0
+
+    def missing(name: str) -> bool:
+        return initialize is not None and _mtp_depth_missing(name, folder, shapes)
+
     for chunk in chunks:
+        if initialize is not None:
+            initialize(chunk, missing)
         for local_name, param in chunk.named_parameters():
-            loader.load(chunk.global_param_name(local_name), param)
-            count += 1
+            name = chunk.global_param_name(local_name)
+            if not missing(name):
+                loader.load(name, param)
+                count += 1
         for local_name, buffer in chunk.named_buffers():
             name = chunk.global_param_name(local_name)
+            if missing(name):
+                continue
             if name.endswith(NOT_WEIGHTS) and _maps(arch, name, loader.shapes):
                 loader.load(name, buffer)
                 count += 1
@@ -181,10 +200,18 @@ def _maps(arch: str, name: str, shapes: Shapes) -> bool:
         return False
 
 
+def _mtp_depth_missing(name: str, folder: HFFolder, shapes: Shapes) -> bool:
+    """One of our MTP depth's tensors, the checkpoint having no such depth (DeepSeek-V3 stores
+    depth k as layer num_layers + k; its config's num_nextn_predict_layers is 1 even in folders
+    transformers saved without one, so the tensors decide)."""
+    match = re.match(r"mtp\.layers\.(\d+)\.", name)
+    return match is not None and f"model.layers.{shapes.num_layers + int(match.group(1))}.eh_proj.weight" not in folder.tensors
+
+
 def _nextn_layer(name: str, hf_config: dict) -> bool:
     """DeepSeek-V3's multi-token-prediction modules, stored as the layers after the last one
-    (`num_nextn_predict_layers` of them): not read, as transformers does not read them either
-    (our MTP depths start from their own initialisation)."""
+    (`num_nextn_predict_layers` of them): what a job without as many MTP depths does not read
+    (transformers reads none of it), and their copies of the embedding and output layer."""
     extra = int(hf_config.get("num_nextn_predict_layers") or 0)
     match = re.match(r"model\.layers\.(\d+)\.", name)
     first = int(hf_config.get("num_hidden_layers") or 0)

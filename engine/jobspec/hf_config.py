@@ -503,5 +503,7 @@ def _deepseek_config(model: Any, cfg: dict[str, Any]) -> dict[str, Any]:
         max_position_embeddings=max(int(cfg.get("max_position_embeddings") or 0), model.seq_length),
         rope_interleave=cfg.get("rope_interleave", True),
         rope_parameters=_rope_parameters(model),
+        # the MTP depths, written as the layers after the last (DeepSeek's layout)
+        num_nextn_predict_layers=model.mtp_num_layers,
     )
     return cfg

@@ -10,6 +10,7 @@ single-rank run. The cost is one transient full-size tensor per parameter at sta
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -23,12 +24,15 @@ def _generator(seed: int, name: str) -> torch.Generator:
 
 
 @torch.no_grad()
-def initialize_weights(model: nn.Module, seed: int) -> None:
-    """Weights: normal(0, param.init_std); norm weights: 1; biases and std-0 params: 0."""
+def initialize_weights(model: nn.Module, seed: int, only: Callable[[str], bool] | None = None) -> None:
+    """Weights: normal(0, param.init_std); norm weights: 1; biases and std-0 params: 0.
+    `only`: initialise just the parameters whose global name it accepts (the rest are imported)."""
     world, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     global_name = getattr(model, "global_param_name", lambda n: n)
     for name, param in model.named_parameters():
         name = global_name(name)
+        if only is not None and not only(name):
+            continue
         shape = getattr(param, "global_shape", tuple(param.shape))
         std = getattr(param, "init_std", None)
         if std is None:  # norms: scale 1, shift 0

@@ -299,3 +299,36 @@ def test_deepseek_v3_multi_token_prediction_layers_in_the_checkpoint_are_skipped
     assert _close(got[0]["logits"], ref_logits) < RTOL
     with pytest.raises(Exception, match=r"model\.layers\.2\.eh_proj\.weight"):
         spawn(h.import_forward_step, 1, (h.job(tmp_path / "without", 1, **NO_AUX), VOCAB), timeout_s=240)
+
+
+def test_deepseek_v3_mtp_depths_are_exported_as_its_nextn_layers_and_imported_back(deepseek, tmp_path):
+    """A job with model.mtp_num_layers: 1 imports a DeepSeek-V3 checkpoint that has no MTP layer
+    (its depth starts from our initialisation; the main model still equals transformers'),
+    exports the depth as layer num_layers + 0 with num_nextn_predict_layers: 1 (transformers
+    still loads the folder), and a job importing that folder reads the depth back: exporting
+    it again gives the same bytes, the MTP layer included."""
+    from transformers import AutoModelForCausalLM
+
+    folder, model = deepseek
+    mtp = {"model": {"mtp_num_layers": 1, "moe": {"aux_loss_coeff": 0.0}}}
+    first = spawn(
+        h.import_save_step, 1, (h.job(folder, 1, checkpoint={"path": str(tmp_path / "a")}, **mtp), VOCAB), timeout_s=240
+    )[0]
+    ref_logits, _ = h.hf_logits_and_loss(model, VOCAB, 2)
+    assert _close(first["logits"], ref_logits) < RTOL
+    once = tmp_path / "once"
+    export_hf(str(tmp_path / "a" / "hf" / "iter_0000000"), str(once), dtype="fp32")
+    assert json.loads((once / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    exported = load_file(once / "model.safetensors")
+    assert {"model.layers.2.eh_proj.weight", "model.layers.2.enorm.weight", "model.layers.2.shared_head.norm.weight"} <= exported.keys()
+    theirs = AutoModelForCausalLM.from_pretrained(once, attn_implementation="eager").eval()
+    with torch.no_grad():
+        assert _close(first["logits"], theirs(input_ids=h.batch(VOCAB, 2)[0]).logits) < RTOL
+
+    spawn(h.import_save_step, 1, (h.job(once, 1, checkpoint={"path": str(tmp_path / "b")}, **mtp), VOCAB), timeout_s=240)
+    twice = tmp_path / "twice"
+    export_hf(str(tmp_path / "b" / "hf" / "iter_0000000"), str(twice), dtype="fp32")
+    again = load_file(twice / "model.safetensors")
+    assert exported.keys() == again.keys()
+    for key, t in exported.items():
+        assert torch.equal(t, again[key]), key
