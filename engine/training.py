@@ -785,22 +785,25 @@ def train_rank(
                 continue
             trainer.evaluate_if_due(m)
             trainer.save_checkpoint_if_due()
-            if is_logger:
-                rec = asdict(m)
-                records.append(rec)
-                if on_record is not None:
-                    on_record(rec)
-                if sink:
-                    sink.write(json.dumps(rec) + "\n")
-                    sink.flush()
-                if not quiet and (m.iteration % spec.training.log_interval == 0 or m.valid_loss is not None):
-                    print(_progress_line(m, spec.training.train_iters), flush=True)
-            # After the record: the snapshot is a collective, and a peer that dies after the
-            # persistent save would otherwise leave the step that checkpointed without its record
-            # (a resume from that checkpoint never runs the step again).
-            if on_snapshot_due is not None and trainer.snapshot_due():
-                trainer.phase = "checkpoint-local"
-                on_snapshot_due(trainer)
+            try:
+                # Before the record: when the record says a step is done, its snapshot is taken
+                # and only its push can be in flight (a failure re-runs at most that step).
+                if on_snapshot_due is not None and trainer.snapshot_due():
+                    trainer.phase = "checkpoint-local"
+                    on_snapshot_due(trainer)
+            finally:
+                # Even when the snapshot fails (it is a collective: a peer died), the record goes
+                # out: a resume from the persistent checkpoint just saved never runs the step again.
+                if is_logger:
+                    rec = asdict(m)
+                    records.append(rec)
+                    if on_record is not None:
+                        on_record(rec)
+                    if sink:
+                        sink.write(json.dumps(rec) + "\n")
+                        sink.flush()
+                    if not quiet and (m.iteration % spec.training.log_interval == 0 or m.valid_loss is not None):
+                        print(_progress_line(m, spec.training.train_iters), flush=True)
         if trainer.checkpointer is not None:
             trainer.checkpointer.wait()  # the last save is committed before the job reports done
     finally:

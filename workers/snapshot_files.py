@@ -9,8 +9,9 @@ seals it there, and tells the holder which file holds which iteration. The holde
 bookkeeping and removes the job's files when the job ends; a restarted rank on the node reads
 the file the holder names. Replicas on other nodes still go through the object store.
 
-Two files per rank (`slot0`, `slot1`) are written in turn, the same two snapshots the holders
-keep: a rank killed while writing one still has the other. Space is reserved with
+Three files per rank (`slot0`..`slot2`) are written in turn: the two snapshots the holders list
+and the one being written, so a slot is never overwritten while a recovery may still choose it
+(ranks push at their own pace: the newest step every rank has can be one behind a rank's newest). Space is reserved with
 posix_fallocate when a file is (re)sized, so a full tmpfs is an OSError then (the pusher falls
 back to the object store) and never a SIGBUS while writing through the map.
 
@@ -53,7 +54,7 @@ def drop_job_files(job_id: str) -> None:
 class SlotFiles:
     """One rank's slot files, mapped: the capture buffer of every other snapshot."""
 
-    def __init__(self, job_id: str, rank: int, slots: int = 2):
+    def __init__(self, job_id: str, rank: int, slots: int = 3):
         self.dir = snapshot_dir(job_id)
         self.paths = [self.dir / f"rank{rank}-slot{k}.snap" for k in range(slots)]
         self._maps: list[mmap.mmap | None] = [None] * slots

@@ -193,7 +193,8 @@ class SnapshotPusher:
         self.job_id, self.rank, self.my_node = job_id, rank, my_node
         self.targets = [my_node, *replica_nodes(my_node, group_nodes, replicas)]
         self._holders = {n: holder(job_id, n) for n in self.targets}
-        self._files: SlotFiles | None = SlotFiles(job_id, rank)
+        # One slot more than the holders list: the one being written is never one a recovery may read.
+        self._files: SlotFiles | None = SlotFiles(job_id, rank, slots=KEEP + 1)
         self._size = 0  # the last snapshot's block: the slot files are sized from it
         self._buffer: bytearray | None = None  # the capture buffer when no slot file is used
         self._thread: threading.Thread | None = None

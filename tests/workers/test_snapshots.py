@@ -45,7 +45,7 @@ def test_slot_files_alternate_and_refuse_a_directory_that_cannot_hold_them(tmp_p
     from workers.snapshot_files import SLACK, SlotFiles
 
     monkeypatch.setenv("ELASTRON_SNAPSHOT_DIR", str(tmp_path))
-    files = SlotFiles("job", 3)
+    files = SlotFiles("job", 3, slots=2)
     first, m0 = files.buffer(1000)
     files.advance()
     second, m1 = files.buffer(1000)
@@ -113,3 +113,20 @@ def test_a_slot_file_is_read_by_the_holder_for_a_rank_on_another_node(tmp_path):
     assert h.get(0, 5) == {"path": str(path), "nbytes": 12}
     assert h.get(0, 5, inline=True) == b"framed-block"
     assert h.get(0, 4, inline=True) is None
+
+
+def test_the_slot_being_written_is_never_one_the_holder_lists(tmp_path, monkeypatch):
+    """A rank pushes step after step (three slots, the holder keeping two): the file the next
+    capture writes into is never one a recovery may still choose. With two slots it would be."""
+    from workers.snapshot_files import SlotFiles
+
+    monkeypatch.setenv("ELASTRON_SNAPSHOT_DIR", str(tmp_path))
+    for slots, safe in ((KEEP + 1, True), (KEEP, False)):
+        h, files, clashes = SnapshotHolder("job", "node-a"), SlotFiles(f"job-{slots}", 0, slots=slots), 0
+        for iteration in range(1, 8):
+            slot, _ = files.buffer(64)
+            listed = {h.get(0, i)["path"] for i in h.available(0, 1, "L")}
+            clashes += str(files.paths[slot]) in listed
+            h.put_file(0, iteration, 1, "L", str(files.paths[slot]), 64)
+            files.advance()
+        assert (clashes == 0) is safe, (slots, clashes)
