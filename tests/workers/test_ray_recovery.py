@@ -119,7 +119,19 @@ def test_a_lost_node_resumes_from_the_replica_on_the_other_node(ray_cluster, tel
     driver.start()
     started = wait_for(lambda: telemetry.events(job_id, "ranks_started"), what="ranks started")
     victim = next(r for r in started[0]["ranks"] if r["rank"] == 1)
-    wait_for(lambda: any(r["iteration"] >= 9 for r in telemetry.records(job_id)), what="iteration 9")
+    survivor = next(r for r in started[0]["ranks"] if r["rank"] == 0)
+
+    def replica_of_rank_1() -> int:
+        """The newest step of rank 1 the surviving node's holder has (pushes are asynchronous:
+        a record can be a step ahead of the replica)."""
+        import ray
+
+        from workers.snapshots import existing_holders
+
+        h = existing_holders(job_id).get(survivor["node_id"])
+        return max(ray.get(h.stats.remote())["ranks"].get(1, [0]), default=0) if h is not None else 0
+
+    wait_for(lambda: replica_of_rank_1() >= 9, what="rank 1's replica of iteration 9")
     node = next(n for n in worker_nodes(ray_cluster) if n.node_id == victim["node_id"])
     ray_cluster.remove_node(node, allow_graceful=False)
     ray_cluster.add_node(num_cpus=1)  # a fresh node (no snapshots) for the restarted rank
