@@ -3,7 +3,8 @@
 Figures (one JSON line each):
 
 - recovery, once per mode: a 2-rank job on local Ray, one rank killed with SIGKILL mid-interval
-  between two persistent checkpoints (its pid from the rank's own report). Every line carries
+  between two persistent checkpoints (its pid from the rank's own report), once the job has
+  trained for SETTLE_S seconds (its warm processes for a restart are ready by then). Every line carries
   `"mode"`: `persistent` (persistent checkpoints only, every 10 steps: the "before") or `memory`
   (the same plus in-memory checkpoints every step, `checkpoint.local_interval: 1`: the "after").
   `sigkill_to_first_step_s`: from the kill to the first step completed after the resume, split
@@ -85,6 +86,8 @@ MEDIUM = {
     "resources": {"ranks": 2, "device": "cpu"},
 }
 WARMUP = 5
+# Seconds a recovery job trains before the kill.
+SETTLE_S = 8.0
 
 
 def emit(**fields) -> None:
@@ -146,8 +149,16 @@ def recovery(receiver: Receiver, workdir: Path, repeat: int, mode: str) -> None:
     def kill():
         started = wait_for(lambda: [e for e in receiver.events if e["kind"] == "ranks_started"][-1:])
         victim = next(r for r in started[0]["ranks"] if r["rank"] == 1)
-        # Mid-interval: the checkpoint at 10 is committed, the one at 20 is not yet due.
-        wait_for(lambda: any(r["iteration"] >= 15 for r in receiver.records))
+        # A job that has run a while (its warm processes are ready: a failure in a job's first
+        # seconds meets cold processes, as its cold start did), killed mid-interval: the newest
+        # persistent checkpoint is 5-9 steps old.
+        settled = started[0]["ts"] + SETTLE_S
+        interval = SMALL["checkpoint"]["interval"]
+        wait_for(
+            lambda: any(
+                r["ts"] >= settled and r["iteration"] % interval >= interval // 2 for r in receiver.records
+            )
+        )
         marks["killed_at"] = time.time()
         os.kill(victim["pid"], signal.SIGKILL)
 
@@ -196,6 +207,7 @@ def recovery(receiver: Receiver, workdir: Path, repeat: int, mode: str) -> None:
         value=recovered.get("phase_seconds"),
         first_step_after_rank_start_s=round(after[0]["ts"] - restarted["ts"], 2),
         recovered_from=recovered.get("recovered_from"),
+        warm_process=recovered.get("warm_process"),
         repeat=repeat,
     )
     emit(
@@ -353,7 +365,16 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="elastron-bench-recovery-") as tmp:
         os.environ["ELASTRON_SPOOL_DIR"] = str(Path(tmp) / "spool")
-        ray.init(address="local", num_cpus=2, include_dashboard=True, log_to_driver=False)
+        from workers.warm_processes import job_runtime_env
+
+        # As the driver connects for a fast-recovery job (workers/driver.py: _connect).
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=True,
+            log_to_driver=False,
+            runtime_env=job_runtime_env(),
+        )
         try:
             telemetry_cost(receiver)
             if "recovery" not in args.skip:

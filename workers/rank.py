@@ -142,6 +142,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     from engine.watchdog import StepWatchdog
     from workers.snapshots import SnapshotPusher, recover
     from workers.telemetry import TelemetrySender
+    from workers.warm_processes import prestart_after_first_step, process_was_warm, warm_restart_enabled
 
     imports_s = time.time() - entered
 
@@ -201,6 +202,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
 
     ckpt = spec_dict.get("checkpoint") or {}
     local_interval = ckpt.get("local_interval")
+    warm_restart = warm_restart_enabled(spec_dict)
     pusher = (
         SnapshotPusher(
             job_id, rank, me["node_id"], [r["node_id"] for r in everyone], int(ckpt.get("local_replicas", 1))
@@ -223,6 +225,8 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
             trainer.phase = "recover"
             recovery = recover(trainer, job_id, me["node_id"])
         watchdog.watch(trainer)
+        if warm_restart:
+            prestart_after_first_step(trainer)
         restarted = attempt > 0 or (group or 0) > 0
         if rank == 0 and (restarted or trainer.iteration > 0):
             reached = None
@@ -254,6 +258,8 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
                 },
                 iteration=trainer.iteration,
                 reached=reached,
+                # the rank runs in a process started ahead, imports done (workers/warm_processes.py)
+                warm_process=process_was_warm(started_at, process_at),
                 group=group,
                 world_size=world,
             )

@@ -32,8 +32,9 @@ import ray
 from ray.train.torch import TorchTrainer
 
 # Internal: Ray's public callback (`ray.train.UserCallback`) runs on the controller only; a public
-# worker-side callback with a shutdown hook would replace this import.
-from ray.train.v2._internal.execution.callback import WorkerCallback
+# worker-side callback with a shutdown hook would replace this import. WorkerGroupCallback: a
+# public "the worker group has started" hook on UserCallback would replace that one.
+from ray.train.v2._internal.execution.callback import WorkerCallback, WorkerGroupCallback
 
 # Internal: a public scaling-policy interface (or ScalingConfig taking the allowed worker counts
 # and a node filter) would replace this import and the `_count_possible_workers` override.
@@ -132,3 +133,27 @@ class GracefulShutdown(WorkerCallback):
         from workers.rank import on_worker_shutdown
 
         on_worker_shutdown()
+
+
+class WarmControllerProcesses(WorkerGroupCallback):
+    """Runs in the controller: once a worker group has been up for `delay_s`, asks the
+    controller's raylet for `count` idle processes with the controller's job and environment,
+    which the next attempt's controller and the helper actors it starts (a placement-group
+    cleaner, a synchronization actor, a dataset manager, a preemption watcher) then start in
+    instead of fresh ones. See workers/warm_processes.py."""
+
+    # TrainController + the four helper actors Ray Train 2.60 starts per attempt.
+    PROCESSES_PER_ATTEMPT = 5
+
+    def __init__(self, count: int = PROCESSES_PER_ATTEMPT, delay_s: float = 3.0):
+        self.count = count
+        self.delay_s = delay_s
+        self._prestarted = False
+
+    def after_worker_group_start(self, worker_group) -> None:
+        if self._prestarted:  # one set per controller, not one per resize
+            return
+        self._prestarted = True
+        from workers.warm_processes import prestart_later
+
+        prestart_later(self.count, self.delay_s)

@@ -22,6 +22,8 @@ ELASTIC_POLICY = ("ray.train.v2._internal.execution.scaling_policy", "ElasticSca
 WORKER_CALLBACK = ("ray.train.v2._internal.execution.callback", "WorkerCallback")
 TRAIN_CONTROLLER = ("ray.train.v2._internal.execution.controller", "TrainController")
 RAY_WORKER = ("ray.train.v2._internal.execution.worker_group.worker", "RayTrainWorker")
+WORKER_GROUP_CALLBACK = ("ray.train.v2._internal.execution.callback", "WorkerGroupCallback")
+WORKER_GROUP = ("ray.train.v2._internal.execution.worker_group.worker_group", "WorkerGroup")
 
 # (Ray's class, its method, the parameters workers/trainer.py overrides or calls it with, our
 # class that overrides it). "**" is any **kwargs: its name does not matter to a caller.
@@ -31,6 +33,7 @@ METHODS = [
     (ELASTIC_POLICY, "_count_possible_workers", ["self", "reserved_resources"], "ElastronElasticPolicy"),
     (ELASTIC_POLICY, "__init__", ["self", "scaling_config"], None),  # super().__init__(scaling_config)
     (WORKER_CALLBACK, "before_worker_shutdown", ["self"], "GracefulShutdown"),
+    (WORKER_GROUP_CALLBACK, "after_worker_group_start", ["self", "worker_group"], "WarmControllerProcesses"),
 ]
 
 # (Ray's class, its method, what its source must still contain): where Ray calls what we
@@ -41,6 +44,8 @@ CALL_SITES = [
     (DATA_PARALLEL_TRAINER, "_initialize_and_run_controller", "self._register_sigint_handler("),
     (ELASTIC_POLICY, None, "self._count_possible_workers("),
     (RAY_WORKER, None, ".before_worker_shutdown("),
+    # Ray Train's worker actors get RunConfig.worker_runtime_env (our preload hook rides on it).
+    (WORKER_GROUP, None, "run_config.worker_runtime_env"),
 ]
 
 
@@ -130,3 +135,32 @@ def test_our_worker_callback_reaches_the_workers_and_elasticity_is_read_from_sca
     assert getattr(trainer.scaling_config, "elasticity_enabled", None) is True, (
         f"{RAY}: ScalingConfig.elasticity_enabled is gone or false for num_workers=(1, 2)"
     )
+
+
+def test_what_warm_processes_lean_on_is_still_there():
+    """workers/warm_processes.py: the raylet's PrestartWorkers RPC and its fields, Ray's
+    authenticated channel, the core worker's serialized runtime environment, and the setup-hook
+    variable Ray's own helper writes."""
+    try:
+        from ray._private import ray_constants
+        from ray._private.grpc_utils import init_grpc_channel  # noqa: F401
+        from ray._private.runtime_env.setup_hook import export_setup_func_module
+        from ray._raylet import CoreWorker
+        from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
+    except ImportError as err:
+        _fail(f"a module workers/warm_processes.py imports is gone: {err}")
+    request = node_manager_pb2.DESCRIPTOR.message_types_by_name.get("PrestartWorkersRequest")
+    if request is None or not hasattr(node_manager_pb2_grpc.NodeManagerServiceStub, "__init__"):
+        _fail("the raylet no longer has PrestartWorkersRequest")
+    fields = {f.name for f in request.fields}
+    wanted = {"language", "job_id", "runtime_env_info", "keep_alive_duration_secs", "num_workers"}
+    if not wanted <= fields:
+        _fail(f"PrestartWorkersRequest lost {sorted(wanted - fields)}")
+    service = node_manager_pb2.DESCRIPTOR.services_by_name["NodeManagerService"]
+    if "PrestartWorkers" not in service.methods_by_name:
+        _fail("NodeManagerService.PrestartWorkers is gone")
+    if not callable(getattr(CoreWorker, "get_current_runtime_env", None)):
+        _fail("CoreWorker.get_current_runtime_env is gone")
+    env = export_setup_func_module({}, "workers.warm_processes.preload")
+    if env.get("env_vars", {}).get(ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR) != "workers.warm_processes.preload":
+        _fail(f"export_setup_func_module no longer writes the hook variable: {env}")

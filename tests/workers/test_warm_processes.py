@@ -1,0 +1,133 @@
+"""Warm processes for restarts (workers/warm_processes.py): the spec default, the hook, and, on
+the shared Ray cluster, that a process prestarted by an actor takes the next actor with the same
+job and environment with torch already imported (what makes a restart's ranks start in ~0.1 s)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from workers import warm_processes
+from workers.warm_processes import process_was_warm, warm_restart_enabled
+
+
+def test_warm_restart_follows_in_memory_checkpoints_unless_the_job_says():
+    assert warm_restart_enabled({}) is False
+    assert warm_restart_enabled({"checkpoint": {"interval": 10}}) is False
+    assert warm_restart_enabled({"checkpoint": {"local_interval": 1}}) is True
+    assert warm_restart_enabled({"checkpoint": {"local_interval": 1}, "resilience": {"warm_restart": False}}) is False
+    assert warm_restart_enabled({"resilience": {"warm_restart": True}}) is True
+
+
+def test_the_job_spec_takes_warm_restart():
+    from engine.jobspec import parse_job
+
+    spec = {
+        "model": {"arch": "llama", "num_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "seq_length": 8},
+        "training": {"global_batch_size": 2, "micro_batch_size": 1, "train_iters": 1},
+        "resilience": {"warm_restart": True},
+    }
+    assert parse_job(spec).resilience.warm_restart is True
+    spec["resilience"] = {"warm_restart": "sometimes"}
+    with pytest.raises(Exception, match="warm_restart"):
+        parse_job(spec)
+
+
+def test_a_process_started_before_its_attempt_counts_as_warm():
+    assert process_was_warm(100.0, 90.0) is True
+    assert process_was_warm(100.0, 101.0) is False
+    assert process_was_warm(None, 90.0) is None
+
+
+def test_preloading_never_fails_the_process(monkeypatch, caplog):
+    monkeypatch.setattr(warm_processes, "PRELOAD_MODULES", ("json", "elastron_no_such_module"))
+    with caplog.at_level(logging.WARNING, logger=warm_processes.__name__):
+        warm_processes.preload()
+    assert "elastron_no_such_module" in caplog.text
+
+
+def test_the_controller_callback_prestarts_once_per_controller(monkeypatch):
+    pytest.importorskip("ray")
+    from workers.trainer import WarmControllerProcesses
+
+    calls = []
+    monkeypatch.setattr(warm_processes, "prestart_later", lambda count, delay_s: calls.append((count, delay_s)))
+    callback = WarmControllerProcesses(count=5, delay_s=2.0)
+    callback.after_worker_group_start(None)
+    callback.after_worker_group_start(None)  # a resize starts another group in the same controller
+    assert calls == [(5, 2.0)]
+
+
+def _maps_torch(pid: int) -> bool:
+    try:
+        return "libtorch_cpu" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def _started_at(pid: int) -> float:
+    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime "))
+    return boot + ticks / os.sysconf("SC_CLK_TCK")
+
+
+def _hooked_workers() -> set[int]:
+    """Ray worker processes started with the rank environment (the hook is in their environ)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if warm_processes.SETUP_HOOK.encode() in (entry / "environ").read_bytes():
+                    found.add(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def test_a_prestarted_process_takes_the_next_rank_actor_with_torch_imported(ray_cluster):
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from tests.workers.conftest import worker_nodes
+
+    node_id = worker_nodes(ray_cluster)[0].node_id
+
+    @ray.remote(num_cpus=0)
+    class Probe:
+        def info(self):
+            return os.getpid(), "torch" in sys.modules, "engine.training" in sys.modules
+
+        def prestart(self):
+            return warm_processes.prestart_here(1)
+
+    def probe():
+        return Probe.options(
+            runtime_env=warm_processes.rank_runtime_env(),
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+        ).remote()
+
+    first = probe()
+    first_pid, torch_loaded, engine_loaded = ray.get(first.info.remote(), timeout=120)
+    assert torch_loaded and engine_loaded, "the setup hook did not preload a cold rank process"
+    before = _hooked_workers()
+    assert ray.get(first.prestart.remote(), timeout=60) is True
+    deadline = time.monotonic() + 120
+    while not (new := {p for p in _hooked_workers() - before if _maps_torch(p)}):
+        assert time.monotonic() < deadline, "the raylet started no process for the prestart request"
+        time.sleep(0.2)
+    time.sleep(1.0)  # the rest of its imports after torch
+    created_at = time.time()
+    second = probe()
+    pid, torch_loaded, engine_loaded = ray.get(second.info.remote(), timeout=120)
+    try:
+        assert pid in new, f"the next actor started a fresh process {pid}, not the prestarted {sorted(new)}"
+        assert _started_at(pid) < created_at
+        assert torch_loaded and engine_loaded
+    finally:
+        ray.kill(first)
+        ray.kill(second)
