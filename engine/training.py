@@ -784,16 +784,20 @@ def train_rank(
             if m is None:  # the rerun state machine skipped a bad batch
                 continue
             trainer.evaluate_if_due(m)
-            trainer.save_checkpoint_if_due()
             try:
+                # A save can commit on rank 0 and then fail in its closing barrier (a peer died
+                # or froze after the shard gather): the record still goes out below, or the resume
+                # from that commit would never run, nor report, this step.
+                trainer.save_checkpoint_if_due()
                 # Before the record: when the record says a step is done, its snapshot is taken
                 # and only its push can be in flight (a failure re-runs at most that step).
                 if on_snapshot_due is not None and trainer.snapshot_due():
                     trainer.phase = "checkpoint-local"
                     on_snapshot_due(trainer)
             finally:
-                # Even when the snapshot fails (it is a collective: a peer died), the record goes
-                # out: a resume from the persistent checkpoint just saved never runs the step again.
+                # Even when the save or the snapshot fails (collectives: a peer died), the record
+                # goes out: a resume from the persistent checkpoint just committed never runs the
+                # step again.
                 if is_logger:
                     rec = asdict(m)
                     records.append(rec)

@@ -9,6 +9,8 @@ another rank's, is refused before anything is loaded.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -116,3 +118,38 @@ def test_a_failed_snapshot_does_not_cost_the_checkpointed_steps_record(tmp_path)
         1, training={"train_iters": 8}, checkpoint={"path": str(tmp_path), "interval": 4, "local_interval": 1}
     )
     assert spawn(_records_before_a_failed_snapshot, 1, (spec,), timeout_s=240)[0] == [1, 2, 3, 4]
+
+
+def _records_when_the_save_fails_after_its_commit(spec_dict: dict) -> tuple[list[int], list[int]]:
+    """Iteration 4's save commits on rank 0 and then fails, as when the closing barrier meets a
+    dead peer; returns what rank 0 recorded and the committed iterations."""
+    from engine.checkpointing import checkpointer as checkpointer_module
+    from engine.training import train_rank
+
+    recorded: list[int] = []
+    real_commit = checkpointer_module.commit_checkpoint
+
+    def commit_then_fail(storage, root, iteration, *args, **kwargs):
+        real_commit(storage, root, iteration, *args, **kwargs)
+        if iteration == 4:
+            raise RuntimeError("the barrier after the commit: a peer died")
+
+    checkpointer_module.commit_checkpoint = commit_then_fail
+    try:
+        with pytest.raises(RuntimeError, match="a peer died"):
+            train_rank(spec_dict, quiet=True, on_record=lambda r: recorded.append(r["iteration"]))
+    finally:
+        checkpointer_module.commit_checkpoint = real_commit
+        ps.destroy_model_parallel()
+    root = Path(spec_dict["checkpoint"]["path"])
+    committed = sorted(int(p.name.split("_")[1]) for p in root.rglob("iter_*") if (p / "manifest.json").exists())
+    return recorded, committed
+
+
+def test_a_save_that_fails_after_its_commit_still_hands_on_the_steps_record(tmp_path):
+    """The resume starts after iteration 4 (it is committed), so iteration 4's record must be out
+    even though save() raised (the old loop emitted it only after a save that returned)."""
+    spec = job(1, training={"train_iters": 8}, checkpoint={"path": str(tmp_path), "interval": 4})
+    recorded, committed = spawn(_records_when_the_save_fails_after_its_commit, 1, (spec,), timeout_s=240)[0]
+    assert committed == [4]
+    assert recorded == [1, 2, 3, 4]
