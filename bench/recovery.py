@@ -59,7 +59,8 @@ SMALL = {
         "seq_length": 32,
     },
     "data": {"source": "text"},
-    "training": {"global_batch_size": 4, "micro_batch_size": 2, "train_iters": 400, "seed": 5},
+    # Long enough that the kill (after SETTLE_S) comes well before the end on any machine.
+    "training": {"global_batch_size": 4, "micro_batch_size": 2, "train_iters": 1000, "seed": 5},
     "optimizer": {"lr": 2e-3},
     "checkpoint": {"interval": 10},
     "resources": {"ranks": 2, "device": "cpu"},
@@ -232,6 +233,9 @@ def snapshot_overhead(
             spec["training"]["train_iters"] = iterations
             if mode == "memory":
                 spec["checkpoint"] = {"local_interval": local_interval}
+                # The snapshots' per-step cost only: the warm processes' one-time start (seconds
+                # of imports in new processes, on two cores) is the recovery figure's business.
+                spec["resilience"] = {"warm_restart": False}
             receiver.records.clear()
             result = run_on_ray(f"snapshots-{mode}-{r}", spec, str(workdir / f"runs-{mode}-{r}"))
             if result.exit_code != 0:

@@ -18,8 +18,8 @@ never run anything else and was started with the same job and the same runtime e
 3. The same for Ray Train's own side of an attempt: a new controller actor, which starts a
    placement-group cleaner, a synchronization actor, a dataset manager and a preemption
    watcher, each one more process (the cleaner is waited on before the ranks run). A callback
-   in the controller (workers.trainer.WarmControllerProcesses) prestarts as many with the
-   controller's environment once the group is up. The driver connects with a job-level setup
+   in the controller (workers.trainer.WarmControllerProcesses) prestarts the three the ranks
+   wait for, with the controller's environment, once the group is up. The driver connects with a job-level setup
    hook (`job_runtime_env`, Ray's public `worker_process_setup_hook`) so that those processes
    have Ray Train and torch imported too.
 
