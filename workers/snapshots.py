@@ -133,6 +133,8 @@ def holder(job_id: str, node_id: str):
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from workers.warm_processes import no_preload_runtime_env
+
     return (
         ray.remote(num_cpus=0, max_restarts=0)(SnapshotHolder)
         .options(
@@ -141,6 +143,7 @@ def holder(job_id: str, node_id: str):
             lifetime="detached",
             get_if_exists=True,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
+            runtime_env=no_preload_runtime_env(),  # it needs numpy, not the rank's torch preload
         )
         .remote(job_id, node_id)
     )

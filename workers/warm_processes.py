@@ -112,6 +112,15 @@ def rank_runtime_env() -> dict:
     return export_setup_func_module({}, SETUP_HOOK)
 
 
+def no_preload_runtime_env() -> dict:
+    """For the actors a rank starts (the snapshot holders): they inherit the rank's environment,
+    so they would import torch and the engine for nothing, and could take a warm process a rank
+    needs. An empty hook variable is no hook (Ray's worker skips it), and another hash."""
+    from ray._private import ray_constants
+
+    return {"env_vars": {ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR: ""}}
+
+
 def prestart_here(count: int = 1, keep_alive_s: int = KEEP_ALIVE_S, spacing_s: float = 1.0) -> bool:
     """Ask this node's raylet to start `count` idle worker processes with the calling worker's
     job and runtime environment, one request every `spacing_s`: the raylet drops a request while
