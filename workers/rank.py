@@ -106,11 +106,11 @@ def _bind_device(device_type: str, local_world_size: int) -> str:
     return node_id
 
 
-def _process_started_at() -> float | None:
-    """When this process started (epoch seconds; Linux /proc), to split a restart's group start
+def process_started_at(pid: int | str = "self") -> float | None:
+    """When a process started (epoch seconds; Linux /proc), to split a restart's group start
     into "until the rank's process exists" and "the process' own start-up"."""
     try:
-        with open("/proc/self/stat") as f:
+        with open(f"/proc/{pid}/stat") as f:
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
         with open("/proc/stat") as f:
             boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
@@ -234,7 +234,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
                 with contextlib.suppress(Exception):
                     reached = ray.get(registry.last_progress.remote(), timeout=5)
             started_at = config.get("attempt_started_at")
-            process_at = _process_started_at()
+            process_at = process_started_at()
             split = started_at is not None and process_at is not None and started_at <= process_at <= entered
             phases = {
                 "group_start": round(entered - started_at, 3) if started_at else None,

@@ -54,7 +54,7 @@ def drop_job_files(job_id: str) -> None:
 class SlotFiles:
     """One rank's slot files, mapped: the capture buffer of every other snapshot."""
 
-    def __init__(self, job_id: str, rank: int, slots: int = 3):
+    def __init__(self, job_id: str, rank: int, slots: int):
         self.dir = snapshot_dir(job_id)
         self.paths = [self.dir / f"rank{rank}-slot{k}.snap" for k in range(slots)]
         self._maps: list[mmap.mmap | None] = [None] * slots

@@ -31,7 +31,8 @@ Ray exposes neither piece publicly, so this module is the one place that leans o
 tests/workers/test_ray_internals.py pins each:
 - the raylet's `PrestartWorkers` RPC (node_manager.proto: language, job_id, runtime_env_info,
   keep_alive_duration_secs, num_workers), reached with Ray's own authenticated channel;
-- the core worker's serialized runtime environment (`get_current_runtime_env`): the exact
+- the worker's own raylet address (`global_worker.node`) and the core worker's serialized
+  runtime environment (`get_current_runtime_env`): the exact
   string the raylet hashed when it placed this actor, job environment merged in — a dict
   serialised again by Python differs in whitespace, and the hash with it;
 - the setup-hook variable `ray.init(runtime_env={"worker_process_setup_hook": ...})` sets for a
@@ -42,7 +43,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import threading
 import time
 
@@ -78,13 +78,11 @@ PRESTART_TIMEOUT_S = 10.0
 def _import_all(names: tuple[str, ...]) -> None:
     """Never raises: a module that fails to import here fails where it is used, with its own
     message."""
-    started = time.monotonic()
     for name in names:
         try:
             importlib.import_module(name)
         except Exception:  # noqa: BLE001 - the user's own import reports it
             log.warning("preloading %s failed; it is imported where it is used", name, exc_info=True)
-    os.environ["ELASTRON_PRELOADED_S"] = f"{time.monotonic() - started:.3f}"
 
 
 def preload() -> None:
@@ -142,9 +140,12 @@ def _prestart_one(keep_alive_s: int) -> bool:
         from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
 
         context = ray.get_runtime_context()
-        node = next(n for n in ray.nodes() if n["NodeID"] == context.get_node_id())
+        worker = ray._private.worker.global_worker
+        # This process's own raylet, without ray.nodes(): that lists the whole cluster, and every
+        # rank of a large job would ask for it at each restart.
+        raylet = f"{worker.node.node_ip_address}:{worker.node.node_manager_port}"
         info = get_runtime_env_info(context.runtime_env)
-        info.serialized_runtime_env = ray._private.worker.global_worker.core_worker.get_current_runtime_env()
+        info.serialized_runtime_env = worker.core_worker.get_current_runtime_env()
         request = node_manager_pb2.PrestartWorkersRequest(
             language=common_pb2.PYTHON,
             job_id=bytes.fromhex(context.get_job_id()),
@@ -152,7 +153,7 @@ def _prestart_one(keep_alive_s: int) -> bool:
             keep_alive_duration_secs=int(keep_alive_s),
             num_workers=1,
         )
-        channel = init_grpc_channel(f"{node['NodeManagerAddress']}:{node['NodeManagerPort']}")
+        channel = init_grpc_channel(raylet)
         try:
             node_manager_pb2_grpc.NodeManagerServiceStub(channel).PrestartWorkers(
                 request, timeout=PRESTART_TIMEOUT_S

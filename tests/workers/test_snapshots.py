@@ -56,7 +56,7 @@ def test_slot_files_alternate_and_refuse_a_directory_that_cannot_hold_them(tmp_p
     (tmp_path / "blocked").write_text("a file where the directory should be")
     monkeypatch.setenv("ELASTRON_SNAPSHOT_DIR", str(tmp_path / "blocked"))
     with pytest.raises(OSError):
-        SlotFiles("job", 0).buffer(1000)
+        SlotFiles("job", 0, slots=2).buffer(1000)
 
 
 def _through_a_slot_file(directory: str) -> dict:
@@ -74,7 +74,7 @@ def _through_a_slot_file(directory: str) -> dict:
     trainer = Trainer(JobSpec.model_validate(job(1, training={"train_iters": 4})))
     trainer.train_step()
     size = len(trainer.capture_snapshot().block)
-    files = SlotFiles("job", dist.get_rank())
+    files = SlotFiles("job", dist.get_rank(), slots=2)
     slot, buffer = files.buffer(size)
     snap = trainer.capture_snapshot(buffer)
     captured_in_file = snap.block.obj is buffer

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from workers import warm_processes
+from workers.rank import process_started_at
 from workers.warm_processes import process_was_warm, warm_restart_enabled
 
 
@@ -70,12 +71,6 @@ def _maps_torch(pid: int) -> bool:
         return False
 
 
-def _started_at(pid: int) -> float:
-    ticks = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
-    boot = next(int(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines() if line.startswith("btime "))
-    return boot + ticks / os.sysconf("SC_CLK_TCK")
-
-
 def _hooked_workers() -> set[int]:
     """Ray worker processes started with the rank environment (the hook is in their environ)."""
     found = set()
@@ -126,7 +121,7 @@ def test_a_prestarted_process_takes_the_next_rank_actor_with_torch_imported(ray_
     pid, torch_loaded, engine_loaded = ray.get(second.info.remote(), timeout=120)
     try:
         assert pid in new, f"the next actor started a fresh process {pid}, not the prestarted {sorted(new)}"
-        assert _started_at(pid) < created_at
+        assert process_started_at(pid) < created_at
         assert torch_loaded and engine_loaded
     finally:
         ray.kill(first)
