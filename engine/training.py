@@ -223,6 +223,7 @@ class Trainer:
         self.peak_flops_per_device = self._peak_flops()
         self.events = EventLog(events_path, spec.name)
         self.rerun = RerunStateMachine.from_spec(spec.resilience, t.seed, self.events)
+        self._snapshot_parts: dict[str, Stateful] | None = None
         # Last: a resume overwrites the counters, weights, optimizer, schedule and rerun state.
         self.checkpointer = None
         if spec.checkpoint.path or spec.checkpoint.resume_from:
@@ -319,8 +320,14 @@ class Trainer:
 
     def snapshot_parts(self) -> dict[str, Stateful]:
         """The parts an in-memory snapshot holds: the checkpoint's, less the job record (never
-        restored, and the restarted rank has its spec)."""
-        return {name: part for name, part in self.checkpoint_parts().items() if name != "job"}
+        restored, and the restarted rank has its spec), with the rerun state of this rank only
+        (a snapshot is restored by the rank that took it: no gather). Built once: a snapshot may
+        be taken every step, and the parts cache what they work out about the model."""
+        if self._snapshot_parts is None:
+            parts = {name: part for name, part in self.checkpoint_parts().items() if name != "job"}
+            parts["rerun"] = RerunMachineState(self.rerun, gather=False)
+            self._snapshot_parts = parts
+        return self._snapshot_parts
 
     def snapshot_due(self) -> bool:
         """After iterations that are a multiple of checkpoint.local_interval (not the last)."""

@@ -71,6 +71,20 @@ class PlansItsLoad(Stateful, Protocol):
     def load_target(self, saved: SavedCheckpoint) -> dict[str, Any]: ...
 
 
+@runtime_checkable
+class SharesReplicas(Stateful, Protocol):
+    """A part some of whose tensors other ranks hold bit for bit (data-parallel replicas of the
+    weights and, without the distributed optimizer, of Adam's state).
+
+    `replica_group(key)` is the process group whose every rank holds `key`'s tensor identically
+    (None: only this rank has it). The persistent checkpoint does not need it (DCP writes one
+    replica of a plain tensor); an in-memory snapshot, taken every step, keeps 1/n of such a
+    tensor on each of the n ranks and gathers the rest back when it is restored, so each rank
+    copies its share instead of all of it."""
+
+    def replica_group(self, key: str) -> dist.ProcessGroup | None: ...
+
+
 class DataPosition:
     """Where training is in its data: the `iteration` and `consumed_samples` counters of `owner`
     (the trainer keeps them as plain attributes that the loop advances)."""
@@ -129,14 +143,20 @@ class RerunMachineState:
     a pending rerun is dropped (RerunStateMachine.load_state_dict). Checkpoints written before
     the rerun state machine have no "rerun": nothing is restored then."""
 
-    def __init__(self, rerun: RerunStateMachine) -> None:
+    def __init__(self, rerun: RerunStateMachine, gather: bool = True) -> None:
+        """`gather=False`: only this rank's own entry is filled in, no collective (an in-memory
+        snapshot: one rank's, restored by that rank of the same layout)."""
         self.rerun = rerun
+        self.gather = gather
         self._same_layout = True
 
     def state_dict(self) -> dict[str, Any]:
         common, mine = self.rerun.state_dict()
         ranks = [None] * dist.get_world_size()
-        dist.all_gather_object(ranks, mine)
+        if self.gather:
+            dist.all_gather_object(ranks, mine)
+        else:
+            ranks[dist.get_rank()] = mine
         return {"rerun": {"common": common, "ranks": ranks}}
 
     def load_target(self, saved: SavedCheckpoint) -> dict[str, Any]:

@@ -2,9 +2,13 @@
 bytes, restored into a fresh Trainer of the same layout.
 
 The proof is bitwise: 4 steps straight vs 2 steps + snapshot + a fresh Trainer restored from the
-bytes + 2 steps give identical losses and identical final weights (2 ranks, ZeRO-1 over DP=2, so
-the optimizer part's collective assembly and per-rank RNG are in play). A corrupted blob, or
-another rank's, is refused before anything is loaded.
+bytes + 2 steps give identical losses and identical final weights, on layouts that put every
+kind of state in play: ZeRO-1 over DP=2 (the optimizer part's collective assembly, per-rank
+RNG), plain DP=2 (Adam's state replicated), TP=2 x DP=2 (DTensor shards and strided pieces kept
+in slices over DP), and MoE experts over EP=2 with ZeRO-3 on 4 ranks (two replica groups per
+rank: dense over DP=4, experts over expert DP=2). Each rank keeps its slice of what its replicas
+share, so its snapshot is about half of its state or less. A corrupted blob, or another rank's,
+is refused before anything is loaded.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from engine import parallel_state as ps
-from engine.checkpointing.memory import SnapshotError
+from engine.checkpointing.memory import SnapshotError, _share
 from engine.jobspec import JobSpec
 from engine.launcher import spawn
 from engine.training import Trainer
@@ -24,6 +28,8 @@ from tests.engine.parallel_harness import job
 
 
 def _weights(trainer: Trainer) -> torch.Tensor:
+    for ddp in trainer.ddp_chunks:  # ZeRO-3 keeps shards between steps
+        ddp.gather_all_params()
     return torch.cat([p.detach().flatten().clone() for c in trainer.model_chunks for p in c.parameters()])
 
 
@@ -49,7 +55,7 @@ def _roundtrip(spec_dict: dict) -> dict:
     for name, bad in (
         ("corrupt", bytes(corrupt)),
         ("truncated", blob[:-1]),
-        ("other_rank", peer[1 - dist.get_rank()]),
+        ("other_rank", peer[(dist.get_rank() + 1) % dist.get_world_size()]),
     ):
         try:
             fresh.restore_snapshot(bad)
@@ -67,20 +73,59 @@ def _roundtrip(spec_dict: dict) -> dict:
         "same_weights": same_weights,
         "errors": errors,
         "nbytes": snap.nbytes,
+        "state_bytes": sum(row[5] for row in snap.index),
+        "streams": sorted(snap.streams),
     }
 
 
-def test_snapshot_restored_into_a_fresh_trainer_continues_bitwise():
-    spec = job(2, parallel={"distributed_optimizer": True}, training={"train_iters": 8})
-    for result in spawn(_roundtrip, 2, (spec,), timeout_s=240):
+MOE_MODEL = {"num_layers": 2, "moe": {"num_experts": 4, "top_k": 2, "aux_loss_coeff": 0.01}}
+
+
+@pytest.mark.parametrize(
+    "ranks,sections,streams",
+    [
+        (2, {"parallel": {"distributed_optimizer": True}}, [["0,1"], ["0,1"]]),
+        (2, {}, [["0,1"], ["0,1"]]),
+        (4, {"parallel": {"tensor": 2}}, [["0,2"], ["1,3"], ["0,2"], ["1,3"]]),
+        (
+            4,
+            {
+                "parallel": {"expert": 2, "data_parallel_sharding": "optim_grads_params"},
+                "model": MOE_MODEL,
+                "training": {"global_batch_size": 8, "micro_batch_size": 1},
+            },
+            [["0,1,2,3", "0,2"], ["0,1,2,3", "1,3"], ["0,1,2,3", "0,2"], ["0,1,2,3", "1,3"]],
+        ),
+    ],
+    ids=["zero1-dp2", "dp2", "tp2-dp2", "moe-ep2-zero3-dp4"],
+)
+def test_snapshot_restored_into_a_fresh_trainer_continues_bitwise(ranks, sections, streams):
+    sections = {**sections, "training": {"train_iters": 8, **sections.get("training", {})}}
+    spec = job(ranks, **sections)
+    results = spawn(_roundtrip, ranks, (spec,), timeout_s=300)
+    assert [r["streams"] for r in results] == streams  # the replica groups each rank keeps a slice of
+    for result in results:
         assert result["resumed_at"] == 2
         assert result["losses"] == result["expected"]  # bitwise, not approximately
         assert result["same_weights"]
-        assert result["nbytes"] > 0
+        # Its slice of the replicated weights and moments, not all of them.
+        assert 0 < result["nbytes"] < 0.6 * result["state_bytes"], (result["nbytes"], result["state_bytes"])
         errors = result["errors"]
         assert set(errors) == {"corrupt", "truncated", "other_rank"}
         assert "checksum mismatch" in errors["corrupt"] and "checksum mismatch" in errors["truncated"]
         assert "not this rank's" in errors["other_rank"] and "rank" in errors["other_rank"]
+
+
+@pytest.mark.parametrize("total", [0, 1, 63, 64, 65, 1000, 4096, 10**6 + 7])
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 8])
+def test_the_slices_of_a_shared_stream_cover_it_once(total, size):
+    covered = []
+    for index in range(size):
+        per, lo, hi = _share(total, size, index)
+        assert lo <= hi and hi - lo <= per and per * size >= total
+        assert lo % 64 == 0 or lo == total  # aligned: a slice starts where a tensor may
+        covered += range(lo, hi)
+    assert covered == list(range(total))
 
 
 def test_snapshot_fields_in_the_job_spec():
