@@ -19,10 +19,10 @@ slices, one per rank, and `restore` gathers the slices back over that group. Eve
 snapshot of an iteration is needed to restore any of them, which recovery asks anyway (the
 ranks restore together or not at all), and the per-step copy and checksum shrink by the DP
 size. The buffer is laid out as the framed
-block from the start (a magic line, the CRC-32 frame, a JSON header: job, rank, world size,
+block from the start (a magic line, the checksum frame, a JSON header: job, rank, world size,
 layout, iteration, meta, where each tensor lies; then the tensor bytes, 64-byte aligned), so
 the copy is the only pass over the state the training thread makes; `HostSnapshot.seal()` (any
-thread) writes the CRC-32 (the persistent shards' checksum) over header and payload into the
+thread) writes the XXH3-64 checksum of header and payload into the
 frame and returns the block itself, no copy. `parse(blob, ...)` refuses a blob whose checksum, job, rank, world size or
 layout does not match (`SnapshotError`), so a corrupted or foreign shard is never loaded; the
 launcher decides which iteration is current (a stale one is never offered). `restore(parts, snap)`
@@ -35,20 +35,23 @@ from __future__ import annotations
 import json
 import struct
 import warnings
-import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import xxhash
 from torch.distributed.tensor import DTensor
 
 from engine import device
-from engine.checkpointing.stateful import PlansItsLoad, SavedCheckpoint, SharesReplicas, Stateful
+from engine.checkpointing.stateful import PlansItsLoad, SavedCheckpoint, Stateful
 
 MAGIC = b"ELASTRON-SNAPSHOT-2\n"
-_FRAME = struct.Struct("<QI")  # header length, CRC-32 of header + payload
+# Header length, XXH3-64 of header + payload. Not the persistent shards' CRC-32: a snapshot is
+# checksummed every step on the ranks' own cores, and XXH3 takes a fifth of CRC-32's time here
+# (20 MB: 0.6 ms vs 2.9 ms) and is a 64-bit check.
+_FRAME = struct.Struct("<QQ")
 _ALIGN = 64
 # Bytes per rank gathered at once when a snapshot's shared tensors are put back together: the
 # gather buffer is the group size times this, on the device.
@@ -57,6 +60,12 @@ GATHER_WINDOW = 64 << 20
 
 class SnapshotError(ValueError):
     """An in-memory snapshot that must not be loaded: corrupted, truncated, or not this rank's."""
+
+
+def _checksum(header, payload) -> int:
+    h = xxhash.xxh3_64(header)
+    h.update(payload)
+    return h.intdigest()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -99,7 +108,7 @@ class HostSnapshot:
     # stream (the group's ranks, "0,1") -> {"total": its bytes, "lo", "hi": this rank's slice of
     # them, "offset": where that slice lies in the payload}
     streams: dict[str, dict[str, int]] = field(default_factory=dict)
-    # The whole framed block the payload ends (captured snapshots only; its CRC set by seal()).
+    # The whole framed block the payload ends (captured snapshots only; its checksum set by seal()).
     block: memoryview | None = field(default=None, repr=False)
 
     @property
@@ -119,14 +128,14 @@ class HostSnapshot:
         }
 
     def seal(self) -> memoryview:
-        """The framed block with its CRC-32 written in: a view of the capture buffer (valid until
+        """The framed block with its checksum written in: a view of the capture buffer (valid until
         the buffer is reused for the next capture)."""
         if self.block is None:
             raise ValueError("only a captured snapshot can be sealed")
         start = len(MAGIC) + _FRAME.size
         header_len = len(self.block) - len(self.payload) - start
-        crc = zlib.crc32(self.payload, zlib.crc32(self.block[start : start + header_len]))
-        _FRAME.pack_into(self.block, len(MAGIC), header_len, crc)
+        digest = _checksum(self.block[start : start + header_len], self.payload)
+        _FRAME.pack_into(self.block, len(MAGIC), header_len, digest)
         return self.block
 
     def to_bytes(self) -> bytes:
@@ -159,12 +168,13 @@ def _replica_groups(parts: Mapping[str, Stateful], states: Mapping[str, Mapping[
     (SharesReplicas), when there are more than this one."""
     out, names = {}, {}
     for name, state in states.items():
-        part = parts[name]
-        if not isinstance(part, SharesReplicas):
+        # SharesReplicas, by its method: a runtime Protocol check costs more than the rest here.
+        replica_group = getattr(parts[name], "replica_group", None)
+        if replica_group is None:
             continue
         for key, value in state.items():
             if isinstance(value, torch.Tensor):
-                group = part.replica_group(key)
+                group = replica_group(key)
                 if group is None:
                     continue
                 if id(group) not in names:
@@ -259,15 +269,15 @@ def capture(
 def parse(
     blob: bytes | bytearray | memoryview, *, job: str, rank: int, world_size: int, layout: str
 ) -> HostSnapshot:
-    """The snapshot in `blob`, checked: its CRC-32 over header and payload, and that it is this
+    """The snapshot in `blob`, checked: its checksum over header and payload, and that it is this
     job's, this rank's, of this world size and layout. Raises SnapshotError naming what is wrong."""
     view = memoryview(blob)
     head = len(MAGIC) + _FRAME.size
     if len(view) < head or bytes(view[: len(MAGIC)]) != MAGIC:
         raise SnapshotError("in-memory snapshot: not a snapshot (bad magic)")
-    header_len, crc = _FRAME.unpack(view[len(MAGIC) : head])
+    header_len, digest = _FRAME.unpack(view[len(MAGIC) : head])
     header_bytes, payload = view[head : head + header_len], view[head + header_len :]
-    if len(header_bytes) != header_len or zlib.crc32(payload, zlib.crc32(header_bytes)) != crc:
+    if len(header_bytes) != header_len or _checksum(header_bytes, payload) != digest:
         raise SnapshotError("in-memory snapshot: checksum mismatch (corrupted or truncated); it is not used")
     h = json.loads(bytes(header_bytes))
     want = {"job": job, "rank": rank, "world_size": world_size, "layout": layout}

@@ -122,6 +122,9 @@ class ModelState:
         self.chunks = chunks
         self.ddp_chunks = ddp_chunks or []
         self._groups: dict[str, dist.ProcessGroup] | None = None
+        # The chunks' parameters and buffers by global name, listed once: the modules do not
+        # change, and an in-memory snapshot asks for them every step.
+        self._listed: tuple[list, list] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         return self._tensors(copies=any(ddp.shard_params for ddp in self.ddp_chunks))
@@ -139,10 +142,13 @@ class ModelState:
         for ddp in self.ddp_chunks:
             ddp.gather_all_params()
         mesh = _tp_mesh()
+        if self._listed is None:
+            self._listed = named_params(self.chunks), named_buffers(self.chunks)
+        params, buffers = self._listed
         out: dict[str, Any] = {}
-        for gname, p in named_params(self.chunks):
+        for gname, p in params:
             out.update(_pieces(gname, p.detach().clone() if copies else p.detach(), p, mesh))
-        for gname, buf in named_buffers(self.chunks):
+        for gname, buf in buffers:
             out[gname] = buf
         return out
 
@@ -174,6 +180,7 @@ class OptimizerState:
         self.optimizer, self.chunks, self.ddp_chunks = optimizer, chunks, ddp_chunks
         self._loading: dict[str, torch.Tensor] | None = None  # load_target's buffers
         self._groups: dict[str, dist.ProcessGroup] | None = None
+        self._listed: list[tuple[str, nn.Parameter, DataParallel]] | None = None
 
     def replica_group(self, key: str) -> dist.ProcessGroup | None:
         """A state (key: `<global name>/<state>`, `#k` for a strided piece) is parameter-shaped and
@@ -184,12 +191,15 @@ class OptimizerState:
         return self._groups.get(key.split("#")[0].rpartition("/")[0])
 
     def _named(self) -> list[tuple[str, nn.Parameter, DataParallel]]:
-        """(global name, param, owning DataParallel chunk) for every parameter on this rank."""
-        return [
-            (gname, p, ddp)
-            for model, ddp in zip(self.chunks, self.ddp_chunks, strict=True)
-            for gname, p in named_params([model])
-        ]
+        """(global name, param, owning DataParallel chunk) for every parameter on this rank
+        (listed once: see ModelState._listed)."""
+        if self._listed is None:
+            self._listed = [
+                (gname, p, ddp)
+                for model, ddp in zip(self.chunks, self.ddp_chunks, strict=True)
+                for gname, p in named_params([model])
+            ]
+        return self._listed
 
     def _with_master(self) -> bool:
         return any(self.optimizer.needs_copy_back)
