@@ -20,6 +20,11 @@ Figures (one JSON line each):
   (`--local-interval`, default 1), alternating `--rounds` times: mean wall seconds per
   steady-state iteration (the snapshot is taken between steps, outside the engine's
   `step_time_s`) and their ratio (`mode` none / memory).
+- snapshot_work_ratio: the same job's ranks outside Ray (the engine's launcher), every step
+  followed by a snapshot captured and sealed on the training thread, each timed: 1 + (capture +
+  seal) / step, per rank, with the snapshot's bytes against the state's (a rank keeps its slice
+  of what its data-parallel replicas share). The CPU the snapshots add, free of the several
+  percent by which wall time swings between two jobs on a shared machine.
 - overhead: the same spec trained by the engine's local launcher (what `elastron train` runs:
   `engine.launcher.spawn(train_rank)`) and by `workers` on Ray, steady-state iterations only,
   alternating `--rounds` times; `ratio_ray_over_local` for the step time the engine measures
@@ -327,6 +332,57 @@ def overhead(receiver: Receiver, workdir: Path, iterations: int, rounds: int) ->
         )
 
 
+def _snapshot_work(spec: dict, steps: int) -> dict:
+    """Rank function: the MEDIUM job's steps, each followed by a snapshot captured and sealed on
+    the training thread, every part timed (medians after the warm-up)."""
+    from engine import parallel_state as ps
+    from engine.jobspec import JobSpec
+    from engine.training import Trainer
+
+    trainer = Trainer(JobSpec.model_validate(spec))
+    buffer, times = None, {"step": [], "capture": [], "seal": []}
+    for i in range(WARMUP + steps):
+        t0 = time.perf_counter()
+        trainer.train_step()
+        t1 = time.perf_counter()
+        snap = trainer.capture_snapshot(buffer)
+        t2 = time.perf_counter()
+        snap.seal()
+        t3 = time.perf_counter()
+        buffer = snap.block.obj
+        if i >= WARMUP:
+            for name, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+                times[name].append(seconds)
+    out = {name: statistics.median(v) for name, v in times.items()}
+    out["block_bytes"] = len(snap.block)
+    out["state_bytes"] = sum(row[5] for row in snap.index)
+    ps.destroy_model_parallel()
+    return out
+
+
+def snapshot_work(steps: int = 30) -> None:
+    """The CPU an every-step snapshot adds, measured inside the ranks (the wall-clock ratio above
+    swings by several percent between jobs on a shared 2-core machine): capture + seal over the
+    step time of the same run, per rank."""
+    from engine.launcher import spawn
+
+    spec = json.loads(json.dumps(MEDIUM))
+    spec["training"]["train_iters"] = WARMUP + steps
+    for rank, r in enumerate(spawn(_snapshot_work, 2, (spec, steps), timeout_s=1800)):
+        emit(
+            mode="memory",
+            figure="snapshot_work_ratio",
+            model="llama-4L-h256-s128-b8",
+            rank=rank,
+            value=round(1 + (r["capture"] + r["seal"]) / r["step"], 4),
+            step_ms=round(r["step"] * 1e3, 1),
+            capture_ms=round(r["capture"] * 1e3, 2),
+            seal_ms=round(r["seal"] * 1e3, 2),
+            snapshot_bytes=r["block_bytes"],
+            state_bytes=r["state_bytes"],
+        )
+
+
 def telemetry_cost(receiver: Receiver, calls: int = 20000) -> None:
     """What rank 0's per-step telemetry costs the training loop: one `record()` call, measured
     while the sender thread batches and POSTs to a live receiver."""
@@ -391,6 +447,7 @@ def main() -> None:
                     for mode in ("persistent", "memory"):
                         recovery(receiver, Path(tmp) / f"recovery-{mode}-{repeat}", repeat, mode)
             if "snapshot_overhead" not in args.skip:
+                snapshot_work()
                 snapshot_overhead(
                     receiver, Path(tmp) / "snapshots", args.iterations, args.rounds, args.local_interval
                 )

@@ -1,7 +1,8 @@
 """In-memory checkpoints on Ray: per-node holders that outlive the ranks, and the rank's side.
 
 The engine makes and takes the bytes (engine/checkpointing/memory.py: one rank's checkpoint
-parts, CRC-32 checksummed, refused if corrupted or not this rank's); here is where they live:
+parts, its slice of what its data-parallel replicas share, XXH3-64 checksummed, refused if
+corrupted or not this rank's); here is where they live:
 
 - `SnapshotHolder`: one actor per job and node, named `elastron-snap-<job_id>-<node_id>` in
   namespace `elastron`, pinned to its node, 0 CPU, *detached* so that it survives the rank
@@ -12,7 +13,7 @@ parts, CRC-32 checksummed, refused if corrupted or not this rank's); here is whe
 - `SnapshotPusher` (in each rank): every `checkpoint.local_interval` steps the training thread
   captures the host copy (the only part that blocks the step) straight into the framed block,
   itself a memory-mapped file in the node's RAM-backed directory (snapshot_files.py), and a
-  background thread seals it (the CRC-32) and tells the holder on its own node which file holds
+  background thread seals it (the checksum) and tells the holder on its own node which file holds
   which iteration; for the `checkpoint.local_replicas` holders on the other nodes of the group
   (the next ones in node-id order) it `ray.put`s the block once as a numpy array (one copy into
   the object store, no pickling copy) and they copy it out into memory they own (the store's

@@ -3,12 +3,13 @@ bytes, restored into a fresh Trainer of the same layout.
 
 The proof is bitwise: 4 steps straight vs 2 steps + snapshot + a fresh Trainer restored from the
 bytes + 2 steps give identical losses and identical final weights, on layouts that put every
-kind of state in play: ZeRO-1 over DP=2 (the optimizer part's collective assembly, per-rank
-RNG), plain DP=2 (Adam's state replicated), TP=2 x DP=2 (DTensor shards and strided pieces kept
-in slices over DP), and MoE experts over EP=2 with ZeRO-3 on 4 ranks (two replica groups per
-rank: dense over DP=4, experts over expert DP=2). Each rank keeps its slice of what its replicas
-share, so its snapshot is about half of its state or less. A corrupted blob, or another rank's,
-is refused before anything is loaded.
+kind of state in play: ZeRO-1 over DP=2 (the optimizer's own shards, per-rank RNG; with bf16
+weights, their fp32 masters too), plain DP=2
+(Adam's state replicated), TP=2 x DP=2 (DTensor shards and strided pieces kept in slices over
+DP), and MoE experts over EP=2 with ZeRO-3 on 4 ranks (two replica groups per rank: dense over
+DP=4, experts over expert DP=2). Each rank keeps its slice of what its replicas share, and the
+bytes per parameter say so. A corrupted blob, or another rank's, is refused before anything is
+loaded.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ def _roundtrip(spec_dict: dict) -> dict:
         "errors": errors,
         "nbytes": snap.nbytes,
         "state_bytes": sum(row[5] for row in snap.index),
+        "params": sum(p.numel() for c in first.model_chunks for p in c.parameters()),
         "streams": sorted(snap.streams),
     }
 
@@ -81,12 +83,26 @@ def _roundtrip(spec_dict: dict) -> dict:
 MOE_MODEL = {"num_layers": 2, "moe": {"num_experts": 4, "top_k": 2, "aux_loss_coeff": 0.01}}
 
 
+# Bytes per parameter of the rank's state and of its snapshot (fp32 weights: 4 B, Adam's two
+# moments: 8 B; each kept 1/n where n ranks hold it alike, the optimizer's own shard under ZeRO).
 @pytest.mark.parametrize(
-    "ranks,sections,streams",
+    "ranks,sections,streams,state_per_param,kept_per_param",
     [
-        (2, {"parallel": {"distributed_optimizer": True}}, [["0,1"], ["0,1"]]),
-        (2, {}, [["0,1"], ["0,1"]]),
-        (4, {"parallel": {"tensor": 2}}, [["0,2"], ["1,3"], ["0,2"], ["1,3"]]),
+        # Weights on both ranks, half the moments each: 4 + 8/2 held, 4/2 + 8/2 kept.
+        (2, {"parallel": {"distributed_optimizer": True}}, [["0,1"], ["0,1"]], 8, 6),
+        # bf16 weights on both ranks (2 B), fp32 masters and moments sharded: 2 + 12/2 held,
+        # 2/2 + 12/2 kept.
+        (
+            2,
+            {"parallel": {"distributed_optimizer": True}, "training": {"precision": "bf16"}},
+            [["0,1"], ["0,1"]],
+            8,
+            7,
+        ),
+        # Weights and moments on both: 12 held, 12/2 kept.
+        (2, {}, [["0,1"], ["0,1"]], 12, 6),
+        (4, {"parallel": {"tensor": 2}}, [["0,2"], ["1,3"], ["0,2"], ["1,3"]], 12, 6),
+        # Dense weights over DP=4 and experts over expert DP=2, moments sharded the same way.
         (
             4,
             {
@@ -95,11 +111,15 @@ MOE_MODEL = {"num_layers": 2, "moe": {"num_experts": 4, "top_k": 2, "aux_loss_co
                 "training": {"global_batch_size": 8, "micro_batch_size": 1},
             },
             [["0,1,2,3", "0,2"], ["0,1,2,3", "1,3"], ["0,1,2,3", "0,2"], ["0,1,2,3", "1,3"]],
+            None,
+            None,
         ),
     ],
-    ids=["zero1-dp2", "dp2", "tp2-dp2", "moe-ep2-zero3-dp4"],
+    ids=["zero1-dp2", "zero1-bf16-dp2", "dp2", "tp2-dp2", "moe-ep2-zero3-dp4"],
 )
-def test_snapshot_restored_into_a_fresh_trainer_continues_bitwise(ranks, sections, streams):
+def test_snapshot_restored_into_a_fresh_trainer_continues_bitwise(
+    ranks, sections, streams, state_per_param, kept_per_param
+):
     sections = {**sections, "training": {"train_iters": 8, **sections.get("training", {})}}
     spec = job(ranks, **sections)
     results = spawn(_roundtrip, ranks, (spec,), timeout_s=300)
@@ -108,8 +128,11 @@ def test_snapshot_restored_into_a_fresh_trainer_continues_bitwise(ranks, section
         assert result["resumed_at"] == 2
         assert result["losses"] == result["expected"]  # bitwise, not approximately
         assert result["same_weights"]
-        # Its slice of the replicated weights and moments, not all of them.
-        assert 0 < result["nbytes"] < 0.6 * result["state_bytes"], (result["nbytes"], result["state_bytes"])
+        held, kept = result["state_bytes"] / result["params"], result["nbytes"] / result["params"]
+        if state_per_param is not None:  # within the RNG states and alignment
+            assert held == pytest.approx(state_per_param, rel=0.05), held
+            assert kept == pytest.approx(kept_per_param, rel=0.05), kept
+        assert 0 < kept < held, (kept, held)
         errors = result["errors"]
         assert set(errors) == {"corrupt", "truncated", "other_rank"}
         assert "checksum mismatch" in errors["corrupt"] and "checksum mismatch" in errors["truncated"]
