@@ -22,9 +22,12 @@ Figures (one JSON line each):
   `step_time_s`) and their ratio (`mode` none / memory).
 - snapshot_work_ratio: the same job's ranks outside Ray (the engine's launcher), every step
   followed by a snapshot captured and sealed on the training thread, each timed: 1 + (capture +
-  seal) / step, per rank, with the snapshot's bytes against the state's (a rank keeps its slice
-  of what its data-parallel replicas share). The CPU the snapshots add, free of the several
-  percent by which wall time swings between two jobs on a shared machine.
+  seal) / step, per rank and layout (plain DP=2; ZeRO-1 over DP=2), with the snapshot's bytes
+  against the state's (a rank keeps its slice of what its data-parallel replicas share). The
+  CPU the snapshots add, free of the several percent by which wall time swings between two jobs
+  on a shared machine. `param_shaped_optim_ms`: the persistent checkpoint's optimizer part on
+  the same rank (parameter-shaped, assembled over DP under ZeRO-1), which snapshots no longer
+  build.
 - overhead: the same spec trained by the engine's local launcher (what `elastron train` runs:
   `engine.launcher.spawn(train_rank)`) and by `workers` on Ray, steady-state iterations only,
   alternating `--rounds` times; `ratio_ray_over_local` for the step time the engine measures
@@ -336,11 +339,15 @@ def _snapshot_work(spec: dict, steps: int) -> dict:
     """Rank function: the MEDIUM job's steps, each followed by a snapshot captured and sealed on
     the training thread, every part timed (medians after the warm-up)."""
     from engine import parallel_state as ps
+    from engine.checkpointing.state import OptimizerState
     from engine.jobspec import JobSpec
     from engine.training import Trainer
 
     trainer = Trainer(JobSpec.model_validate(spec))
-    buffer, times = None, {"step": [], "capture": [], "seal": []}
+    buffer, times = None, {"step": [], "capture": [], "seal": [], "param_shaped_optim": []}
+    # What the optimizer part of a persistent checkpoint builds (parameter-shaped, assembled over
+    # DP under ZeRO-1): the snapshots' optimizer part before it kept the optimizer's own shards.
+    persistent_optim = OptimizerState(trainer.optimizer, trainer.model_chunks, trainer.ddp_chunks)
     for i in range(WARMUP + steps):
         t0 = time.perf_counter()
         trainer.train_step()
@@ -349,9 +356,11 @@ def _snapshot_work(spec: dict, steps: int) -> dict:
         t2 = time.perf_counter()
         snap.seal()
         t3 = time.perf_counter()
+        persistent_optim.state_dict()
+        t4 = time.perf_counter()
         buffer = snap.block.obj
         if i >= WARMUP:
-            for name, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2), strict=True):
+            for name, seconds in zip(times, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
                 times[name].append(seconds)
     out = {name: statistics.median(v) for name, v in times.items()}
     out["block_bytes"] = len(snap.block)
@@ -366,21 +375,25 @@ def snapshot_work(steps: int = 30) -> None:
     step time of the same run, per rank."""
     from engine.launcher import spawn
 
-    spec = json.loads(json.dumps(MEDIUM))
-    spec["training"]["train_iters"] = WARMUP + steps
-    for rank, r in enumerate(spawn(_snapshot_work, 2, (spec, steps), timeout_s=1800)):
-        emit(
-            mode="memory",
-            figure="snapshot_work_ratio",
-            model="llama-4L-h256-s128-b8",
-            rank=rank,
-            value=round(1 + (r["capture"] + r["seal"]) / r["step"], 4),
-            step_ms=round(r["step"] * 1e3, 1),
-            capture_ms=round(r["capture"] * 1e3, 2),
-            seal_ms=round(r["seal"] * 1e3, 2),
-            snapshot_bytes=r["block_bytes"],
-            state_bytes=r["state_bytes"],
-        )
+    for layout, parallel in (("dp2", {}), ("zero1-dp2", {"distributed_optimizer": True})):
+        spec = json.loads(json.dumps(MEDIUM))
+        spec["training"]["train_iters"] = WARMUP + steps
+        spec["parallel"] = parallel
+        for rank, r in enumerate(spawn(_snapshot_work, 2, (spec, steps), timeout_s=1800)):
+            emit(
+                mode="memory",
+                figure="snapshot_work_ratio",
+                model="llama-4L-h256-s128-b8",
+                layout=layout,
+                rank=rank,
+                value=round(1 + (r["capture"] + r["seal"]) / r["step"], 4),
+                step_ms=round(r["step"] * 1e3, 1),
+                capture_ms=round(r["capture"] * 1e3, 2),
+                seal_ms=round(r["seal"] * 1e3, 2),
+                param_shaped_optim_ms=round(r["param_shaped_optim"] * 1e3, 2),
+                snapshot_bytes=r["block_bytes"],
+                state_bytes=r["state_bytes"],
+            )
 
 
 def telemetry_cost(receiver: Receiver, calls: int = 20000) -> None:
