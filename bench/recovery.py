@@ -20,6 +20,9 @@ Figures (one JSON line each):
   (`--local-interval`, default 1), alternating `--rounds` times: mean wall seconds per
   steady-state iteration (the snapshot is taken between steps, outside the engine's
   `step_time_s`) and their ratio (`mode` none / memory).
+- snapshot_overhead_interleaved: one Ray job with a snapshot every third step, each
+  snapshot's cost read against the clean step after it (see the function): drift-free, the
+  figure for the step-time target; median and quartiles over the cycles.
 - snapshot_work_ratio: the same job's ranks outside Ray (the engine's launcher), every step
   followed by a snapshot captured and sealed on the training thread, each timed: 1 + (capture +
   seal) / step, per rank and layout (plain DP=2; ZeRO-1 over DP=2), with the snapshot's bytes
@@ -281,6 +284,49 @@ def snapshot_overhead(
     )
 
 
+def snapshot_overhead_interleaved(receiver: Receiver, workdir: Path, cycles: int = 60) -> None:
+    """One Ray job with a snapshot every 3rd step, so that the cost shows step by step against
+    clean steps of the same job (the wall time of two jobs differs by more than the overhead on
+    a shared machine). Records carry rank 0's time when it hands them on, after the step's
+    snapshot was captured: iteration 3k's wall time holds the capture, 3k+1's the background seal
+    and push it overlaps, 3k+2 is clean. Per cycle, (w[3k] + w[3k+1] - 2 w[3k+2]) / w[3k+2] is
+    what a snapshot adds to one step: the overhead of a snapshot every step."""
+    spec = json.loads(json.dumps(MEDIUM))
+    start = WARMUP + (-WARMUP % 3)  # the first cycle starts at a multiple of 3
+    spec["training"]["train_iters"] = start + 3 * cycles + 1
+    spec["checkpoint"] = {"local_interval": 3}
+    spec["resilience"] = {"warm_restart": False}
+    receiver.records.clear()
+    result = run_on_ray("snapshots-interleaved", spec, str(workdir / "runs-interleaved"))
+    if result.exit_code != 0:
+        raise SystemExit(f"bench: the Ray run failed: {result}")
+    ts = {r["iteration"]: r["ts"] for r in receiver.records}
+    wall = {i: ts[i] - ts[i - 1] for i in ts if i - 1 in ts}
+    costs = [
+        (wall[k] + wall[k + 1] - 2 * wall[k + 2]) / wall[k + 2]
+        for k in range(start + 3, start + 3 * cycles, 3)
+        if all(i in wall for i in (k, k + 1, k + 2))
+    ]
+    quartiles = statistics.quantiles(costs, n=4)
+    by_class = [
+        statistics.median(wall[k + j] for k in range(start + 3, start + 3 * cycles, 3) if k + j in wall)
+        for j in range(3)
+    ]
+    emit(
+        mode="memory",
+        figure="snapshot_overhead_interleaved",
+        model="llama-4L-h256-s128-b8",
+        ranks=2,
+        value=round(1 + statistics.median(costs), 4),
+        p25=round(1 + quartiles[0], 4),
+        p75=round(1 + quartiles[2], 4),
+        cycles=len(costs),
+        # The same from the median wall time of each position in the cycle.
+        from_medians=round(1 + (by_class[0] + by_class[1] - 2 * by_class[2]) / by_class[2], 4),
+        clean_step_s=round(by_class[2], 4),
+    )
+
+
 def _stamp(record: dict) -> None:
     record["ts"] = time.time()  # the same dict train_rank keeps and returns
 
@@ -438,6 +484,8 @@ def main() -> None:
     receiver = Receiver()
     ray_tmp = tempfile.mkdtemp(prefix="elr-bench-", dir="/tmp")  # a Ray of our own on this machine
     os.environ.update(RAY_TMPDIR=ray_tmp, ELASTRON_API_URL=receiver.url)
+    # The local Ray's workers import this checkout too, not whatever elastron the venv installed.
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     os.environ.pop("ELASTRON_API_TOKEN", None)
     import ray
 
@@ -461,6 +509,7 @@ def main() -> None:
                         recovery(receiver, Path(tmp) / f"recovery-{mode}-{repeat}", repeat, mode)
             if "snapshot_overhead" not in args.skip:
                 snapshot_work()
+                snapshot_overhead_interleaved(receiver, Path(tmp) / "snapshots")
                 snapshot_overhead(
                     receiver, Path(tmp) / "snapshots", args.iterations, args.rounds, args.local_interval
                 )
