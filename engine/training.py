@@ -23,7 +23,7 @@ from engine import device
 from engine import parallel_state as ps
 from engine.checkpointing import memory as memory_snapshot
 from engine.checkpointing.checkpointer import Checkpointer, layout_signature
-from engine.checkpointing.optimizer_shards import OptimizerShards
+from engine.checkpointing.local_shards import ModelShards, OptimizerShards
 from engine.checkpointing.state import ModelState, OptimizerState, RNGState
 from engine.checkpointing.stateful import (
     DataPosition,
@@ -321,12 +321,14 @@ class Trainer:
 
     def snapshot_parts(self) -> dict[str, Stateful]:
         """The parts an in-memory snapshot holds: the checkpoint's, less the job record (never
-        restored, and the restarted rank has its spec), with the optimizer's own shards instead
-        of its parameter-shaped state and the rerun state of this rank only (a snapshot is
-        restored by the same rank of the same layout: no assembly, no gather). Built once: a snapshot may
+        restored, and the restarted rank has its spec), with the model and optimizer as this rank
+        holds them instead of in global, parameter-shaped form (local_shards.py) and the rerun
+        state of this rank only (a snapshot is restored by the same rank of the same layout: no
+        assembly, no gather). Built once: a snapshot may
         be taken every step, and the parts cache what they work out about the model."""
         if self._snapshot_parts is None:
             parts = {name: part for name, part in self.checkpoint_parts().items() if name != "job"}
+            parts["model"] = ModelShards(self.model_chunks, self.ddp_chunks)
             parts["optim"] = OptimizerShards(self.optimizer, self.ddp_chunks)
             parts["rerun"] = RerunMachineState(self.rerun, gather=False)
             self._snapshot_parts = parts

@@ -93,20 +93,6 @@ def named_buffers(chunks: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
     return out
 
 
-def replica_groups(chunks: list[nn.Module], ddp_chunks: list[DataParallel]) -> dict[str, dist.ProcessGroup]:
-    """Global parameter name -> the ranks that hold it (and its parameter-shaped optimizer
-    state) bit for bit: its bucket's group (dense: DP, DP x CP, or one HSDP shard group; experts:
-    the expert data-parallel group), which all-reduce or gather it to the same values every step.
-    Parameters that no other rank has are not listed."""
-    out = {}
-    for model, ddp in zip(chunks, ddp_chunks, strict=True):
-        for name, p in model.named_parameters():
-            bucket = ddp.bucket_of.get(id(p))
-            if bucket is not None and bucket.world > 1 and bucket.group is not None:
-                out[model.global_param_name(name)] = bucket.group
-    return out
-
-
 class ModelState:
     """This rank's model chunks: every parameter and the buffers that must survive a restart.
 
@@ -121,20 +107,9 @@ class ModelState:
     def __init__(self, chunks: list[nn.Module], ddp_chunks: list[DataParallel] | None = None) -> None:
         self.chunks = chunks
         self.ddp_chunks = ddp_chunks or []
-        self._groups: dict[str, dist.ProcessGroup] | None = None
-        # The chunks' parameters and buffers by global name, listed once: the modules do not
-        # change, and an in-memory snapshot asks for them every step.
-        self._listed: tuple[list, list] | None = None
 
     def state_dict(self) -> dict[str, Any]:
         return self._tensors(copies=any(ddp.shard_params for ddp in self.ddp_chunks))
-
-    def replica_group(self, key: str) -> dist.ProcessGroup | None:
-        """The DP replicas of a parameter (key: its global name, `#k` for a strided piece);
-        buffers (the expert bias) are kept whole."""
-        if self._groups is None:
-            self._groups = replica_groups(self.chunks, self.ddp_chunks)
-        return self._groups.get(key.split("#")[0])
 
     def _tensors(self, copies: bool) -> dict[str, Any]:
         """Views of the parameters, or copies of them: the storage of gathered sharded parameters
@@ -142,13 +117,10 @@ class ModelState:
         for ddp in self.ddp_chunks:
             ddp.gather_all_params()
         mesh = _tp_mesh()
-        if self._listed is None:
-            self._listed = named_params(self.chunks), named_buffers(self.chunks)
-        params, buffers = self._listed
         out: dict[str, Any] = {}
-        for gname, p in params:
+        for gname, p in named_params(self.chunks):
             out.update(_pieces(gname, p.detach().clone() if copies else p.detach(), p, mesh))
-        for gname, buf in buffers:
+        for gname, buf in named_buffers(self.chunks):
             out[gname] = buf
         return out
 
@@ -179,27 +151,14 @@ class OptimizerState:
     ) -> None:
         self.optimizer, self.chunks, self.ddp_chunks = optimizer, chunks, ddp_chunks
         self._loading: dict[str, torch.Tensor] | None = None  # load_target's buffers
-        self._groups: dict[str, dist.ProcessGroup] | None = None
-        self._listed: list[tuple[str, nn.Parameter, DataParallel]] | None = None
-
-    def replica_group(self, key: str) -> dist.ProcessGroup | None:
-        """A state (key: `<global name>/<state>`, `#k` for a strided piece) is parameter-shaped and
-        the same on the parameter's replicas: without the distributed optimizer each computes it
-        from the same reduced gradients; with it, state_dict() assembles it over that very group."""
-        if self._groups is None:
-            self._groups = replica_groups(self.chunks, self.ddp_chunks)
-        return self._groups.get(key.split("#")[0].rpartition("/")[0])
 
     def _named(self) -> list[tuple[str, nn.Parameter, DataParallel]]:
-        """(global name, param, owning DataParallel chunk) for every parameter on this rank
-        (listed once: see ModelState._listed)."""
-        if self._listed is None:
-            self._listed = [
-                (gname, p, ddp)
-                for model, ddp in zip(self.chunks, self.ddp_chunks, strict=True)
-                for gname, p in named_params([model])
-            ]
-        return self._listed
+        """(global name, param, owning DataParallel chunk) for every parameter on this rank."""
+        return [
+            (gname, p, ddp)
+            for model, ddp in zip(self.chunks, self.ddp_chunks, strict=True)
+            for gname, p in named_params([model])
+        ]
 
     def _with_master(self) -> bool:
         return any(self.optimizer.needs_copy_back)

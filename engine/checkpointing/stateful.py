@@ -74,7 +74,8 @@ class PlansItsLoad(Stateful, Protocol):
 @runtime_checkable
 class SharesReplicas(Stateful, Protocol):
     """A part some of whose tensors other ranks hold bit for bit (data-parallel replicas of the
-    weights and, without the distributed optimizer, of Adam's state).
+    weights and, without the distributed optimizer, of Adam's state): the snapshot parts of
+    local_shards.py.
 
     `replica_group(key)` is the process group whose every rank holds `key`'s tensor identically
     (None: only this rank has it). The persistent checkpoint does not need it (DCP writes one

@@ -1,0 +1,149 @@
+"""This rank's model and optimizer state as it holds it, for in-memory snapshots of the same layout.
+
+The persistent checkpoint stores every tensor in global, parameter-shaped form so that another
+layout can load it (state.py): the optimizer's state assembled over its data-parallel group
+under the distributed optimizer (an all-reduce of the model per moment), sharded parameters
+gathered whole under ZeRO-3 (an all-gather of the model, and the whole model in memory at once).
+Once per checkpoint interval that is affordable; an in-memory snapshot is taken as often as every
+step and is only ever restored by the same rank of the same layout, so it keeps what the rank
+holds instead: no collective, nothing parameter-sized that the rank does not already have.
+
+- `ModelShards`: whole parameters where the rank holds them whole (the same on every data-parallel
+  replica: `replica_group` says so, and a snapshot keeps a 1/n slice of them, memory.py); under
+  ZeRO-3 each bucket's persistent shard instead (the same on the HSDP replicas of that shard);
+  the buffers that must survive a restart (MoE expert bias).
+- `OptimizerShards`: the optimizer's own flat segments: fp32 masters where they are copies, and
+  Adam's moments (whole parameters and replicated without the distributed optimizer; the same on
+  the HSDP replicas of a shard with it).
+
+Keys name the rank's own structure (`<chunk>/<parameter>`, `<chunk>/bucket<b>`,
+`<segment>/<state>`): fixed by the layout, which the snapshot's identity check (world size,
+layout) and restore's shape check pin.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from engine.checkpointing.stateful import SavedCheckpoint
+
+if TYPE_CHECKING:
+    from engine.distributed.data_parallel import DataParallel
+    from engine.optimizer.optimizer import TrainingOptimizer
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class ModelShards:
+    """See the module docstring. Entries are listed once: the modules and buckets do not change."""
+
+    def __init__(self, chunks: list[nn.Module], ddp_chunks: list[DataParallel]) -> None:
+        self.ddp_chunks = ddp_chunks
+        # key -> (parameter, buffer or shard; the group whose ranks hold it alike, or None)
+        self.entries: dict[str, tuple[torch.Tensor, dist.ProcessGroup | None]] = {}
+        for j, (model, ddp) in enumerate(zip(chunks, ddp_chunks, strict=True)):
+            sharded = ddp.gatherer is not None
+            if sharded:
+                for b, bucket in enumerate(ddp.buckets):
+                    self.entries[f"{j}/bucket{b}"] = (bucket.param_shard, bucket.replica_group)
+            for name, p in model.named_parameters():
+                bucket = ddp.bucket_of.get(id(p))
+                if sharded and bucket is not None:
+                    continue  # in its bucket's shard
+                shared = bucket is not None and bucket.world > 1 and bucket.group is not None
+                self.entries[f"{j}/{name}"] = (p, bucket.group if shared else None)
+            for name, buf in model.named_buffers():
+                if name.endswith("expert_bias"):
+                    self.entries[f"{j}/{name}"] = (buf, None)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {key: t.detach() for key, (t, _) in self.entries.items()}
+
+    def replica_group(self, key: str) -> dist.ProcessGroup | None:
+        return self.entries[key][1]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # The values were loaded in place (state_dict() is views); gathered copies of sharded
+        # parameters are stale now, and the next use gathers the restored shards.
+        for ddp in self.ddp_chunks:
+            if ddp.gatherer is not None:
+                ddp.gather_params()
+
+
+class OptimizerShards:
+    """Per optimizer segment: its fp32 master where that is a copy (an fp32 parameter's master
+    is the parameter itself, restored with the model part) and Adam's two moments; `adam_step`
+    in the meta."""
+
+    def __init__(self, optimizer: TrainingOptimizer, ddp_chunks: list[DataParallel]) -> None:
+        self.optimizer = optimizer
+        self._groups = self._replica_groups(optimizer, ddp_chunks)
+        self._loading: dict[str, torch.Tensor] | None = None
+
+    @staticmethod
+    def _replica_groups(optimizer: TrainingOptimizer, ddp_chunks: list[DataParallel]) -> list:
+        """Per segment, the group whose ranks hold it alike: without the distributed optimizer
+        its bucket's (each replica steps the whole parameter); with it, the HSDP replicas of its
+        shard (None without HSDP: the shard is this rank's alone)."""
+        owner = {id(p): ddp for ddp in ddp_chunks for p in ddp.module.parameters()}
+        groups = []
+        for p, _, _ in optimizer.segments:
+            ddp = owner.get(id(p))
+            bucket = ddp.bucket_of.get(id(p)) if ddp is not None else None
+            if bucket is None:
+                groups.append(None)
+            elif ddp.shard:
+                groups.append(bucket.replica_group)
+            else:
+                groups.append(bucket.group if bucket.world > 1 else None)
+        return groups
+
+    def _names(self, i: int) -> tuple[str, ...]:
+        return ("master", *MOMENTS) if self.optimizer.needs_copy_back[i] else MOMENTS
+
+    def state_dict(self) -> dict[str, Any]:
+        opt = self.optimizer
+        out: dict[str, Any] = {}
+        for i, m in enumerate(opt.main_params):
+            state = opt.inner.state.get(m) or {}
+            for name in self._names(i):
+                # Before the first step Adam has no moments: zeros are what it starts from.
+                if name == "master":
+                    out[f"{i}/{name}"] = m
+                else:
+                    out[f"{i}/{name}"] = state[name] if name in state else torch.zeros_like(m)
+        steps = [int(s["step"]) for s in opt.inner.state.values() if "step" in s]
+        out["adam_step"] = max(steps, default=0)
+        return out
+
+    def replica_group(self, key: str) -> dist.ProcessGroup | None:
+        return self._groups[int(key.partition("/")[0])]
+
+    def load_target(self, saved: SavedCheckpoint) -> dict[str, Any]:
+        """The masters themselves, and fresh buffers for the moments (a trainer that has not
+        stepped yet has none to load into)."""
+        opt = self.optimizer
+        target: dict[str, Any] = {"adam_step": None}
+        self._loading = {}
+        for i, m in enumerate(opt.main_params):
+            for name in self._names(i):
+                if name == "master":
+                    target[f"{i}/master"] = m
+                else:
+                    target[f"{i}/{name}"] = self._loading[f"{i}/{name}"] = torch.empty_like(m)
+        return target
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        loading, self._loading = self._loading, None
+        source = loading if loading is not None else state_dict
+        opt = self.optimizer
+        for i, m in enumerate(opt.main_params):
+            if opt.needs_copy_back[i] and state_dict[f"{i}/master"] is not m:
+                m.copy_(state_dict[f"{i}/master"])
+            moments = {name: source[f"{i}/{name}"] for name in MOMENTS}
+            opt.inner.state[m] = {"step": torch.tensor(float(state_dict["adam_step"])), **moments}
