@@ -10,20 +10,19 @@ process, replicas on other nodes) is the launcher's business: the engine only ma
 bytes, and knows nothing of Ray.
 
 `capture(parts, ...)` runs in the training thread and costs the host copy: every part's
-state_dict() (the same collectives a persistent save makes: the ZeRO-1 assembly, the rerun
-state gather), tensors copied (DTensors as their local shard) into one host buffer, the rest
-kept as JSON meta exactly as the manifest would hold it. A tensor that n data-parallel replicas
-hold bit for bit (the weights; Adam's state without the distributed optimizer) is copied only
-1/n by each of them: the tensors one replica group shares are a stream of bytes cut into n
-slices, one per rank, and `restore` gathers the slices back over that group. Every rank's
-snapshot of an iteration is needed to restore any of them, which recovery asks anyway (the
-ranks restore together or not at all), and the per-step copy and checksum shrink by the DP
-size. The buffer is laid out as the framed
-block from the start (a magic line, the checksum frame, a JSON header: job, rank, world size,
-layout, iteration, meta, where each tensor lies; then the tensor bytes, 64-byte aligned), so
-the copy is the only pass over the state the training thread makes; `HostSnapshot.seal()` (any
-thread) writes the XXH3-64 checksum of header and payload into the
-frame and returns the block itself, no copy. `parse(blob, ...)` refuses a blob whose checksum, job, rank, world size or
+state_dict() (whatever that costs the part: the Trainer's snapshot parts, local_shards.py, hand
+over what the rank holds, with no collective), tensors copied (DTensors as their local shard)
+into one host buffer, the rest kept as JSON meta exactly as the manifest would hold it. A tensor
+that n data-parallel replicas hold bit for bit (`SharesReplicas`: the weights; Adam's state
+without the distributed optimizer) is copied only 1/n by each of them: the tensors one replica
+group shares are a stream of bytes cut into n slices, one per rank, and `restore` gathers the
+slices back over that group. Every rank's snapshot of an iteration is needed to restore any of
+them, which recovery asks anyway (the ranks restore together or not at all), and the per-step
+copy and checksum shrink by the DP size. The buffer is laid out as the framed block from the
+start (a magic line, the checksum frame, a JSON header: job, rank, world size, layout,
+iteration, meta, where each tensor or slice lies; then the bytes, 64-byte aligned), so the copy
+is the only pass over the state the training thread makes; `HostSnapshot.seal()` (any thread)
+writes the XXH3-64 checksum of header and payload into the frame and returns the block itself, no copy. `parse(blob, ...)` refuses a blob whose checksum, job, rank, world size or
 layout does not match (`SnapshotError`), so a corrupted or foreign shard is never loaded; the
 launcher decides which iteration is current (a stale one is never offered). `restore(parts, snap)`
 loads it like a persistent resume of the same layout: `load_target` where a part plans its load,
