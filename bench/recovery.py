@@ -17,7 +17,7 @@ Figures (one JSON line each):
   where it recovered from; `ratio_over_cold_start`: the recovery time over the same job's cold
   start (fit() -> its first step) in the same run.
 - snapshot_overhead: the MEDIUM job on Ray without and with `local_interval: N`
-  (`--local-interval`, default 1), alternating `--rounds` times: mean wall seconds per
+  (`--local-interval`, default 1), alternating `--rounds` times (each first in every other round): mean wall seconds per
   steady-state iteration (the snapshot is taken between steps, outside the engine's
   `step_time_s`) and their ratio (`mode` none / memory).
 - snapshot_overhead_interleaved: one Ray job with a snapshot every third step, each
@@ -244,7 +244,9 @@ def snapshot_overhead(
     base = {"model": "llama-4L-h256-s128-b8", "ranks": 2}
     walls: dict[str, list[float]] = {"none": [], "memory": []}
     for r in range(rounds):
-        for mode in walls:
+        # Each mode first in every other round: the first job of a round starts while the last
+        # one's processes are still going away.
+        for mode in ("none", "memory") if r % 2 == 0 else ("memory", "none"):
             spec = json.loads(json.dumps(MEDIUM))
             spec["training"]["train_iters"] = iterations
             if mode == "memory":
