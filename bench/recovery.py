@@ -21,8 +21,9 @@ Figures (one JSON line each):
   steady-state iteration (the snapshot is taken between steps, outside the engine's
   `step_time_s`) and their ratio (`mode` none / memory).
 - snapshot_overhead_interleaved: one Ray job with a snapshot every third step, each
-  snapshot's cost read against the clean step after it (see the function): drift-free, the
-  figure for the step-time target; median and quartiles over the cycles.
+  snapshot's cost read against the clean step of its cycle (see the function): drift-free;
+  median and quartiles over the cycles. It charges a snapshot with everything that slows the
+  two steps around it, so it reads above the every-step pairs: an upper bound.
 - snapshot_work_ratio: the same job's ranks outside Ray (the engine's launcher), every step
   followed by a snapshot captured and sealed on the training thread, each timed: 1 + (capture +
   seal) / step, per rank and layout (plain DP=2; ZeRO-1 over DP=2), with the snapshot's bytes
