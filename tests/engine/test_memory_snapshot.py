@@ -7,7 +7,8 @@ kind of state in play: ZeRO-1 over DP=2 (the optimizer's own shards, per-rank RN
 weights, their fp32 masters too), plain DP=2
 (Adam's state replicated), TP=2 x DP=2 (DTensor shards and strided pieces kept in slices over
 DP), MoE experts over EP=2 with ZeRO-3 on 4 ranks (each rank's shards its own, no gathering),
-and HSDP 2 x 2 (shards the same on their two replicas). Each rank keeps its slice of what its
+HSDP 2 x 2 (shards the same on their two replicas), and PP=2 with two virtual chunks per stage
+under ZeRO-1 (several model chunks per rank, the tied embedding on both ends). Each rank keeps its slice of what its
 replicas share, and the bytes per parameter say so. A corrupted blob, or another rank's, is refused before anything is
 loaded.
 """
@@ -125,8 +126,21 @@ MOE_MODEL = {"num_layers": 2, "moe": {"num_experts": 4, "top_k": 2, "aux_loss_co
             6,
             3,
         ),
+        # Two stages of two virtual chunks each (the tied embedding on the first and last), ZeRO-1
+        # over DP=2 within each stage: as zero1-dp2.
+        (
+            4,
+            {
+                "parallel": {"pipeline": 2, "virtual_pipeline": 2, "distributed_optimizer": True},
+                "model": {"num_layers": 4},
+                "training": {"global_batch_size": 8},
+            },
+            [["0,1"], ["0,1"], ["2,3"], ["2,3"]],
+            8,
+            6,
+        ),
     ],
-    ids=["zero1-dp2", "zero1-bf16-dp2", "dp2", "tp2-dp2", "moe-ep2-zero3-dp4", "hsdp-2x2"],
+    ids=["zero1-dp2", "zero1-bf16-dp2", "dp2", "tp2-dp2", "moe-ep2-zero3-dp4", "hsdp-2x2", "pp2x2-vpp2-zero1"],
 )
 def test_snapshot_restored_into_a_fresh_trainer_continues_bitwise(
     ranks, sections, streams, state_per_param, kept_per_param
