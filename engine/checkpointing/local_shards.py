@@ -29,13 +29,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.checkpointing.state import MOMENTS, adam_moment, adam_step, set_adam_state
 from engine.checkpointing.stateful import SavedCheckpoint
 
 if TYPE_CHECKING:
     from engine.distributed.data_parallel import DataParallel
     from engine.optimizer.optimizer import TrainingOptimizer
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 class ModelShards:
@@ -109,15 +108,9 @@ class OptimizerShards:
         opt = self.optimizer
         out: dict[str, Any] = {}
         for i, m in enumerate(opt.main_params):
-            state = opt.inner.state.get(m) or {}
             for name in self._names(i):
-                # Before the first step Adam has no moments: zeros are what it starts from.
-                if name == "master":
-                    out[f"{i}/{name}"] = m
-                else:
-                    out[f"{i}/{name}"] = state[name] if name in state else torch.zeros_like(m)
-        steps = [int(s["step"]) for s in opt.inner.state.values() if "step" in s]
-        out["adam_step"] = max(steps, default=0)
+                out[f"{i}/{name}"] = m if name == "master" else adam_moment(opt, m, name)
+        out["adam_step"] = adam_step(opt)
         return out
 
     def replica_group(self, key: str) -> dist.ProcessGroup | None:
@@ -145,5 +138,4 @@ class OptimizerShards:
         for i, m in enumerate(opt.main_params):
             if opt.needs_copy_back[i] and state_dict[f"{i}/master"] is not m:
                 m.copy_(state_dict[f"{i}/master"])
-            moments = {name: source[f"{i}/{name}"] for name in MOMENTS}
-            opt.inner.state[m] = {"step": torch.tensor(float(state_dict["adam_step"])), **moments}
+            set_adam_state(opt, m, state_dict["adam_step"], {name: source[f"{i}/{name}"] for name in MOMENTS})

@@ -135,11 +135,24 @@ class ModelState:
             ddp.params_loaded()
 
 
-def _adam_state(opt: TrainingOptimizer, main: torch.Tensor, name: str) -> torch.Tensor:
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def adam_moment(opt: TrainingOptimizer, main: torch.Tensor, name: str) -> torch.Tensor:
     """Adam's moment for a master; zeros before the first step (Adam creates its state lazily),
     which is exactly what a fresh Adam starts from, so a checkpoint of iteration 0 loads right."""
     state = opt.inner.state.get(main)
     return state[name] if state and name in state else torch.zeros_like(main)
+
+
+def adam_step(opt: TrainingOptimizer) -> int:
+    """The optimizer's step count (0 before the first step), saved as meta."""
+    return max((int(s["step"]) for s in opt.inner.state.values() if "step" in s), default=0)
+
+
+def set_adam_state(opt: TrainingOptimizer, main: torch.Tensor, step: int, moments: dict) -> None:
+    """Adam's state for a master, as a loaded checkpoint gives it (step count and both moments)."""
+    opt.inner.state[main] = {"step": torch.tensor(float(step)), **{name: moments[name] for name in MOMENTS}}
 
 
 class OptimizerState:
@@ -186,13 +199,13 @@ class OptimizerState:
                 if not sharded and len(segs) == 1 and segs[0][1:] == (0, p.numel()):
                     i = segs[0][0]  # this rank holds the whole state: a view, no copy
                     m = opt.main_params[i]
-                    states[name] = (m if name == "master" else _adam_state(opt, m, name)).view(p.shape)
+                    states[name] = (m if name == "master" else adam_moment(opt, m, name)).view(p.shape)
                     continue
                 # On the param's device: all-reduced, so NCCL on GPU.
                 flat = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
                 for i, lo, hi in segs:
                     m = opt.main_params[i]
-                    flat[lo:hi] = m if name == "master" else _adam_state(opt, m, name)
+                    flat[lo:hi] = m if name == "master" else adam_moment(opt, m, name)
                 if sharded:  # over one shard group: HSDP replicas hold the same pieces
                     dist.all_reduce(flat, group=bucket.group)
                 states[name] = flat.view(p.shape)
@@ -207,8 +220,7 @@ class OptimizerState:
         for gname, p, _ in self._named():
             for name, tensor in states[id(p)].items():
                 out.update(_pieces(f"{gname}/{name}", tensor, p, mesh))
-        adam_steps = [int(s["step"]) for s in self.optimizer.inner.state.values() if "step" in s]
-        out["adam_step"] = max(adam_steps, default=0)
+        out["adam_step"] = adam_step(self.optimizer)
         out["has_master"] = self._with_master()
         return out
 
@@ -254,7 +266,7 @@ class OptimizerState:
         if buffers is None:
             buffers = self._whole(state_dict)
         opt = self.optimizer
-        adam_step = state_dict["adam_step"]
+        step = state_dict["adam_step"]
         full = {
             id(p): {n: buffers[f"{gname}/{n}"] for n in STATE_NAMES if f"{gname}/{n}" in buffers}
             for gname, p, _ in self._named()
@@ -270,9 +282,9 @@ class OptimizerState:
             whole = (lo, hi) == (0, p.numel())
             moments = {
                 name: states[name].reshape(-1) if whole else states[name].reshape(-1)[lo:hi].clone()
-                for name in ("exp_avg", "exp_avg_sq")
+                for name in MOMENTS
             }
-            opt.inner.state[m] = {"step": torch.tensor(float(adam_step)), **moments}
+            set_adam_state(opt, m, step, moments)
         for ddp in self.ddp_chunks:
             ddp.gather_params()
 
