@@ -344,7 +344,16 @@ def restore(parts: Mapping[str, Stateful], snap: HostSnapshot) -> int:
                 + (f"on ranks {mine}" if mine else "on this rank alone")
             )
         if group is not None:
+            # Gathered bytes land in the tensor's own memory: one block of it, or they are lost.
+            if not dst.is_contiguous():
+                raise SnapshotError(f"in-memory snapshot: {name}/{key} is shared but not contiguous here")
             groups[stream] = group
+    for stream, share in snap.streams.items():  # checked here, before any rank starts gathering
+        _, lo, hi = _share(share["total"], dist.get_world_size(groups[stream]), dist.get_rank(groups[stream]))
+        if (lo, hi) != (share["lo"], share["hi"]):
+            raise SnapshotError(
+                f"in-memory snapshot: its slice of ranks {stream}'s tensors is not this rank's"
+            )
     with warnings.catch_warnings():  # a read-only blob: only read from
         warnings.filterwarnings("ignore", message=".*not writable.*")
         for (name, key), (_, _, dtype, shape, off, n, stream) in stored.items():
@@ -371,21 +380,8 @@ def _gather_stream(
     share = snap.streams[stream]
     size, me = dist.get_world_size(group), dist.get_rank(group)
     per, lo, hi = _share(share["total"], size, me)
-    if (lo, hi) != (share["lo"], share["hi"]):
-        raise SnapshotError(f"in-memory snapshot: its slice of ranks {stream}'s tensors is not this rank's")
     where = device.current_device()  # the group's backend: NCCL gathers device memory
-    # A target that is not one block of memory (a strided piece) is filled whole, then copied in.
-    flat = {}
-    staged = {}
-    for row in rows:
-        dst = _local(targets[row[0]][row[1]])
-        if dst.is_contiguous():
-            flat[row[0], row[1]] = _bytes_of(dst)
-        else:
-            staged[row[0], row[1]] = dst
-            flat[row[0], row[1]] = torch.empty(
-                dst.numel() * dst.element_size(), dtype=torch.uint8, device=dst.device
-            )
+    flat = {(row[0], row[1]): _bytes_of(_local(targets[row[0]][row[1]])) for row in rows}  # views
     for w in range(0, per, GATHER_WINDOW):
         width = min(GATHER_WINDOW, per - w)
         mine = torch.zeros(width, dtype=torch.uint8, device=where)
@@ -400,5 +396,3 @@ def _gather_stream(
                 flat[row[0], row[1]][a - row[4] : b - row[4]].copy_(
                     out[j * width + a - start : j * width + b - start]
                 )
-    for (name, key), dst in staged.items():
-        dst.copy_(flat[name, key].view(dst.dtype).reshape(dst.shape))
