@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench install browser clean
+.PHONY: demo test lint bench install browser clean gpu-wheels
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,19 @@ bench: $(STAMP)
 	$(PY) bench/context_parallel.py
 	$(PY) bench/moe_expert_parallel.py
 	$(PY) bench/hf_import.py
+
+# Wheels the GPU image's python lacks (scripts/gpu-wheels.txt says why each), for cp312 manylinux
+# x86_64, into build/gpu-wheels/ to travel with a GPU run (64 MiB limit for all that travels, so
+# fail over 60 MiB). Any python with pip; no constraints file; --no-deps, so no torch is resolved.
+GPU_WHEELS := build/gpu-wheels
+gpu-wheels:
+	rm -rf $(GPU_WHEELS)
+	PIP_CONSTRAINT= $(PYTHON) -m pip download --only-binary=:all: --no-deps --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any \
+		-r scripts/gpu-wheels.txt -d $(GPU_WHEELS)
+	@size=$$(du -sb $(GPU_WHEELS) | cut -f1); echo "$(GPU_WHEELS): $$size bytes"; \
+	test $$size -le 62914560 || { echo "$(GPU_WHEELS) is over 60 MiB"; exit 1; }
 
 clean:
 	rm -rf $(VENV) runs

@@ -67,6 +67,21 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def reset_peak_memory() -> None:
+    """Start a new peak for `memory_bytes` (called at the start of each step)."""
+    if current_device().type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+
+
+def memory_bytes() -> tuple[int, int] | None:
+    """(allocated now, peak allocated since the last reset) by torch's caching allocator on this
+    rank's GPU: what the step really held, without the allocator's cached-but-free blocks. None on
+    CPU, where a process's memory is not the model's alone (RSS counts the interpreter and torch)."""
+    if current_device().type != "cuda":
+        return None
+    return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
+
+
 def cpu_threads_per_rank(local_world_size: int) -> int:
     """Split the machine's cores between local ranks so gloo ranks do not oversubscribe them."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

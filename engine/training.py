@@ -33,6 +33,7 @@ from engine.checkpointing.stateful import (
     SchedulerState,
     Stateful,
 )
+from engine.compile import compile_layers
 from engine.data.builder import build_datasets
 from engine.data.packing import PackedSFTSource, packed_micro_batch
 from engine.data.sft import IGNORE_INDEX, SFTSource, sft_micro_batch
@@ -112,6 +113,10 @@ class StepMetrics:
     energy_cumulative_j: float | None = None
     # Multi-token prediction (model.mtp_num_layers): the depths' mean loss, beside the main loss.
     mtp_loss: float | None = None
+    # Device memory held by this rank (rank 0's: ranks of one layout hold about the same) after
+    # the step and at its peak, in bytes; None on CPU (engine.device.memory_bytes).
+    memory_allocated_bytes: int | None = None
+    memory_peak_bytes: int | None = None
     # Set on the iterations that evaluate (training.eval_interval).
     valid_loss: float | None = None
     valid_ppl: float | None = None
@@ -407,6 +412,8 @@ class Trainer:
             ).to(self.device)
             if initialize:
                 initialize_weights(chunk, self.spec.training.seed)
+            if self.spec.training.compile:
+                compile_layers(chunk)
             chunks.append(chunk)
         return chunks
 
@@ -666,6 +673,7 @@ class Trainer:
         for chunk in self.model_chunks:
             chunk.train()
         device.synchronize()
+        device.reset_peak_memory()
         start = time.perf_counter()
         self.microbatches.update(self.consumed_samples)
         n, gbs = self.microbatches.num_microbatches, self.microbatches.current_global_batch_size
@@ -695,6 +703,7 @@ class Trainer:
         flops = model_flops_per_iteration(self.config, gbs)
         self.phase = "metrics"  # the energy and timer collectives
         lap = self.energy.lap()
+        memory = device.memory_bytes()
         timers = {}
         if self.iteration % self.spec.training.log_interval == 0:
             timers = {k: [lo, hi] for k, (lo, hi) in self.timers.aggregate(STEP_TIMERS).items()}
@@ -718,6 +727,8 @@ class Trainer:
             power_w=lap.power_w if lap else None,
             energy_cumulative_j=lap.cumulative_j if lap else None,
             mtp_loss=self.last_mtp_loss,
+            memory_allocated_bytes=memory[0] if memory else None,
+            memory_peak_bytes=memory[1] if memory else None,
         )
 
 

@@ -152,7 +152,12 @@ def adam_step(opt: TrainingOptimizer) -> int:
 
 def set_adam_state(opt: TrainingOptimizer, main: torch.Tensor, step: int, moments: dict) -> None:
     """Adam's state for a master, as a loaded checkpoint gives it (step count and both moments)."""
-    opt.inner.state[main] = {"step": torch.tensor(float(step)), **{name: moments[name] for name in MOMENTS}}
+    # The fused (GPU) AdamW keeps its step count on the parameter's device; foreach on the host.
+    where = main.device if opt.inner.defaults.get("fused") else None
+    opt.inner.state[main] = {
+        "step": torch.tensor(float(step), device=where),
+        **{name: moments[name] for name in MOMENTS},
+    }
 
 
 class OptimizerState:

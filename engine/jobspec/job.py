@@ -97,6 +97,12 @@ class JobSpec(_Section):
                 "model.attention_dropout: attention dropout is not available with parallel.context > 1; "
                 "set model.attention_dropout: 0"
             )
+        if self.training.compile and (m.moe is not None or p.context > 1 or p.data_parallel_sharding == "optim_grads_params"):
+            raise ValueError(
+                "training.compile is not supported yet with model.moe, parallel.context > 1 or "
+                "parallel.data_parallel_sharding: optim_grads_params (their collectives and data-dependent "
+                "shapes sit inside the layer a compiled graph would hold): set training.compile: false"
+            )
         return self
 
     @model_validator(mode="after")

@@ -17,6 +17,12 @@ class TrainingSpec(_Section):
     train_iters: PositiveInt = 10
     seed: int = Field(1234, ge=0, le=2**63 - 1, strict=True)
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    fp8: bool = Field(
+        False,
+        description="float8 matmuls (e4m3 forward, e5m2 gradients) with per-tensor dynamic scaling for "
+        "the transformer layers' linear layers; the embedding and output layer stay in "
+        "training.precision. Needs training.precision: bf16; on GPU, compute capability >= 8.9.",
+    )
     rampup_batch_size: tuple[PositiveInt, PositiveInt, PositiveInt] | None = Field(
         None,
         description="[start, increment, ramp_samples]: grow the global batch step-wise (Megatron-Core's rampup).",
@@ -30,6 +36,11 @@ class TrainingSpec(_Section):
     recompute: Literal["none", "selective", "full"] = Field(
         "none", description="Activation recomputation: selective = attention core only; full = whole layers."
     )
+    compile: bool = Field(
+        False,
+        description="torch.compile each transformer layer (fused norms, RoPE and activations; the first "
+        "steps pay the compilation). Needs a C++ compiler on CPU; one compiled graph serves every layer.",
+    )
     initial_loss_scale: float = Field(2.0**16, gt=0.0, description="fp16: starting dynamic loss scale.")
     min_loss_scale: float = Field(1.0, gt=0.0, description="fp16: the scale never drops below this.")
     loss_scale_window: PositiveInt = Field(
@@ -38,6 +49,15 @@ class TrainingSpec(_Section):
     hysteresis: PositiveInt = Field(
         2, description="fp16: overflowing steps tolerated before lowering the scale."
     )
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainingSpec:
+        if self.fp8 and self.precision != "bf16":
+            raise ValueError(
+                f"training.fp8 needs bf16 activations and weights around its float8 matmuls, not "
+                f"training.precision: {self.precision}: set training.precision: bf16 (or training.fp8: false)"
+            )
+        return self
 
 
 class OptimizerSpec(_Section):

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import parallel_state as ps
+from engine.tensor_parallel import fp8 as fp8_ops
 from engine.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -87,9 +88,11 @@ class ColumnParallelLinear(nn.Module):
         device: torch.device | None = None,
         init_std: float = 0.02,
         skip_weight_param_allocation: bool = False,
+        fp8: bool = False,
     ):
         super().__init__()
         world, _ = _tp()
+        self.fp8 = fp8  # the matmul in float8 (engine.tensor_parallel.fp8)
         self.gather_output = gather_output
         self.sequence_parallel = sequence_parallel and world > 1
         out_local = _divide(output_size, world, "output features")
@@ -112,7 +115,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=True)
         else:
             x = copy_to_tensor_model_parallel_region(x)
-        y = F.linear(x, self.weight if weight is None else weight, self.bias)
+        y = fp8_ops.linear(x, self.weight if weight is None else weight, self.bias, fp8=self.fp8)
         return gather_from_tensor_model_parallel_region(y) if self.gather_output else y
 
 
@@ -132,9 +135,11 @@ class RowParallelLinear(nn.Module):
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
         init_std: float = 0.02,
+        fp8: bool = False,
     ):
         super().__init__()
         world, _ = _tp()
+        self.fp8 = fp8  # the matmul in float8 (engine.tensor_parallel.fp8)
         self.sequence_parallel = sequence_parallel and world > 1
         in_local = _divide(input_size, world, "input features")
         self.weight = nn.Parameter(torch.empty(output_size, in_local, dtype=params_dtype, device=device))
@@ -149,7 +154,7 @@ class RowParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = fp8_ops.linear(x, self.weight, fp8=self.fp8)
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y)
         else:

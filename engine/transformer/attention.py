@@ -54,6 +54,7 @@ class SelfAttention(nn.Module):
             sequence_parallel=config.sequence_parallel,
             params_dtype=config.params_dtype,
             init_std=config.init_method_std,
+            fp8=config.fp8,
         )
         self.linear_proj = RowParallelLinear(
             config.num_attention_heads * hd,
@@ -62,6 +63,7 @@ class SelfAttention(nn.Module):
             sequence_parallel=config.sequence_parallel,
             params_dtype=config.params_dtype,
             init_std=config.output_layer_init_std,
+            fp8=config.fp8,
         )
         self.q_layernorm = self.k_layernorm = None
         if config.qk_layernorm:

@@ -50,6 +50,7 @@ class TransformerConfig:
     params_dtype: torch.dtype = torch.float32
     sequence_parallel: bool = False
     recompute: str = "none"  # "none" | "selective" (attention core) | "full" (whole layers)
+    fp8: bool = False  # the transformer layers' linears in float8 (engine.tensor_parallel.fp8)
     moe: MoEConfig | None = None
     # The tokenizer's (or config.json's) vocabulary; the embedding is padded beyond it to
     # padded_vocab_size, and the padded entries' logits are -inf (never predicted). None: no padding.
@@ -119,6 +120,7 @@ class TransformerConfig:
             params_dtype=DTYPES[spec.training.precision],
             sequence_parallel=sequence_parallel_effective(spec.parallel),
             recompute=spec.training.recompute,
+            fp8=spec.training.fp8,
             moe=_moe_config(spec),
             vocab_size=vocab,
         )

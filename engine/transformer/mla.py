@@ -61,7 +61,10 @@ class MultiLatentAttention(nn.Module):
             self.context_parallel = context_parallel.core_attention_for_spec("local")
         qk = mla.qk_nope_head_dim + mla.qk_rope_head_dim
         column = dict(
-            sequence_parallel=c.sequence_parallel, params_dtype=c.params_dtype, init_std=c.init_method_std
+            sequence_parallel=c.sequence_parallel,
+            params_dtype=c.params_dtype,
+            init_std=c.init_method_std,
+            fp8=c.fp8,
         )
         if mla.q_lora_rank is None:
             self.linear_q_proj = ColumnParallelLinear(
@@ -94,6 +97,7 @@ class MultiLatentAttention(nn.Module):
             sequence_parallel=c.sequence_parallel,
             params_dtype=c.params_dtype,
             init_std=c.output_layer_init_std,
+            fp8=c.fp8,
         )
 
     def _context_parallel_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

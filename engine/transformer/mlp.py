@@ -29,6 +29,7 @@ class MLP(nn.Module):
             partition_stride=2 if gated else 1,
             params_dtype=config.params_dtype,
             init_std=config.init_method_std,
+            fp8=config.fp8,
         )
         self.linear_fc2 = RowParallelLinear(
             ffn,
@@ -37,6 +38,7 @@ class MLP(nn.Module):
             sequence_parallel=config.sequence_parallel,
             params_dtype=config.params_dtype,
             init_std=config.output_layer_init_std,
+            fp8=config.fp8,
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
