@@ -51,10 +51,10 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def engine_job(size: str, device: str, steps: int, *, compile: bool = False, fp8: bool = False) -> dict:
-    s = SHAPES[size]
+def engine_job(s: dict, device: str, steps: int, *, compile: bool = False, fp8: bool = False) -> dict:
+    """The job for shape `s` (a SHAPES entry, batch overrides applied)."""
     return {
-        "name": f"mfu-{size}",
+        "name": "mfu",
         "model": {
             "arch": "llama",
             "num_layers": s["num_layers"],
@@ -126,7 +126,7 @@ def run_engine(job: dict, warmup: int) -> dict:
     return out
 
 
-def run_reference(size: str, device_type: str, steps: int, warmup: int) -> dict:
+def run_reference(s: dict, device_type: str, steps: int, warmup: int) -> dict:
     """The same shape and batch as Hugging Face LlamaForCausalLM, trained the plain way."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -136,8 +136,7 @@ def run_reference(size: str, device_type: str, steps: int, warmup: int) -> dict:
     from engine.jobspec import JobSpec
     from engine.transformer.config import TransformerConfig
 
-    s = SHAPES[size]
-    spec = JobSpec.model_validate(engine_job(size, device_type, steps))
+    spec = JobSpec.model_validate(engine_job(s, device_type, steps))
     config = TransformerConfig.from_job(spec, s["vocab_size"])
     flops = model_flops_per_iteration(config, s["global_batch"])
     dev = device.current_device()
@@ -216,6 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile-sizes", default=None, help="Sizes to compile (default: all of --sizes).")
     ap.add_argument("--fp8", action="store_true", help="Also run training.fp8 against bf16 (first size).")
     ap.add_argument("--fp8-steps", type=int, default=50)
+    ap.add_argument(
+        "--fp8-compile", action="store_true",
+        help="Compile the fp8 run too, and compare its speed with the compiled bf16 run (needs --compile): "
+        "eager float8 casts cost more than the GEMMs save.",
+    )
+    ap.add_argument("--micro-batch", type=int, default=None, help="Override every size's micro batch.")
+    ap.add_argument("--global-batch", type=int, default=None, help="Override every size's global batch.")
     ap.add_argument("--no-reference", action="store_true", help="Skip the Hugging Face reference.")
     ap.add_argument("--timeout", type=float, default=600.0, help="Seconds per run before it counts as failed.")
     ap.add_argument("--out", type=Path, default=None, help="Append each run's JSON line here.")
@@ -229,6 +235,11 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"--sizes: unknown {unknown}; choose from {sorted(SHAPES)}")
     compile_sizes = sizes if args.compile_sizes is None else args.compile_sizes.split(",")
+    shapes = {
+        name: {**shape, "micro_batch": args.micro_batch or shape["micro_batch"],
+               "global_batch": args.global_batch or shape["global_batch"]}
+        for name, shape in SHAPES.items()
+    }
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
 
@@ -242,19 +253,21 @@ def main(argv: list[str] | None = None) -> int:
 
     fp8_ok, fp8_why = _fp8_supported(device_type)
     for n, size in enumerate(sizes):
-        common = {"bench": "gpu_mfu", "size": size, "device": device_type, "seq": SHAPES[size]["seq_length"],
-                  "micro_batch": SHAPES[size]["micro_batch"], "global_batch": SHAPES[size]["global_batch"]}
+        shape = shapes[size]
+        common = {"bench": "gpu_mfu", "size": size, "device": device_type, "seq": shape["seq_length"],
+                  "micro_batch": shape["micro_batch"], "global_batch": shape["global_batch"]}
         # The first size's bf16 run is also the fp8 comparison's baseline: run it that long.
         fp8_here = args.fp8 and n == 0
         steps = max(args.steps, args.fp8_steps) if fp8_here and fp8_ok else args.steps
-        ours = emit({**common, "run": "engine", **_spawn(run_engine, (engine_job(size, device_type, steps), args.warmup), device_type, args.timeout)})
+        ours = emit({**common, "run": "engine", **_spawn(run_engine, (engine_job(shape, device_type, steps), args.warmup), device_type, args.timeout)})
         if not args.no_reference:
-            ref = _spawn(run_reference, (size, device_type, args.steps, args.warmup), device_type, args.timeout)
+            ref = _spawn(run_reference, (shape, device_type, args.steps, args.warmup), device_type, args.timeout)
             if "tokens_per_s" in ref and "tokens_per_s" in ours:
                 ref["engine_over_reference"] = ours["tokens_per_s"] / ref["tokens_per_s"]
             emit({**common, "run": "reference", **ref})
+        comp: dict = {}
         if args.compile and size in compile_sizes:
-            comp = _spawn(run_engine, (engine_job(size, device_type, args.steps, compile=True), args.warmup), device_type, args.timeout)
+            comp = _spawn(run_engine, (engine_job(shape, device_type, args.steps, compile=True), args.warmup), device_type, args.timeout)
             if "tokens_per_s" in comp and "tokens_per_s" in ours:
                 comp["over_eager"] = comp["tokens_per_s"] / ours["tokens_per_s"]
             emit({**common, "run": "compile", **comp})
@@ -262,9 +275,18 @@ def main(argv: list[str] | None = None) -> int:
             if not fp8_ok:
                 emit({**common, "run": "fp8", "skipped": fp8_why})
                 continue
-            fp8 = _spawn(run_engine, (engine_job(size, device_type, steps, fp8=True), args.warmup), device_type, args.timeout)
-            if "tokens_per_s" in fp8 and "tokens_per_s" in ours:
-                fp8["speedup_over_bf16"] = fp8["tokens_per_s"] / ours["tokens_per_s"]
+            compiled = args.fp8_compile and "tokens_per_s" in comp
+            fp8 = _spawn(
+                run_engine,
+                (engine_job(shape, device_type, steps, fp8=True, compile=compiled), args.warmup),
+                device_type,
+                args.timeout,
+            )
+            fp8["compiled"] = compiled
+            baseline = comp if compiled else ours
+            if "tokens_per_s" in fp8 and "tokens_per_s" in baseline:
+                fp8["speedup_over_bf16"] = fp8["tokens_per_s"] / baseline["tokens_per_s"]
+            if "loss_last" in fp8 and "loss_last" in ours:  # the bf16 run as long as this one
                 fp8["loss_diff_last"] = fp8["loss_last"] - ours["loss_last"]
                 fp8["bf16_loss_last"] = ours["loss_last"]
             emit({**common, "run": "fp8", **fp8})

@@ -41,9 +41,10 @@ def _to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Te
     The cast goes through fp32 (one rounding, to fp8) and saturates: the float8 formats have no
     inf (e4m3fn) or overflow to it (e5m2), and amax * scale may round a hair above the maximum."""
     fmax = torch.finfo(dtype).max
-    amax = t.detach().abs().amax().to(torch.float32).clamp(min=_AMAX_EPS)
+    t = t.detach()
+    amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32).clamp(min=_AMAX_EPS)
     scale = fmax / amax
-    return (t.to(torch.float32) * scale).clamp(-fmax, fmax).to(dtype), scale
+    return t.to(torch.float32, copy=True).mul_(scale).clamp_(-fmax, fmax).to(dtype), scale
 
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:

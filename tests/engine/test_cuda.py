@@ -82,7 +82,11 @@ def _memory_and_energy_rank(job: dict) -> dict:
 def test_step_record_reports_device_memory_and_nvml_energy():
     from engine.energy_monitor import load_nvml
 
-    out = spawn(_memory_and_energy_rank, 1, (_job("bf16", steps=4),), device_type="cuda", timeout_s=300)[0]
+    # Steps of tens of milliseconds: NVML's energy counter advances in coarse ticks (on an H200
+    # the tiny model's few-millisecond steps read 0 J between two of them).
+    job = _job("bf16", steps=6)
+    job["model"].update(num_layers=4, hidden_size=2048, num_attention_heads=16, num_query_groups=4, seq_length=2048)
+    out = spawn(_memory_and_energy_rank, 1, (job,), device_type="cuda", timeout_s=300)[0]
     # After a step the rank holds at least its bf16 weights, fp32 masters and Adam's two fp32
     # moments (2 x the masters); the peak adds gradients and activations on top.
     floor = out["weights"] + 3 * out["masters"]
@@ -91,9 +95,11 @@ def test_step_record_reports_device_memory_and_nvml_energy():
         assert r["memory_peak_bytes"] >= r["memory_allocated_bytes"]
     if load_nvml() is None:
         pytest.skip("needs NVML (nvidia-ml-py) for the energy half")
-    later = out["records"][1:]  # the first lap starts at setup
-    assert all(r["energy_j"] is not None and r["energy_j"] > 0 for r in later), later
-    assert all(r["power_w"] is not None and 20 < r["power_w"] < 2000 for r in later), later
+    later = out["records"][2:]  # the first laps start at setup and include the warm-up
+    assert all(r["energy_j"] is not None for r in later), later
+    assert sum(r["energy_j"] for r in later) > 0, later
+    powers = sorted(r["power_w"] for r in later)
+    assert 20 < powers[len(powers) // 2] < 2000, later  # the median step: an H100/H200 draws up to 700 W
 
 
 @needs_cuda

@@ -37,8 +37,10 @@ def _errors(dtype: torch.dtype, x_scale: float = 1.0, w_scale: float = 0.02, see
     w = (torch.randn(96, 128, generator=g) * w_scale).to(dtype).requires_grad_()
     b = torch.randn(96, generator=g).to(dtype).requires_grad_()
     grad = torch.randn(4, 32, 96, generator=g).to(dtype)
+    before = (x.detach().clone(), w.detach().clone())
     y = fp8.linear(x, w, b, fp8=True)
     y.backward(grad)
+    assert torch.equal(x, before[0]) and torch.equal(w, before[1])  # the casts copy
     assert y.dtype == x.grad.dtype == w.grad.dtype == dtype and y.shape == (4, 32, 96)
     # The reference: the same (already rounded) inputs in fp32.
     xr, wr, br = (t.detach().float().requires_grad_() for t in (x, w, b))
