@@ -82,6 +82,12 @@ def memory_bytes() -> tuple[int, int] | None:
     return torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()
 
 
+def cuda_capability(index: int | None = None) -> tuple[str, tuple[int, int]]:
+    """(name, compute capability) of a CUDA device (default: the current one)."""
+    index = torch.cuda.current_device() if index is None else index
+    return torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)
+
+
 def cpu_threads_per_rank(local_world_size: int) -> int:
     """Split the machine's cores between local ranks so gloo ranks do not oversubscribe them."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

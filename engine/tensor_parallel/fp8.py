@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine import device
+
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 _AMAX_EPS = 1e-12
@@ -56,18 +58,15 @@ _CHECKED_DEVICES: set[int] = set()
 
 
 def _check_device(t: torch.Tensor) -> None:
-    if t.device.type != "cuda":
+    if t.device.type != "cuda" or t.device.index in _CHECKED_DEVICES:
         return
-    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
-    if index in _CHECKED_DEVICES:
-        return
-    major, minor = torch.cuda.get_device_capability(index)
+    name, (major, minor) = device.cuda_capability(t.device.index)
     if (major, minor) < (8, 9):
         raise RuntimeError(
             f"training.fp8 needs a GPU of compute capability 8.9 or above (Ada, Hopper); "
-            f"{torch.cuda.get_device_name(index)} is {major}.{minor}: set training.fp8: false"
+            f"{name} is {major}.{minor}: set training.fp8: false"
         )
-    _CHECKED_DEVICES.add(index)
+    _CHECKED_DEVICES.add(t.device.index)
 
 
 class _FP8Matmul(torch.autograd.Function):
