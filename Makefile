@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench install browser clean gpu-wheels
+.PHONY: demo test lint bench bench-smoke install browser clean gpu-wheels
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,15 +35,13 @@ test: $(STAMP) browser
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q --durations=30 tests
 
+# Every bench in bench/, its JSON lines appended to runs/bench/<commit>.jsonl (tagged with the
+# commit) so two commits can be compared; `make bench-smoke` is the seconds-long run CI does.
 bench: $(STAMP)
-	$(PY) bench/engine_step.py
-	$(PY) bench/parallel_layouts.py
-	$(PY) bench/optimizer_memory.py
-	$(PY) bench/checkpoint_io.py
-	$(PY) bench/rerun_overhead.py
-	$(PY) bench/context_parallel.py
-	$(PY) bench/moe_expert_parallel.py
-	$(PY) bench/hf_import.py
+	$(PY) scripts/run_benches.py --out runs/bench
+
+bench-smoke: $(STAMP)
+	$(PY) scripts/run_benches.py --smoke --out runs/bench
 
 # Wheels the GPU image's python lacks (scripts/gpu-wheels.txt says why each), for cp312 manylinux
 # x86_64, into build/gpu-wheels/ to travel with a GPU run (64 MiB limit for all that travels, so

@@ -14,7 +14,10 @@ ratio to /healthz in the same run (the floor: HTTP on loopback plus the app's mi
 the server's own p50/p99 from its request histogram (what the API spent, without the client's
 or the machine's scheduling delays).
 
-    .venv/bin/python bench/api_load.py [--duration 60] [--rate 40] [--jobs 1000] [--running 100]
+    .venv/bin/python bench/api_load.py [--duration 60] [--rate 40] [--jobs 1000] [--running 100] [--smoke]
+
+`--smoke`: 2 s at 20/s over 20 jobs (5 running), 3 scrapes: every step runs and prints its
+lines in seconds; its figures are not measurements.
 """
 
 from __future__ import annotations
@@ -266,11 +269,16 @@ def main() -> None:
         "--running", type=int, default=100, help="of which running, on /metrics (default 100)"
     )
     parser.add_argument("--scrapes", type=int, default=50, help="sequential /metrics scrapes (default 50)")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: a quick check that it runs")
     parser.add_argument("--serve", nargs=2, metavar=("HOME", "PORT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         serve(Path(args.serve[0]), int(args.serve[1]))
         return
+    if args.smoke:
+        args.duration, args.rate, args.jobs, args.running, args.scrapes = 2.0, 20.0, 20, 5, 3
+    if int(args.rate * args.duration) < len(OPS) or not 0 <= args.running <= args.jobs or args.scrapes < 1:
+        parser.error("need rate * duration >= 4 (one request per operation), 0 <= running <= jobs, scrapes >= 1")
 
     import httpx
 

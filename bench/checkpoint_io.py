@@ -8,7 +8,10 @@ loopback). References, on the very files our save produced:
 Figures are throughput ratios ours / raw (target >= 0.8), and the time a training step is
 blocked by an async save relative to a synchronous save (target <= 0.1). Prints JSON lines.
 
-    python bench/checkpoint_io.py [--layers 8] [--hidden 1024] [--targets local,s3]
+    python bench/checkpoint_io.py [--layers 8] [--hidden 1024] [--targets local,s3] [--smoke]
+
+`--smoke`: a 1-layer, hidden-64 model (a ~1 MiB checkpoint), both targets, in seconds: every
+code path runs and prints its lines; its figures are not measurements.
 
 Noise: moto keeps every object over 5 MiB in a temp file, so the S3 figures move with this
 machine's disk as much as with our code; run the bench a few times and take the median.
@@ -153,7 +156,15 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8, help="model layers (default 8: a 1.14 GiB checkpoint)")
     ap.add_argument("--hidden", type=int, default=1024, help="hidden size")
     ap.add_argument("--targets", default="local,s3", help="comma-separated subset of local,s3")
+    ap.add_argument("--smoke", action="store_true", help="tiny model, both targets: a quick check that it runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.layers, args.hidden, args.targets = 1, 64, "local,s3"
+    if not set(args.targets.split(",")) <= {"local", "s3"}:
+        ap.error(f"--targets: {args.targets!r} is not a subset of local,s3")
+    from engine.jobspec import JobSpec
+
+    JobSpec.model_validate(_job("unused", args.layers, args.hidden, None, False))  # before moto starts
     targets = set(args.targets.split(","))
     os.environ.setdefault("AWS_ACCESS_KEY_ID", "bench")
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")

@@ -14,7 +14,9 @@ load average: on a shared machine a 2-thread rank (CP=1) suffers much more from 
 than two 1-thread ranks do, so a third row runs CP=1 on one thread (one core: the ideal CP=2 ratio
 against it is 2.0), which shows what the ring costs per core against the fused attention kernel.
 
-    python bench/context_parallel.py [--seq 4096 8192] [--steps 2] [--rounds 2]
+    python bench/context_parallel.py [--seq 4096 8192] [--steps 2] [--rounds 2] [--smoke]
+
+--smoke: every layout at sequence length 128, 1 step, 1 round (seconds; numbers meaningless).
 """
 
 from __future__ import annotations
@@ -82,7 +84,10 @@ def main() -> None:
     ap.add_argument("--seq", type=int, nargs="+", default=[4096])
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=2, help="alternating CP=1 / CP=2 runs; medians reported")
+    ap.add_argument("--smoke", action="store_true", help="seq 128, 1 step, 1 round: checks, not figures")
     args = ap.parse_args()
+    if args.smoke:
+        args.seq, args.steps, args.rounds = [128], 1, 1
     for seq in args.seq:
         runs: dict[str, list[dict]] = {name: [] for name in LAYOUTS}
         for _ in range(args.rounds):  # alternate, so drifting machine load hits every layout alike

@@ -1,12 +1,16 @@
 """Step time of elastron's engine on 1 rank against plain PyTorch, same architecture, same process.
 
 The plain model is written here the way a PyTorch user would (separate q/k/v and gate/up/down
-linears, [batch, seq, hidden]); it gets our model's weights, and the two first-step losses must
-agree before anything is timed, so the ratio compares the same math. A step is forward,
-backward, global grad-norm clip and AdamW on one global batch. Runs alternate (ours, plain,
-ours, ...) so drift on a shared machine hits both. Prints one JSON line per figure.
+linears, [batch, seq, hidden], the tokenizer's vocabulary: ours pads it to a multiple of 128 and
+masks the padded logits to -inf, which is the same model); it gets our model's weights, and the
+two first-step losses must agree before anything is timed, so the ratio compares the same math.
+A step is forward, backward, global grad-norm clip and AdamW on one global batch. Runs alternate
+(ours, plain, ours, ...) so drift on a shared machine hits both. Prints one JSON line per figure.
 
-    python bench/engine_step.py [--precision fp32|bf16] [--steps 10] [--rounds 3]
+    python bench/engine_step.py [--precision fp32|bf16] [--steps 10] [--rounds 3] [--smoke]
+
+--smoke: a 2-layer h64 s32 model, 2 steps, 1 round, 1 warm-up step (seconds; every check and
+figure, the numbers meaningless).
 
 bf16 is for GPUs and CPUs with native bf16 (AVX512-BF16/AMX): on the 2-core EPYC dev machines a
 1024x512x1536 bf16 matmul took 1.29 s against 13 ms in fp32, so a bf16 run there takes hours.
@@ -43,6 +47,13 @@ JOB = {
     "training": {"global_batch_size": 4, "micro_batch_size": 4, "train_iters": 1000, "log_interval": 100000},
     "optimizer": {"lr": 1e-4, "lr_decay_style": "constant", "clip_grad": 1.0, "weight_decay": 0.1},
     "resources": {"ranks": 1, "device": "cpu"},
+}
+SMOKE_MODEL = {
+    "num_layers": 2,
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "num_query_groups": 2,
+    "seq_length": 32,
 }
 
 
@@ -108,10 +119,11 @@ class PlainLlama(nn.Module):
 
 @torch.no_grad()
 def copy_weights(ours: nn.Module, plain: PlainLlama, cfg) -> None:
-    """Our fused QKV is per query group [g x (q_per_g + 2) x hd, h]; fc1 is [gate; up]."""
-    qpg, hd = cfg.num_attention_heads // cfg.num_query_groups, cfg.head_dim
-    plain.tok.weight.copy_(ours.embedding.weight)
-    plain.out.weight.copy_(ours.output_layer.weight)
+    """Our fused QKV is per query group [g x (q_per_g + 2) x hd, h]; fc1 is [gate; up]; our
+    vocabulary rows past the tokenizer's are padding (never an input, logits masked)."""
+    qpg, hd, vocab = cfg.num_attention_heads // cfg.num_query_groups, cfg.head_dim, cfg.true_vocab_size
+    plain.tok.weight.copy_(ours.embedding.weight[:vocab])
+    plain.out.weight.copy_(ours.output_layer.weight[:vocab])
     plain.norm.weight.copy_(ours.decoder.final_layernorm.weight)
     for layer, blk in zip(ours.decoder.layers, plain.blocks, strict=True):
         qkv = layer.self_attention.linear_qkv.weight.view(cfg.num_query_groups, qpg + 2, hd, -1)
@@ -132,18 +144,24 @@ def main() -> None:
     ap.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 2 steps, 1 round: checks, not figures")
     args = ap.parse_args()
+    warmup = 3
+    if args.smoke:
+        args.steps, args.rounds, warmup = 2, 1, 1
     torch.set_num_threads(os.cpu_count() or 1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
 
     job = json.loads(json.dumps(JOB))
     job["training"]["precision"] = args.precision
+    if args.smoke:
+        job["model"].update(SMOKE_MODEL)
     spec = JobSpec.model_validate(job)
     trainer = Trainer(spec)
     cfg = trainer.config
     dtype = cfg.params_dtype
     plain = PlainLlama(
-        cfg.padded_vocab_size,
+        cfg.true_vocab_size,
         cfg.hidden_size,
         cfg.num_layers,
         cfg.num_attention_heads,
@@ -192,7 +210,7 @@ def main() -> None:
             step()
         return (time.perf_counter() - start) / args.steps
 
-    for _ in range(3):  # warm-up: allocator, kernels, optimizer state
+    for _ in range(warmup):  # warm-up: allocator, kernels, optimizer state
         trainer.train_step()
         plain_step()
     ours_t, plain_t = [], []
@@ -201,7 +219,8 @@ def main() -> None:
         plain_t.append(timed(plain_step))
     ours_s, plain_s = statistics.median(ours_t), statistics.median(plain_t)
     tokens = spec.training.global_batch_size * cfg.seq_length
-    base = {"bench": "engine_step", "precision": args.precision, "model": "llama-4L-h512-s256-b4"}
+    model = f"llama-{cfg.num_layers}L-h{cfg.hidden_size}-s{cfg.seq_length}-b{spec.training.global_batch_size}"
+    base = {"bench": "engine_step", "precision": args.precision, "model": model}
     print(json.dumps({**base, "figure": "first_loss_abs_diff", "value": abs(ours_loss - plain_loss)}))
     print(
         json.dumps(

@@ -23,6 +23,8 @@ same lines appended to `--out` as each run finishes, so a run cut short still le
 
     python bench/gpu_mfu.py --sizes 1b,3b --compile --fp8 --out runs/gpu-check/mfu.jsonl
     python bench/gpu_mfu.py --sizes tiny --device cpu
+    python bench/gpu_mfu.py --smoke   # = --sizes tiny --device cpu --steps 4 --warmup 1 --compile
+                                      #   --fp8 --fp8-compile --fp8-steps 6: every run, on CPU
 """
 
 from __future__ import annotations
@@ -225,7 +227,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-reference", action="store_true", help="Skip the Hugging Face reference.")
     ap.add_argument("--timeout", type=float, default=600.0, help="Seconds per run before it counts as failed.")
     ap.add_argument("--out", type=Path, default=None, help="Append each run's JSON line here.")
+    ap.add_argument(
+        "--smoke", action="store_true",
+        help="Every run on the tiny CPU size, a few steps (compile included: about half a minute on 2 cores).",
+    )
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.sizes, args.device, args.steps, args.warmup, args.fp8_steps = "tiny", "cpu", 4, 1, 6
+        args.compile = args.fp8 = args.fp8_compile = True
+        args.compile_sizes, args.no_reference = None, False
 
     from engine.device import resolve_device_type
 

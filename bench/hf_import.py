@@ -11,7 +11,10 @@ Prints JSON lines: seconds of each, the ratio reference / ours (target >= 1.0: o
 is at least as fast as one transformers load) and the bytes each rank read over the folder's
 size (target about 0.5).
 
-    python bench/hf_import.py [--layers 8] [--hidden 2048] [--shard-mb 400]
+    python bench/hf_import.py [--layers 8] [--hidden 2048] [--shard-mb 400] [--smoke]
+
+`--smoke`: a 1-layer, hidden-512 folder (~70 MB, 16 MB shards, still several) in seconds, to
+check that every step runs and prints its lines; its figures are not measurements.
 
 Both sides read the same files from the page cache after the first pass: run the reference
 first, once untimed, so neither side pays for the cold read alone.
@@ -122,7 +125,12 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--shard-mb", type=int, default=400)
+    ap.add_argument("--smoke", action="store_true", help="a tiny folder: a quick check that it runs")
     args = ap.parse_args()
+    if args.smoke:
+        args.layers, args.hidden, args.shard_mb = 1, 512, 16
+    if args.hidden % 512:
+        ap.error("--hidden must be a multiple of 512: TP=2 splits its hidden // 256 KV heads")
     from transformers import LlamaForCausalLM
 
     with tempfile.TemporaryDirectory(prefix="bench-hf-") as tmp:

@@ -2,7 +2,9 @@
 both data-parallel ranks) for the same MoE model, and the share of the step spent in the token
 all-to-alls. Both layouts run on the same 2 ranks in alternating rounds; medians. JSON lines.
 
-    python bench/moe_expert_parallel.py [--experts 8] [--hidden 256] [--rounds 3] [--steps 5]
+    python bench/moe_expert_parallel.py [--experts 8] [--hidden 256] [--rounds 3] [--steps 5] [--smoke]
+
+--smoke: 4 experts, hidden 64, 1 round of 1 step (seconds; numbers meaningless).
 """
 
 from __future__ import annotations
@@ -65,7 +67,10 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="4 experts, hidden 64, 1 step: checks, not figures")
     args = ap.parse_args()
+    if args.smoke:
+        args.experts, args.hidden, args.rounds, args.steps = 4, 64, 1, 1
     res = spawn(_rank, 2, (args,), timeout_s=3600)[0]
     tokens = 8 * 256
     base = statistics.median(res[1]["step"])

@@ -7,9 +7,12 @@ Also the share of the step spent in the phases the engine times separately: `gra
 inside forward-backward and is not separated here.
 
 This is a 2-core machine running 4 ranks: look for anomalies (a layout far slower than its
-peers), not records. The ideal on 2 cores is a ratio near 1.0 (same work, same cores).
+peers), not records. The ideal on 2 cores is a ratio near 1.0 (same work, same cores). The
+4-rank layouts run one after another in the same 4 processes (a fresh trainer each).
 
-    python bench/parallel_layouts.py [--steps 6]
+    python bench/parallel_layouts.py [--steps 6] [--smoke]
+
+--smoke: every layout on a 4-layer h64 s32 model, 1 timed step each (seconds; numbers meaningless).
 """
 
 from __future__ import annotations
@@ -18,11 +21,13 @@ import argparse
 import json
 import statistics
 
+from engine import parallel_state as ps
 from engine.jobspec import JobSpec
 from engine.launcher import spawn
 from engine.training import Trainer
 
 MODEL = {"arch": "llama", "num_layers": 4, "hidden_size": 256, "num_attention_heads": 8, "seq_length": 128}
+SMOKE_MODEL = {**MODEL, "hidden_size": 64, "seq_length": 32}
 LAYOUTS = {
     "1 rank (reference)": (1, {}),
     "dp4": (4, {}),
@@ -38,26 +43,35 @@ LAYOUTS = {
 }
 
 
-def _run(spec_dict: dict, steps: int) -> dict:
-    trainer = Trainer(JobSpec.model_validate(spec_dict))
-    trainer.train_step()  # warm-up: allocations, pipeline shape inference
-    records = [trainer.train_step() for _ in range(steps)]
-    return {
-        "step_s": statistics.median(r.step_time_s for r in records),
-        "tokens": records[0].tokens,
-        "timers": records[-1].timers,
-    }
+def _run(specs: list[dict], steps: int) -> list[dict]:
+    out = []
+    for spec_dict in specs:
+        trainer = Trainer(JobSpec.model_validate(spec_dict))
+        trainer.train_step()  # warm-up: allocations, pipeline shape inference
+        records = [trainer.train_step() for _ in range(steps)]
+        out.append(
+            {
+                "step_s": statistics.median(r.step_time_s for r in records),
+                "tokens": records[0].tokens,
+                "timers": records[-1].timers,
+            }
+        )
+        ps.destroy_model_parallel()
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 1 step per layout: checks, not figures")
     args = ap.parse_args()
-    base = None
+    if args.smoke:
+        args.steps = 1
+    specs = {}
     for name, (ranks, parallel) in LAYOUTS.items():
-        spec = {
+        specs[name] = {
             "name": "bench-layouts",
-            "model": MODEL,
+            "model": SMOKE_MODEL if args.smoke else MODEL,
             "parallel": parallel,
             "data": {"source": "synthetic"},
             "training": {
@@ -69,7 +83,14 @@ def main() -> None:
             },
             "resources": {"ranks": ranks, "device": "cpu"},
         }
-        out = spawn(_run, ranks, (spec, args.steps))[0]
+    results = {}
+    for ranks in sorted({r for r, _ in LAYOUTS.values()}):
+        names = [name for name, (r, _) in LAYOUTS.items() if r == ranks]
+        outs = spawn(_run, ranks, ([specs[n] for n in names], args.steps), timeout_s=3600)[0]
+        results.update(zip(names, outs, strict=True))
+    base = None
+    for name, (ranks, _) in LAYOUTS.items():
+        out = results[name]
         tokens_per_s = out["tokens"] / out["step_s"]
         base = base or tokens_per_s
         share = {

@@ -41,6 +41,12 @@ Figures (one JSON line each):
   sender thread POSTs batches to a live receiver.
 
     python bench/recovery.py [--repeats 1] [--rounds 3] [--iterations 40] [--skip recovery|overhead|snapshot_overhead]
+        [--smoke]
+
+`--smoke`: every figure above, each from the fewest steps, rounds and calls that still make it
+(one round, short jobs, the kill after SMOKE_SETTLE_S): a check that the bench runs, not a
+measurement. Most of its time is Ray: starting the local cluster, then the worker groups of
+its six Ray jobs (and the two recoveries' restarts).
 """
 
 from __future__ import annotations
@@ -101,6 +107,10 @@ WARMUP = 5
 # Seconds a recovery job trains before the kill.
 SETTLE_S = 15.0
 TRAIN_ITERS = {"persistent": 1500, "memory": 700}
+# --smoke: the kill after this long (warm processes may still be starting: a slower restart),
+# in jobs this long (still longer than the kill takes to land).
+SMOKE_SETTLE_S = 3.0
+SMOKE_TRAIN_ITERS = {"persistent": 100, "memory": 100}
 
 
 def emit(**fields) -> None:
@@ -150,7 +160,14 @@ def run_on_ray(job_id: str, spec: dict, storage: str):
     )
 
 
-def recovery(receiver: Receiver, workdir: Path, repeat: int, mode: str) -> None:
+def recovery(
+    receiver: Receiver,
+    workdir: Path,
+    repeat: int,
+    mode: str,
+    settle_s: float = SETTLE_S,
+    train_iters: dict[str, int] = TRAIN_ITERS,
+) -> None:
     job_id = f"recovery-{mode}-{repeat}"
     spec = json.loads(json.dumps(SMALL))
     spec["checkpoint"]["path"] = str(workdir / "ckpt")
@@ -158,7 +175,7 @@ def recovery(receiver: Receiver, workdir: Path, repeat: int, mode: str) -> None:
         spec["checkpoint"]["local_interval"] = 1
     # Long enough to outlast SETTLE_S on this machine (a snapshot every step makes the memory
     # job's tiny steps slower), not much longer: the job trains to the end after the recovery.
-    spec["training"]["train_iters"] = TRAIN_ITERS[mode]
+    spec["training"]["train_iters"] = train_iters[mode]
     spec["resilience"] = {"max_restarts": 1}
     marks: dict = {}
 
@@ -168,9 +185,9 @@ def recovery(receiver: Receiver, workdir: Path, repeat: int, mode: str) -> None:
         # A job that has run a while (its warm processes are ready: a failure in a job's first
         # seconds meets cold processes, as its cold start did), killed mid-interval: the newest
         # persistent checkpoint is 5-9 steps old.
-        settled = started[0]["ts"] + SETTLE_S
+        settled = started[0]["ts"] + settle_s
         interval = SMALL["checkpoint"]["interval"]
-        late = TRAIN_ITERS[mode] // 2  # a fast machine: do not wait for the job's end
+        late = train_iters[mode] // 2  # a fast machine: do not wait for the job's end
         wait_for(
             lambda: any(
                 (r["ts"] >= settled or r["iteration"] >= late) and r["iteration"] % interval >= interval // 2
@@ -477,7 +494,14 @@ def main() -> None:
     parser.add_argument(
         "--skip", choices=["recovery", "overhead", "snapshot_overhead"], action="append", default=[]
     )
+    parser.add_argument("--smoke", action="store_true", help="every figure from tiny runs: a check that it runs")
     args = parser.parse_args()
+    if args.smoke:
+        args.repeats, args.rounds, args.iterations = 1, 1, WARMUP + 3
+    # steady() needs two consecutive iterations after the warm-up.
+    if args.iterations < WARMUP + 2 or args.rounds < 1 or args.local_interval < 1:
+        parser.error(f"need --iterations >= {WARMUP + 2}, --rounds >= 1, --local-interval >= 1")
+    settle_s, train_iters = (SMOKE_SETTLE_S, SMOKE_TRAIN_ITERS) if args.smoke else (SETTLE_S, TRAIN_ITERS)
 
     receiver = Receiver()
     ray_tmp = tempfile.mkdtemp(prefix="elr-bench-", dir="/tmp")  # a Ray of our own on this machine
@@ -500,14 +524,17 @@ def main() -> None:
             runtime_env=job_runtime_env(),
         )
         try:
-            telemetry_cost(receiver)
+            telemetry_cost(receiver, 500 if args.smoke else 20000)
             if "recovery" not in args.skip:
                 for repeat in range(args.repeats):
                     for mode in ("persistent", "memory"):
-                        recovery(receiver, Path(tmp) / f"recovery-{mode}-{repeat}", repeat, mode)
+                        recovery(
+                            receiver, Path(tmp) / f"recovery-{mode}-{repeat}", repeat, mode, settle_s, train_iters
+                        )
             if "snapshot_overhead" not in args.skip:
-                snapshot_work()
-                snapshot_overhead_interleaved(receiver, Path(tmp) / "snapshots")
+                snapshot_work(2 if args.smoke else 30)
+                # statistics.quantiles needs two cycles after the first (skipped).
+                snapshot_overhead_interleaved(receiver, Path(tmp) / "snapshots", 3 if args.smoke else 60)
                 snapshot_overhead(
                     receiver, Path(tmp) / "snapshots", args.iterations, args.rounds, args.local_interval
                 )

@@ -8,7 +8,10 @@ medians. On a shared machine that difference is within the noise, so the bench a
 state machine alone on the same ranks (2,000 healthy steps) and reports its cost relative to the
 disabled step time. Prints JSON lines.
 
-    python bench/rerun_overhead.py [--ranks 2] [--rounds 5] [--steps 10]
+    python bench/rerun_overhead.py [--ranks 2] [--rounds 5] [--steps 10] [--smoke]
+
+--smoke: a 2-layer h64 model, 1 round of 1 step, the state machine alone 100 times (seconds;
+numbers meaningless).
 """
 
 from __future__ import annotations
@@ -98,7 +101,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--smoke", action="store_true", help="tiny model, 1 step: checks, not figures")
     args = ap.parse_args()
+    iterations = 2000
+    if args.smoke:
+        args.rounds, args.steps, args.hidden, args.layers, iterations = 1, 1, 64, 2, 100
     times = spawn(
         _rank, args.ranks, (args.ranks, args.rounds, args.steps, args.hidden, args.layers), timeout_s=3600
     )[0]
@@ -109,7 +116,9 @@ def main() -> None:
                 {"figure": "step_time_s", "rerun_mode": mode, "median": value, "steps": len(times[mode])}
             )
         )
-    cost = statistics.median(max(spawn(_cost_rank, args.ranks, (2000,), timeout_s=600)) for _ in range(3))
+    cost = statistics.median(
+        max(spawn(_cost_rank, args.ranks, (iterations,), timeout_s=600)) for _ in range(3)
+    )
     print(
         json.dumps(
             {

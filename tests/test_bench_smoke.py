@@ -1,0 +1,32 @@
+"""Every bench in bench/ runs in its --smoke mode (tiny sizes, seconds) and prints its figures,
+so a bench broken by an engine change fails here instead of on the next person who needs its
+number. The numbers are not asserted: they are not benchmarks at this size."""
+
+from __future__ import annotations
+
+import pytest
+
+from scripts.run_benches import benches, run_bench
+
+SMOKE_TIMEOUT_S = 300.0
+
+
+@pytest.mark.parametrize("path", benches(), ids=lambda p: p.stem)
+def test_bench_runs_in_smoke_mode(path):
+    run = run_bench(path, smoke=True, timeout_s=SMOKE_TIMEOUT_S)
+    assert run.ok, run.problem()
+
+
+def test_a_bench_that_raises_or_prints_nothing_fails(tmp_path):
+    """The check above can fail: a bench that raises, and one that prints no figure."""
+    raising = tmp_path / "raising.py"
+    raising.write_text("import sys\nif '--smoke' in sys.argv:\n    raise RuntimeError('models differ')\n")
+    silent = tmp_path / "silent.py"
+    silent.write_text("print('no json here')\n")
+    fine = tmp_path / "fine.py"
+    fine.write_text("import json, sys\nprint(json.dumps({'figure': 1.0, 'smoke': '--smoke' in sys.argv}))\n")
+    bad = run_bench(raising, smoke=True, timeout_s=60)
+    assert not bad.ok and bad.returncode == 1 and "models differ" in bad.problem()
+    assert not run_bench(silent, smoke=True, timeout_s=60).ok
+    good = run_bench(fine, smoke=True, timeout_s=60)
+    assert good.ok and good.lines == [{"figure": 1.0, "smoke": True}]
