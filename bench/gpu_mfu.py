@@ -98,7 +98,6 @@ def _summary(step_times: list[float], tokens: int, flops: float, peak: float) ->
 
 def run_engine(job: dict, warmup: int) -> dict:
     """One rank (launched by engine.launcher): train the job, time the steps after `warmup`."""
-    from engine import device
     from engine.jobspec import JobSpec
     from engine.training import Trainer
 
@@ -113,13 +112,13 @@ def run_engine(job: dict, warmup: int) -> dict:
             first_step_s = time.perf_counter() - start
     timed = records[warmup:] or records[-1:]
     out = _summary([m.step_time_s for m in timed], timed[0].tokens, timed[0].model_flops, trainer.peak_flops_per_device)
-    memory = device.memory_bytes()
+    peaks = [m.memory_peak_bytes for m in records if m.memory_peak_bytes is not None]
     out.update(
         steps=len(records),
         first_step_s=first_step_s,
         params=sum(p.numel() for p in trainer.model.parameters()),
         peak_tflops=trainer.peak_flops_per_device / 1e12,
-        memory_peak_gib=(max(m.memory_peak_bytes or 0 for m in records) / 2**30) if memory else None,
+        memory_peak_gib=max(peaks) / 2**30 if peaks else None,
         loss_first=records[0].loss,
         loss_last=records[-1].loss,
         losses=[round(m.loss, 5) for m in records],
@@ -161,7 +160,7 @@ def run_reference(s: dict, device_type: str, steps: int, warmup: int) -> dict:
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=cuda)
     micro, n_micro = s["micro_batch"], s["global_batch"] // s["micro_batch"]
     seq = s["seq_length"]
-    times, losses = [], []
+    times, losses, peaks = [], [], []
     for _ in range(steps):
         batch = torch.randint(0, s["vocab_size"], (s["global_batch"], seq), device=dev)
         device.synchronize()
@@ -180,13 +179,14 @@ def run_reference(s: dict, device_type: str, steps: int, warmup: int) -> dict:
         device.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(float(total))
+        memory = device.memory_bytes()
+        peaks.append(memory[1] if memory else None)
     peak = peak_flops(dev.type, torch.bfloat16).flops_per_s
     out = _summary(times[warmup:] or times[-1:], s["global_batch"] * seq, flops, peak)
-    memory = device.memory_bytes()
     out.update(
         steps=steps,
         params=sum(p.numel() for p in model.parameters()),
-        memory_peak_gib=memory[1] / 2**30 if memory else None,
+        memory_peak_gib=max(peaks) / 2**30 if peaks[0] is not None else None,  # over the steps, as ours
         loss_last=losses[-1],
         transformers=__import__("transformers").__version__,
     )
@@ -261,7 +261,10 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(text + "\n")
         return line
 
-    fp8_ok, fp8_why = _fp8_supported(device_type)
+    from engine.tensor_parallel.fp8 import unsupported
+
+    fp8_why = unsupported(device_type)
+    fp8_ok = fp8_why is None
     for n, size in enumerate(sizes):
         shape = shapes[size]
         common = {"bench": "gpu_mfu", "size": size, "device": device_type, "seq": shape["seq_length"],
@@ -301,20 +304,6 @@ def main(argv: list[str] | None = None) -> int:
                 fp8["bf16_loss_last"] = ours["loss_last"]
             emit({**common, "run": "fp8", **fp8})
     return 0
-
-
-def _fp8_supported(device_type: str) -> tuple[bool, str]:
-    """float8 GEMMs need Hopper/Ada (compute capability 8.9+) on GPU; torch's CPU kernel is a
-    correctness path only (the tiny CPU run still exercises the code)."""
-    import torch
-
-    if not hasattr(torch, "float8_e4m3fn"):
-        return False, f"torch {torch.__version__} has no float8 dtypes"
-    if device_type == "cuda":
-        major, minor = torch.cuda.get_device_capability()
-        if (major, minor) < (8, 9):
-            return False, f"compute capability {major}.{minor} < 8.9 has no float8 tensor cores"
-    return True, ""
 
 
 if __name__ == "__main__":

@@ -13,9 +13,7 @@ from __future__ import annotations
 from torch import nn
 
 
-def compile_layers(chunk: nn.Module) -> int:
-    """Compile every transformer layer of one model chunk; returns how many were compiled."""
-    layers = list(chunk.decoder.layers)
-    for layer in layers:
+def compile_layers(chunk: nn.Module) -> None:
+    """Compile every transformer layer of one model chunk."""
+    for layer in chunk.decoder.layers:
         layer.compile()
-    return len(layers)

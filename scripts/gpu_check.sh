@@ -75,7 +75,7 @@ if [[ $MODE == gpu ]]; then
     LIMITS=(60 240 120 330)
 else
     PY="${PYTHON:-.venv/bin/python}"
-    MFU_ARGS=(--sizes tiny --device cpu --steps 4 --warmup 1 --compile --fp8 --fp8-compile --fp8-steps 6 --timeout 120)
+    MFU_ARGS=(--smoke --timeout 120)  # the bench's own tiny CPU run: every run it makes on a GPU
     LIMITS=(60 240 120 240)
 fi
 

@@ -38,15 +38,15 @@ _ALIGN = 16
 
 
 def _to_fp8(t: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(t * scale as `dtype`, scale) with scale = finfo(dtype).max / amax(|t|), in fp32.
+    """(t * scale as `dtype`, 1 / scale) with scale = finfo(dtype).max / amax(|t|), in fp32: the
+    inverse is what _scaled_mm takes to dequantise, so it is the one kept.
 
     The cast goes through fp32 (one rounding, to fp8) and saturates: the float8 formats have no
     inf (e4m3fn) or overflow to it (e5m2), and amax * scale may round a hair above the maximum."""
     fmax = torch.finfo(dtype).max
     t = t.detach()
     amax = torch.linalg.vector_norm(t, float("inf"), dtype=torch.float32).clamp(min=_AMAX_EPS)
-    scale = fmax / amax
-    return t.to(torch.float32, copy=True).mul_(scale).clamp_(-fmax, fmax).to(dtype), scale
+    return t.to(torch.float32, copy=True).mul_(fmax / amax).clamp_(-fmax, fmax).to(dtype), amax / fmax
 
 
 def _column_major(t: torch.Tensor) -> torch.Tensor:
@@ -54,18 +54,31 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+# float8 tensor cores: Ada (8.9) and Hopper (9.0) on.
+MIN_CAPABILITY = (8, 9)
 _CHECKED_DEVICES: set[int] = set()
+
+
+def unsupported(device_type: str, index: int | None = None) -> str | None:
+    """Why float8 matmuls cannot run on this device, or None when they can (CPU: torch's kernel,
+    a correctness path)."""
+    if device_type != "cuda":
+        return None
+    name, capability = device.cuda_capability(index)
+    if capability < MIN_CAPABILITY:
+        return (
+            f"training.fp8 needs a GPU of compute capability {'.'.join(map(str, MIN_CAPABILITY))} or above "
+            f"(Ada, Hopper); {name} is {'.'.join(map(str, capability))}: set training.fp8: false"
+        )
+    return None
 
 
 def _check_device(t: torch.Tensor) -> None:
     if t.device.type != "cuda" or t.device.index in _CHECKED_DEVICES:
         return
-    name, (major, minor) = device.cuda_capability(t.device.index)
-    if (major, minor) < (8, 9):
-        raise RuntimeError(
-            f"training.fp8 needs a GPU of compute capability 8.9 or above (Ada, Hopper); "
-            f"{name} is {major}.{minor}: set training.fp8: false"
-        )
+    reason = unsupported("cuda", t.device.index)
+    if reason:
+        raise RuntimeError(reason)
     _CHECKED_DEVICES.add(t.device.index)
 
 
@@ -74,27 +87,24 @@ class _FP8Matmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        x8, sx = _to_fp8(x, E4M3)
-        w8, sw = _to_fp8(weight, E4M3)
+        x8, inv_x = _to_fp8(x, E4M3)
+        w8, inv_w = _to_fp8(weight, E4M3)
         # w8 [N, K] row-major: its transpose [K, N] is column-major, as _scaled_mm wants.
-        out = torch._scaled_mm(
-            x8, w8.t(), scale_a=sx.reciprocal(), scale_b=sw.reciprocal(), out_dtype=x.dtype
-        )
-        ctx.save_for_backward(x8, sx, w8, sw)
+        out = torch._scaled_mm(x8, w8.t(), scale_a=inv_x, scale_b=inv_w, out_dtype=x.dtype)
+        ctx.save_for_backward(x8, inv_x, w8, inv_w)
         ctx.dtypes = (x.dtype, weight.dtype)
         return out
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
-        x8, sx, w8, sw = ctx.saved_tensors
+        x8, inv_x, w8, inv_w = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        g8, sg = _to_fp8(grad_out.contiguous(), E5M2)
-        inv_g = sg.reciprocal()
+        g8, inv_g = _to_fp8(grad_out.contiguous(), E5M2)
         grad_x = grad_w = None
         if ctx.needs_input_grad[0]:
             # [M, N] @ [N, K]: W8 as the column-major second operand.
             grad_x = torch._scaled_mm(
-                g8, _column_major(w8), scale_a=inv_g, scale_b=sw.reciprocal(), out_dtype=x_dtype
+                g8, _column_major(w8), scale_a=inv_g, scale_b=inv_w, out_dtype=x_dtype
             )
         if ctx.needs_input_grad[1]:
             # [N, M] @ [M, K]: G8^T row-major, X8 column-major.
@@ -102,7 +112,7 @@ class _FP8Matmul(torch.autograd.Function):
                 g8.t().contiguous(),
                 _column_major(x8),
                 scale_a=inv_g,
-                scale_b=sx.reciprocal(),
+                scale_b=inv_x,
                 out_dtype=w_dtype,
             )
         return grad_x, grad_w

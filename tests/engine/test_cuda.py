@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from engine.launcher import spawn
+from engine.tensor_parallel import fp8
 from tests.tiny_jobs import TINY_LLAMA
 
 pytestmark = pytest.mark.cuda
@@ -133,20 +134,40 @@ def _attention_kernels() -> list[str]:
     return sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
 
 
-@needs_cuda
+def _dynamo_frames(job: dict) -> dict[str, int]:
+    """Two steps of `job`; what dynamo compiled meanwhile (frames compiled, distinct graphs)."""
+    from torch._dynamo.utils import counters
+
+    from engine.jobspec import resolve_job
+    from engine.training import Trainer
+
+    trainer = Trainer(resolve_job(job))
+    for _ in range(2):
+        trainer.train_step()
+    return {"frames": counters["frames"]["ok"], "graphs": counters["stats"]["unique_graphs"]}
+
+
 def test_compiled_layers_train_like_eager():
+    """On any device (CPU: inductor's C++ backend, ~10 s to compile the tiny layer)."""
     eager = _train(_job("bf16", steps=4))
     compiled = _train(_job("bf16", steps=4, compile=True))
+    # The flag really compiles, and the layers share one graph rather than one each (4 layers).
+    deep = _job("bf16", compile=True)
+    deep["model"]["num_layers"] = 4
+    assert spawn(_dynamo_frames, 1, (_job("bf16"),), device_type=DEVICE, timeout_s=300)[0]["graphs"] == 0
+    counted = spawn(_dynamo_frames, 1, (deep,), device_type=DEVICE, timeout_s=300)[0]
+    assert 1 <= counted["graphs"] < 4, counted
     for e, c in zip(eager, compiled, strict=True):
         assert abs(e["loss"] - c["loss"]) < 0.02 + 0.01 * e["loss"], ([r["loss"] for r in eager], [r["loss"] for r in compiled])
 
 
-@pytest.mark.skipif(
-    not HAS_CUDA or torch.cuda.get_device_capability() < (8, 9), reason="needs CUDA with float8 tensor cores (8.9+)"
-)
+@needs_cuda
 def test_fp8_steps_track_bf16_on_tensor_cores():
+    reason = fp8.unsupported("cuda")
+    if reason:
+        pytest.skip(f"needs float8 tensor cores: {reason}")
     bf16 = _train(_job("bf16", steps=8))
-    fp8 = _train(_job("bf16", steps=8, fp8=True))
-    assert fp8[-1]["loss"] < fp8[0]["loss"] - 0.3, [r["loss"] for r in fp8]
+    quantised = _train(_job("bf16", steps=8, fp8=True))
+    assert quantised[-1]["loss"] < quantised[0]["loss"] - 0.3, [r["loss"] for r in quantised]
     # e4m3 keeps 3 mantissa bits: the curves drift further apart than bf16's, but within 5 %.
-    assert abs(fp8[-1]["loss"] - bf16[-1]["loss"]) < 0.05 * bf16[-1]["loss"]
+    assert abs(quantised[-1]["loss"] - bf16[-1]["loss"]) < 0.05 * bf16[-1]["loss"]

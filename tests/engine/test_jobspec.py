@@ -714,3 +714,18 @@ def test_huge_or_infinite_numbers_are_refused_cheaply():
         parse_job({"optimizer": {"lr": float("inf")}})
     with pytest.raises(JobSpecError, match="training.initial_loss_scale"):
         parse_job({"training": {"initial_loss_scale": float("nan")}})
+
+
+@pytest.mark.parametrize(
+    "sections",
+    [
+        {"model": {"moe": {"num_experts": 4}}},
+        {"parallel": {"context": 2}, "resources": {"ranks": 2}},
+        {"parallel": {"data_parallel_sharding": "optim_grads_params"}, "resources": {"ranks": 2}},
+    ],
+    ids=["moe", "context", "zero3"],
+)
+def test_compile_is_refused_where_a_layer_holds_collectives_or_dynamic_shapes(sections):
+    assert parse_job(job(**sections)).training.compile is False  # the layout itself is valid
+    refused(job(training={"compile": True}, **sections), r"training\.compile is not supported yet.*set training\.compile: false")
+    assert parse_job(job(training={"compile": True})).training.compile
