@@ -348,7 +348,7 @@ def _stamp(record: dict) -> None:
 
 def local_run(spec: dict) -> list[dict]:
     from engine.launcher import spawn
-    from engine.training import train_rank
+    from engine.train_loop import train_rank
 
     return spawn(train_rank, 2, (spec, None, True, None, _stamp), timeout_s=1800)[0]
 

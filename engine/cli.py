@@ -60,7 +60,7 @@ def train(
         fail(f"{job}:\n{err}")
     from engine.device import resolve_device_type
     from engine.launcher import RankFailure, spawn
-    from engine.training import train_rank
+    from engine.train_loop import train_rank
 
     try:
         device_type = resolve_device_type(spec.resources.device)

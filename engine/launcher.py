@@ -111,7 +111,7 @@ def _context() -> mp.context.BaseContext:
     ctx = mp.get_context("forkserver")
     # The engine's training stack too: each rank importing it costs ~1.2 s of CPU, which a
     # 2-core machine pays per rank per spawn (test_parallel_layouts: 58 s -> 19 s with it here).
-    ctx.set_forkserver_preload(["torch", "engine.device", "engine.training"])
+    ctx.set_forkserver_preload(["torch", "engine.device", "engine.train_loop"])
     return ctx
 
 

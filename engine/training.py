@@ -8,11 +8,9 @@ step needs are inside `train_step`, so every rank calls it the same number of ti
 
 from __future__ import annotations
 
-import json
 import math
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -730,111 +728,3 @@ class Trainer:
             memory_allocated_bytes=memory[0] if memory else None,
             memory_peak_bytes=memory[1] if memory else None,
         )
-
-
-def _progress_line(m: StepMetrics, total: int) -> str:
-    return (
-        f"iter {m.iteration:>5}/{total} | loss {m.loss:.4f} | lr {m.lr:.3e} | grad_norm {m.grad_norm:.3f} "
-        f"| {m.tokens_per_s:,.0f} tok/s | {m.step_time_s * 1000:.0f} ms | MFU {m.mfu:.1%}"
-        + (f" | mtp loss {m.mtp_loss:.4f}" if m.mtp_loss is not None else "")
-        + (f" | {m.power_w:.0f} W" if m.power_w is not None else "")
-        + (f" | valid loss {m.valid_loss:.4f} ppl {m.valid_ppl:.2f}" if m.valid_loss is not None else "")
-    )
-
-
-def train_rank(
-    job: ResolvedJob | JobSpec | dict[str, Any],
-    metrics_out: str | None = None,
-    quiet: bool = False,
-    events_out: str | None = None,
-    on_record: Callable[[dict], None] | None = None,
-    *,
-    on_trainer: Callable[[Trainer], None] | None = None,
-    on_snapshot_due: Callable[[Trainer], None] | None = None,
-) -> list[dict]:
-    """Per-rank entry point: train the whole job; rank 0 writes and returns the metrics records.
-
-    `job` is resolved once by the launcher (a ResolvedJob); a spec or its JSON is resolved here.
-
-    Every rank appends its events (rerun state machine) to `events_out`. A rerun verdict that
-    stops the job raises RerunExit on every rank, carrying exit code 16 or 17. `on_record` gets
-    rank 0's record of every iteration (how Ray workers forward metrics without a file).
-
-    `on_trainer` gets every rank's Trainer, from the training thread, once it is built (and
-    resumed) and before the first step, because a launcher's watchdog and shutdown hook must
-    read its progress (`iteration`, `phase`) and its checkpointer from their own threads. It is
-    called after construction, never with a half-built Trainer, so that no caller depends on
-    the order in which `Trainer.__init__` sets attributes. Setup (model build, data, resume) can
-    hang too; a caller that watches for that watches its own stand-in in phase "setup" until
-    on_trainer replaces it (workers/rank.py does), which costs the engine no second hook.
-
-    `on_snapshot_due` is called on every rank after the iterations checkpoint.local_interval
-    names (`Trainer.snapshot_due`): the caller takes an in-memory snapshot
-    (`Trainer.capture_snapshot`) and keeps it where a restarted rank finds it; the engine keeps
-    none itself (a snapshot that dies with the process is no use)."""
-    trainer = Trainer(job if isinstance(job, ResolvedJob) else resolve_job(job), events_path=events_out)
-    spec = trainer.spec
-    is_logger = dist.get_rank() == 0
-    records: list[dict] = []
-    sink = None
-    if is_logger and metrics_out:
-        Path(metrics_out).parent.mkdir(parents=True, exist_ok=True)
-        # A resumed job appends to the metrics it already wrote.
-        sink = open(metrics_out, "a" if trainer.iteration else "w")  # noqa: SIM115 - closed below
-    try:
-        if on_trainer is not None:
-            on_trainer(trainer)
-        if is_logger and not quiet:
-            c, g = trainer.config, ps.get_grid()
-            n_params = sum(p.numel() for chunk in trainer.model_chunks for p in chunk.parameters())
-            print(
-                f"[elastron] {spec.name}: {spec.model.arch} {c.num_layers}L h{c.hidden_size} on "
-                f"{g.world_size} ranks (tp={g.tp} pp={g.pp} cp={g.cp} dp={g.dp}), "
-                f"{n_params:,} params per rank, {spec.training.precision}",
-                flush=True,
-            )
-        if is_logger and not quiet and trainer.hf_import is not None:
-            r = trainer.hf_import
-            print(
-                f"[elastron] imported {spec.model.init_from}: {r.tensors} tensors, {r.bytes_read:,} of "
-                f"{r.file_bytes:,} bytes read by rank 0, {r.seconds:.2f} s",
-                flush=True,
-            )
-        if is_logger and not quiet and trainer.iteration:
-            print(f"[elastron] resumed at iteration {trainer.iteration}", flush=True)
-        while trainer.iteration < spec.training.train_iters:
-            m = trainer.train_step()
-            if m is None:  # the rerun state machine skipped a bad batch
-                continue
-            trainer.evaluate_if_due(m)
-            try:
-                # A save can commit on rank 0 and then fail in its closing barrier (a peer died
-                # or froze after the shard gather): the record still goes out below, or the resume
-                # from that commit would never run, nor report, this step.
-                trainer.save_checkpoint_if_due()
-                # Before the record: when the record says a step is done, its snapshot is taken
-                # and only its push can be in flight (a failure re-runs at most that step).
-                if on_snapshot_due is not None and trainer.snapshot_due():
-                    trainer.phase = "checkpoint-local"
-                    on_snapshot_due(trainer)
-            finally:
-                # Even when the save or the snapshot fails (collectives: a peer died), the record
-                # goes out: a resume from the persistent checkpoint just committed never runs the
-                # step again.
-                if is_logger:
-                    rec = asdict(m)
-                    records.append(rec)
-                    if on_record is not None:
-                        on_record(rec)
-                    if sink:
-                        sink.write(json.dumps(rec) + "\n")
-                        sink.flush()
-                    if not quiet and (m.iteration % spec.training.log_interval == 0 or m.valid_loss is not None):
-                        print(_progress_line(m, spec.training.train_iters), flush=True)
-        if trainer.checkpointer is not None:
-            trainer.checkpointer.wait()  # the last save is committed before the job reports done
-    finally:
-        if sink:
-            sink.close()
-        ps.destroy_model_parallel()
-    return records

@@ -49,7 +49,7 @@ def job(precision: str, device: str, steps: int) -> dict:
 def run(spec: dict, device_type: str) -> list[dict]:
     from engine.jobspec import resolve_job
     from engine.launcher import spawn
-    from engine.training import train_rank
+    from engine.train_loop import train_rank
 
     return spawn(train_rank, 1, (resolve_job(spec), None, True), device_type=device_type, timeout_s=600)[0]
 

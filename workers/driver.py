@@ -10,7 +10,7 @@ Process model:
                                └─ TorchTrainer.fit()  ×  attempts
                                     ├─ Ray Train controller  (polls the ranks, resizes elastic groups)
                                     └─ one RayTrainWorker actor per rank ── workers.rank.rank_main
-                                                                             └─ engine.training.train_rank
+                                                                             └─ engine.train_loop.train_rank
 
 The driver calls `fit()` with Ray's own retries off (`FailureConfig(max_failures=0)`), so every
 failure comes back here with its per-rank causes (`WorkerGroupError.worker_failures`, the rerun

@@ -138,7 +138,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from engine.jobspec import resolve_job
-    from engine.training import train_rank
+    from engine.train_loop import train_rank
     from engine.watchdog import StepWatchdog
     from workers.snapshots import SnapshotPusher, recover
     from workers.telemetry import TelemetrySender

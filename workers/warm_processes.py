@@ -59,7 +59,7 @@ PRELOAD_MODULES = (
     "ray.train",
     "ray.train.torch",
     "engine.jobspec",
-    "engine.training",
+    "engine.train_loop",
     "engine.watchdog",
     "workers.rank",
     "workers.snapshots",

@@ -42,7 +42,7 @@ def _job(precision: str, steps: int = 6, **training) -> dict:
 
 def _train(job: dict) -> list[dict]:
     from engine.jobspec import resolve_job
-    from engine.training import train_rank
+    from engine.train_loop import train_rank
 
     return spawn(train_rank, 1, (resolve_job(job), None, True), device_type=DEVICE, timeout_s=300)[0]
 

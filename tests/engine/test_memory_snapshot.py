@@ -191,7 +191,7 @@ def test_snapshot_fields_in_the_job_spec():
 def _records_before_a_failed_snapshot(spec_dict: dict) -> list[int]:
     """Rank function: the snapshot due after iteration 4 fails (as a peer's death makes its
     collective fail); returns the iterations rank 0 recorded before that."""
-    from engine.training import train_rank
+    from engine.train_loop import train_rank
 
     recorded: list[int] = []
 
@@ -220,7 +220,7 @@ def _records_when_the_save_fails_after_its_commit(spec_dict: dict) -> tuple[list
     """Iteration 4's save commits on rank 0 and then fails, as when the closing barrier meets a
     dead peer; returns what rank 0 recorded and the committed iterations."""
     from engine.checkpointing import checkpointer as checkpointer_module
-    from engine.training import train_rank
+    from engine.train_loop import train_rank
 
     recorded: list[int] = []
     real_commit = checkpointer_module.commit_checkpoint

@@ -13,7 +13,8 @@ from engine.data.preprocess import preprocess
 from engine.data.sources import SHIPPED_CORPUS
 from engine.jobspec import JobSpec
 from engine.launcher import spawn
-from engine.training import Trainer, train_rank
+from engine.train_loop import train_rank
+from engine.training import Trainer
 from tests.engine.parallel_harness import LOSS_RTOL, job
 
 
