@@ -15,17 +15,8 @@ import torch.distributed as dist
 
 from engine import parallel_state as ps
 from engine.jobspec import JobSpec, ResolvedJob, resolve_job
-from engine.training import StepMetrics, Trainer
-
-
-def _progress_line(m: StepMetrics, total: int) -> str:
-    return (
-        f"iter {m.iteration:>5}/{total} | loss {m.loss:.4f} | lr {m.lr:.3e} | grad_norm {m.grad_norm:.3f} "
-        f"| {m.tokens_per_s:,.0f} tok/s | {m.step_time_s * 1000:.0f} ms | MFU {m.mfu:.1%}"
-        + (f" | mtp loss {m.mtp_loss:.4f}" if m.mtp_loss is not None else "")
-        + (f" | {m.power_w:.0f} W" if m.power_w is not None else "")
-        + (f" | valid loss {m.valid_loss:.4f} ppl {m.valid_ppl:.2f}" if m.valid_loss is not None else "")
-    )
+from engine.step_metrics import progress_line
+from engine.training import Trainer
 
 
 def train_rank(
@@ -116,7 +107,7 @@ def train_rank(
                         sink.write(json.dumps(rec) + "\n")
                         sink.flush()
                     if not quiet and (m.iteration % spec.training.log_interval == 0 or m.valid_loss is not None):
-                        print(_progress_line(m, spec.training.train_iters), flush=True)
+                        print(progress_line(m, spec.training.train_iters), flush=True)
         if trainer.checkpointer is not None:
             trainer.checkpointer.wait()  # the last save is committed before the job reports done
     finally:

@@ -6,5 +6,5 @@ preprocess.py       text/jsonl files -> an indexed dataset (`elastron preprocess
 gpt_dataset.py      seq_length + 1 token samples across documents, shuffled per epoch, index cached
 blending.py         exact greedy blending of datasets; train/valid/test document splits
 builder.py          the job's data section -> train/valid/test sources
-sources.py          TextSource, SyntheticSource and micro_batch (samples by global index)
+sources.py          TokenSource (a source's own micro_batch), TextSource, SyntheticSource (samples by global index)
 """

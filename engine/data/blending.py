@@ -20,6 +20,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from engine.data.sources import TokenSource
+
 
 def normalize_weights(weights: Sequence[float]) -> list[float]:
     if len(weights) == 0 or any(not math.isfinite(w) or w <= 0 for w in weights):
@@ -53,7 +55,7 @@ def greedy_blend(
     return which, within
 
 
-class BlendedDataset:
+class BlendedDataset(TokenSource):
     """`ds[i]` = sample `dataset_sample_index[i]` of dataset `dataset_index[i]`; any i >= 0 works.
 
     len(ds) is `size` when given (the planned number of samples), else the components' total.

@@ -34,7 +34,7 @@ from engine.data.indexed_dataset import IndexedDataset, dtype_for_vocab
 from engine.data.packing import PackedSFTSource
 from engine.data.preprocess import DocumentReader
 from engine.data.sft import ChatRenderer, SFTSource, load_conversations, read_chat_template
-from engine.data.sources import SHIPPED_CORPUS, SyntheticSource, TextSource
+from engine.data.sources import SHIPPED_CORPUS, SampleBatch, SyntheticSource, TextSource
 from engine.data.tokenizer import Tokenizer
 from engine.jobspec import DataSpec, JobSpec
 from engine.jobspec.data import parse_tokenizer_spec
@@ -44,6 +44,10 @@ SPLITS = ("train", "valid", "test")
 
 class Source(Protocol):
     def __getitem__(self, index: int) -> torch.Tensor: ...
+
+    def micro_batch(
+        self, consumed_samples: int, microbatch: int, micro_batch_size: int, dp_size: int, dp_rank: int
+    ) -> SampleBatch: ...
 
 
 @dataclass

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from engine.data.indexed_dataset import IndexedDataset
+from engine.data.sources import TokenSource
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ _INDEX_VERSION = 1
 _NAMES = ("doc_idx", "sample_idx", "shuffle_idx")
 
 
-class GPTDataset:
+class GPTDataset(TokenSource):
     """Samples over documents `doc_range` of `indexed`; `ds[i]` for any i >= 0, len(ds) = samples per epoch."""
 
     def __init__(

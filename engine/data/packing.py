@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from engine.data.sft import ChatRenderer, SFTSource, sft_micro_batch
+from engine.data.sources import SampleBatch
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +97,12 @@ class PackedSFTSource(SFTSource):
 
     def position_ids(self, index: int) -> torch.Tensor:
         return self.positions[self._row(index)]
+
+    def micro_batch(
+        self, consumed_samples: int, microbatch: int, micro_batch_size: int, dp_size: int, dp_rank: int
+    ) -> SampleBatch:
+        where = (consumed_samples, microbatch, micro_batch_size, dp_size, dp_rank)
+        return SampleBatch(*packed_micro_batch(self, *where))
 
 
 def packed_micro_batch(

@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from engine.data.sources import SampleBatch, TokenSource
+
 IGNORE_INDEX = -100
 log = logging.getLogger(__name__)
 
@@ -195,7 +197,7 @@ def render_samples(
     return out, truncated
 
 
-class SFTSource:
+class SFTSource(TokenSource):
     """Samples of seq_length + 1 token ids with a loss mask, one conversation each.
 
     `conversations`: already loaded (a split of the file); default: all of `path`."""
@@ -240,6 +242,11 @@ class SFTSource:
     def loss_mask(self, index: int) -> torch.Tensor:
         """[seq_length + 1] bool: which of the sample's tokens train (as a label)."""
         return self.mask[self._row(index)]
+
+    def micro_batch(
+        self, consumed_samples: int, microbatch: int, micro_batch_size: int, dp_size: int, dp_rank: int
+    ) -> SampleBatch:
+        return SampleBatch(*sft_micro_batch(self, consumed_samples, microbatch, micro_batch_size, dp_size, dp_rank))
 
     def label_tokens(self, start: int, count: int) -> int:
         """Unmasked label tokens of samples [start, start + count): a global batch's loss divisor."""

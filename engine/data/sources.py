@@ -9,6 +9,7 @@ file at start-up and cuts it into fixed windows, reshuffled per epoch with the j
 from __future__ import annotations
 
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -17,7 +18,31 @@ from engine.data.tokenizer import ByteTokenizer
 SHIPPED_CORPUS = Path(__file__).parent / "corpus" / "python_stdlib_docs.txt"
 
 
-class TextSource:
+class SampleBatch(NamedTuple):
+    """One microbatch as a source reads it: inputs and next-token labels, each [micro_batch_size,
+    seq]; a packed source adds each token's position within its sample and its sample's id."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor | None = None
+    segment_ids: torch.Tensor | None = None
+
+
+class TokenSource:
+    """A source whose samples are rows of seq_length + 1 token ids, every label trained. The
+    Trainer asks each source for its microbatches (`micro_batch`), so a source with labels to mask
+    or rows to pack says so itself (engine.data.sft, engine.data.packing)."""
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def micro_batch(
+        self, consumed_samples: int, microbatch: int, micro_batch_size: int, dp_size: int, dp_rank: int
+    ) -> SampleBatch:
+        return SampleBatch(*micro_batch(self, consumed_samples, microbatch, micro_batch_size, dp_size, dp_rank))
+
+
+class TextSource(TokenSource):
     def __init__(self, path: str | Path | None, tokenizer: ByteTokenizer, seq_length: int, seed: int):
         path = Path(path) if path else SHIPPED_CORPUS
         try:
@@ -47,7 +72,7 @@ class TextSource:
         return self.tokens[start : start + self.seq_length + 1]
 
 
-class SyntheticSource:
+class SyntheticSource(TokenSource):
     def __init__(self, vocab_size: int, seq_length: int, seed: int):
         self.vocab_size, self.seq_length, self.seed = vocab_size, seq_length, seed
 

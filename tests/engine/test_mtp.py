@@ -25,7 +25,7 @@ def _by_hand(spec: dict) -> dict:
     its gradient of depth 1's eh_proj, against what the Trainer computes and reports."""
     trainer = Trainer(JobSpec.model_validate(spec))
     model, lam, depths = trainer.model, 0.3, 2
-    batches = trainer._stage_batches(1)
+    batches = trainer.batches.read(trainer.source, trainer.consumed_samples, 1)
     tokens, labels = batches[0].tokens, batches[0].labels
     s = tokens.shape[1]
     emb, out_w = model.embedding.weight, model.output_layer.weight

@@ -21,6 +21,7 @@ import torch
 import yaml
 
 from engine import parallel_state as ps
+from engine.data.sources import TokenSource
 from engine.jobspec import JobSpec
 from engine.launcher import RankFailure, spawn
 from engine.rerun_state_machine import Diagnosis, ErrorInjector
@@ -174,7 +175,7 @@ def test_correct_result_injection_exits_16_until_moved_then_17(tmp_path):
 # ---------------------------------------------------------------- a real NaN from the data
 
 
-class PoisonedSource:
+class PoisonedSource(TokenSource):
     """Sample `bad` becomes a sequence of `token`, whose embedding row is NaN: a data fault."""
 
     def __init__(self, inner, bad: int, token: int):

@@ -86,7 +86,7 @@ def _masked_loss_case(spec_dict: dict) -> dict:
     trainer = Trainer(JobSpec.model_validate(spec_dict))
     t = trainer.spec.training
     n = t.global_batch_size // t.micro_batch_size
-    batches = [trainer._microbatch(m) for m in range(n)]
+    batches = [trainer.batches.microbatch(trainer.source, trainer.consumed_samples, m) for m in range(n)]
     with torch.no_grad():
         logits = torch.cat([trainer.model(b.tokens) for b in batches]).float()
     labels = torch.cat([b.labels for b in batches])
@@ -100,7 +100,7 @@ def _masked_loss_case(spec_dict: dict) -> dict:
         / n
     )
     valid = trainer.valid_source
-    valid_batches = [trainer._microbatch(m, valid, 0) for m in range(n)]
+    valid_batches = [trainer.batches.microbatch(valid, 0, m) for m in range(n)]
     with torch.no_grad():
         valid_logits = torch.cat([trainer.model(b.tokens) for b in valid_batches]).float()
     valid_labels = torch.cat([b.labels for b in valid_batches])

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from engine import parallel_state as ps
 from engine.data.preprocess import preprocess
-from engine.data.sources import SHIPPED_CORPUS
+from engine.data.sources import SHIPPED_CORPUS, TokenSource
 from engine.jobspec import JobSpec
 from engine.launcher import spawn
 from engine.train_loop import train_rank
@@ -18,7 +18,7 @@ from engine.training import Trainer
 from tests.engine.parallel_harness import LOSS_RTOL, job
 
 
-class RecordingSource:
+class RecordingSource(TokenSource):
     """Passes samples through and notes (iteration being trained, sample index, token ids)."""
 
     def __init__(self, trainer: Trainer, inner):

@@ -18,14 +18,6 @@ from engine.transformer.moe.experts import LocalExperts
 from engine.transformer.moe.router import MoEConfig, TopKRouter
 from engine.transformer.moe.token_dispatcher import AllToAllDispatcher
 
-# What the main loss is multiplied by before backward; the balancing losses get the same.
-_AUX_LOSS_SCALE = [1.0]
-
-
-def set_aux_loss_scale(scale: float) -> None:
-    """What the main loss is multiplied by before backward (fp16 scale / microbatches)."""
-    _AUX_LOSS_SCALE[0] = scale
-
 
 def local_experts(num_experts: int) -> tuple[int, int]:
     """(global index of this rank's first expert, how many it holds): experts are split evenly
@@ -44,6 +36,9 @@ class MoELayer(nn.Module):
         self.expert_offset, self.local_count = local_experts(moe.num_experts)
         ep_size = moe.num_experts // self.local_count
         self.moe = moe
+        # What the main loss is multiplied by before backward (fp16 scale / microbatches): the
+        # balancing losses get the same. The training objective sets it each step.
+        self.aux_loss_scale = 1.0
         self.router = TopKRouter(
             config.hidden_size, moe, config.params_dtype, config.init_method_std, config.sequence_parallel
         )
@@ -75,5 +70,5 @@ class MoELayer(nn.Module):
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         if routing.aux_loss.requires_grad:
-            out = attach_loss(out, routing.aux_loss, _AUX_LOSS_SCALE[0])
+            out = attach_loss(out, routing.aux_loss, self.aux_loss_scale)
         return out
