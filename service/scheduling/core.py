@@ -45,11 +45,11 @@ import heapq
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 
-@dataclass(frozen=True)
-class Shape:
-    """What one rank of a job takes on one node."""
+class Shape(NamedTuple):
+    """What one rank of a job takes on one node (a tuple: it keys the per-shape caches)."""
 
     cpus: float = 1.0
     gpus: float = 0.0
@@ -151,8 +151,7 @@ class Preemption:
     reclaimed: bool  # backfill taken back: requeue it with yields_to=for_job
 
 
-@dataclass(frozen=True)
-class Waiting:
+class Waiting(NamedTuple):
     position: int  # 1 = next in order
     reason: str
 
@@ -177,6 +176,14 @@ class Policy:
     grow: bool = True  # elastic jobs take free room up to max_ranks when nothing waits for it
 
 
+def _fit_on(shape: Shape, cpu: float, gpu: float) -> int:
+    """Ranks of `shape` that fit in (cpu, gpu) free on one node."""
+    n = int(cpu // shape.cpus) if shape.cpus > 0 else 1 << 30
+    if shape.gpus > 0:
+        n = min(n, int(gpu // shape.gpus))
+    return max(n, 0)
+
+
 def _fmt(x: float) -> str:
     return f"{x:g}"
 
@@ -191,19 +198,24 @@ class _Cluster:
         for r in running:
             self.take(r.job.shape, r.placement)
         self._fits: dict[Shape, int] = {}
+        self._texts: dict[tuple[Shape, int], str] = {}
+
+    def demand_text(self, shape: Shape, ranks: int) -> str:
+        key = (shape, ranks)
+        text = self._texts.get(key)
+        if text is None:
+            text = self._texts[key] = (
+                f"needs {ranks} ranks x ({_fmt(shape.cpus)} CPU, {_fmt(shape.gpus)} GPU), "
+                f"{self.ranks_that_fit(shape)} free"
+            )
+        return text
 
     def ranks_that_fit(self, shape: Shape, free: Mapping[str, list[float]] | None = None) -> int:
         if free is None:
             if shape not in self._fits:
                 self._fits[shape] = self.ranks_that_fit(shape, self.free)
             return self._fits[shape]
-        total = 0
-        for cpu, gpu in free.values():
-            n = int(cpu // shape.cpus) if shape.cpus > 0 else 1 << 30
-            if shape.gpus > 0:
-                n = min(n, int(gpu // shape.gpus))
-            total += max(n, 0)
-        return total
+        return sum(_fit_on(shape, cpu, gpu) for cpu, gpu in free.values())
 
     def place(self, shape: Shape, ranks: int, free: Mapping[str, list[float]] | None = None) -> dict[str, int] | None:
         """Ranks per node, fullest nodes first (packing keeps whole nodes free for big jobs)."""
@@ -229,7 +241,7 @@ class _Cluster:
             if n in self.free:
                 self.free[n][0] -= sign * k * shape.cpus
                 self.free[n][1] -= sign * k * shape.gpus
-        self._fits = {}
+        self._fits, self._texts = {}, {}
 
     def total(self) -> tuple[float, float]:
         return sum(n.cpus for n in self.nodes.values()), sum(n.gpus for n in self.nodes.values())
@@ -354,24 +366,30 @@ def _fair_order(
     levels: dict[int, dict[str, list[Job]]] = {}
     for job in queued:
         levels.setdefault(-effective_priority(job, now, policy), {}).setdefault(job.tenant, []).append(job)
-    shares = {t: _Usage(u.ranks, u.cpus, u.gpus) for t, u in usage.items()}
+    cpus_total, gpus_total = totals
+    cpu_w = 1.0 / cpus_total if cpus_total else 0.0
+    gpu_w = 1.0 / gpus_total if gpus_total else 0.0
+    shares = {t: [u.cpus, u.gpus] for t, u in usage.items()}  # as if each job placed ran
     out: list[Job] = []
     for level in sorted(levels):
         per_tenant = levels[level]
         heap = []
         for tenant, jobs in per_tenant.items():
             jobs.sort(key=lambda j: (j.submitted_at, j.id))
-            share = _dominant_share(shares.setdefault(tenant, _Usage()), totals)
-            heap.append((share, jobs[0].submitted_at, tenant, 0))
+            cpu, gpu = shares.setdefault(tenant, [0.0, 0.0])
+            heap.append((max(cpu * cpu_w, gpu * gpu_w), jobs[0].submitted_at, tenant, 0))
         heapq.heapify(heap)
         while heap:
             _, _, tenant, i = heapq.heappop(heap)
-            job = per_tenant[tenant][i]
+            jobs = per_tenant[tenant]
+            job = jobs[i]
             out.append(job)
-            shares[tenant].add(job.shape, job.ranks)
-            if i + 1 < len(per_tenant[tenant]):
-                nxt = per_tenant[tenant][i + 1]
-                heapq.heappush(heap, (_dominant_share(shares[tenant], totals), nxt.submitted_at, tenant, i + 1))
+            share = shares[tenant]
+            share[0] += job.ranks * job.shape.cpus
+            share[1] += job.ranks * job.shape.gpus
+            if i + 1 < len(jobs):
+                key = max(share[0] * cpu_w, share[1] * gpu_w)
+                heapq.heappush(heap, (key, jobs[i + 1].submitted_at, tenant, i + 1))
     return out
 
 
@@ -400,12 +418,15 @@ def decide(
     position = 0
     for job in order:
         tenant = usage.setdefault(job.tenant, _Usage())
-        excess = quota_excess(quotas.get(job.tenant), tenant, job.shape, job.lo)
-        if excess is not None:
-            position += 1
-            decision.waiting[job.id] = Waiting(position, f"tenant {job.tenant} {excess}")
-            continue
-        allowed = quota_room(quotas.get(job.tenant), tenant, job.shape)
+        quota = quotas.get(job.tenant)
+        allowed = 1 << 30
+        if quota is not None:
+            excess = quota_excess(quota, tenant, job.shape, job.lo)
+            if excess is not None:
+                position += 1
+                decision.waiting[job.id] = Waiting(position, f"tenant {job.tenant} {excess}")
+                continue
+            allowed = quota_room(quota, tenant, job.shape)
         if head is None:
             size = _largest_fit(cluster, job, allowed)
             if size:
@@ -450,11 +471,7 @@ def _largest_fit(cluster: _Cluster, job: Job, allowed: int) -> int:
 
 
 def _demand_text(job: Job, cluster: _Cluster) -> str:
-    free = cluster.ranks_that_fit(job.shape)
-    return (
-        f"needs {job.lo} ranks x ({_fmt(job.shape.cpus)} CPU, {_fmt(job.shape.gpus)} GPU), "
-        f"{free} free"
-    )
+    return cluster.demand_text(job.shape, job.lo)
 
 
 def _make_room(
@@ -496,15 +513,23 @@ def _make_room(
 
     victims: dict[str, int] = {}  # job id -> its size after (0: stopped)
     free = {n: list(v) for n, v in cluster.free.items()}  # kept as victims are added
+    fit = {n: _fit_on(job.shape, cpu, gpu) for n, (cpu, gpu) in free.items()}  # ranks of `job` per node
+    total = [sum(fit.values())]
 
     def resize(r: Running, size: int) -> None:
         old = victims.get(r.job.id, r.ranks)
         now_on = _shrunk_placement(r.placement, r.ranks - old)
-        _give_back(free, r.job.shape, _shrunk_placement(now_on, old - size, gone=True))
+        gone = _shrunk_placement(now_on, old - size, gone=True)
+        _give_back(free, r.job.shape, gone)
+        for n in gone:
+            if n in free:
+                new = _fit_on(job.shape, *free[n])
+                total[0] += new - fit[n]
+                fit[n] = new
         victims[r.job.id] = size
 
     def room() -> bool:
-        return cluster.ranks_that_fit(job.shape, free) >= job.lo
+        return total[0] >= job.lo
 
     # Shrink elastic jobs above their minimum first: the lowest priority, the most room first.
     for r in sorted(candidates, key=lambda r: (r.job.priority, -(r.ranks - r.job.lo), r.job.id)):
