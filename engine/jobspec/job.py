@@ -16,8 +16,8 @@ from engine.jobspec import layout
 from engine.jobspec.checkpoint import CheckpointSpec
 from engine.jobspec.common import _divisors, _Section
 from engine.jobspec.data import DataSpec
-from engine.jobspec.hf_config import has_tokenizer
-from engine.jobspec.model import ModelSpec
+from engine.jobspec.hf_config import HFConfigError, resolve_hf_config
+from engine.jobspec.model import HF_CONFIG_ERROR, ModelSpec
 from engine.jobspec.parallel import ParallelSpec
 from engine.jobspec.resilience import ResilienceSpec
 from engine.jobspec.resources import ResourcesSpec
@@ -34,20 +34,6 @@ class JobSpec(_Section):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     resilience: ResilienceSpec = Field(default_factory=ResilienceSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _tokenizer_of_init_from(cls, data: Any) -> Any:
-        """data.tokenizer defaults to the tokenizer of the Hugging Face folder the model starts from."""
-        if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
-            return data
-        folder = data["model"].get("init_from")
-        section = data.get("data") or {}
-        if not isinstance(folder, str) or not isinstance(section, dict) or "tokenizer" in section:
-            return data
-        if has_tokenizer(folder):
-            return {**data, "data": {**section, "tokenizer": f"hf:{folder}"}}
-        return data
 
     @property
     def data_parallel_size(self) -> int:
@@ -319,8 +305,16 @@ def format_validation_error(err: ValidationError) -> str:
 
 
 def parse_job(data: dict[str, Any]) -> JobSpec:
+    """A job spec from its dict: `model.init_from`'s config.json read and merged first (the one
+    I/O of parsing, skipped for a spec resolved already: see hf_config.resolve_hf_config), then
+    validated; every problem in one JobSpecError, a line each."""
+    context = {}
     try:
-        return JobSpec.model_validate(data)
+        data = resolve_hf_config(data)
+    except HFConfigError as err:  # reported by ModelSpec, among the other sections' problems
+        context[HF_CONFIG_ERROR] = err
+    try:
+        return JobSpec.model_validate(data, context=context)
     except ValidationError as err:
         raise JobSpecError(format_validation_error(err)) from None
 
