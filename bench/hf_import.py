@@ -97,11 +97,11 @@ def write_folder(folder: Path, layers: int, hidden: int, shard_mb: int) -> dict:
 def import_rank(folder: str) -> dict:
     from engine import parallel_state as ps
     from engine.hf.importer import import_hf_weights
-    from engine.jobspec import JobSpec
+    from engine.jobspec import parse_job
     from engine.models import GPTModel
     from engine.transformer.config import TransformerConfig
 
-    spec = JobSpec.model_validate(
+    spec = parse_job(  # reads config.json into the model fields (JobSpec validation reads nothing)
         {
             "model": {"init_from": folder, "seq_length": 128},
             "parallel": {"tensor": 2},

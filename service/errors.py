@@ -2,9 +2,10 @@
 wrong is a 500 with a logged stack trace (and, where a job is concerned, a job event written by
 the code that failed).
 
-Job specifications are validated by FastAPI against `JobSpec`; when that fails, the body is run
-through engine/jobspec/'s own `parse_job` so the API answers with exactly the messages
-`elastron train` prints (with "did you mean" for misspelt keys), one entry per problem.
+Job specifications are validated by the submission route with engine/jobspec/'s own
+`parse_job` (service/submission.py), so the API answers with exactly the messages `elastron
+train` prints (with "did you mean" for misspelt keys), one entry per problem; FastAPI itself
+only checks that the body is a JSON object.
 """
 
 from __future__ import annotations
@@ -16,8 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from engine.jobspec import JobSpecError, parse_job
-from service.submission import SpecProblem, problems_from_text
+from service.submission import SpecProblem
 
 log = logging.getLogger(__name__)
 
@@ -52,21 +52,17 @@ def _plain(errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _job_spec_detail(body: Any, errors: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    if any(e.get("type") == "json_invalid" for e in errors):
+    """FastAPI refuses a submission only when its body is no JSON object (the route validates the
+    spec itself)."""
+    if any(e.get("type") == "json_invalid" for e in errors) or isinstance(body, dict):
         return _plain(errors)
-    if not isinstance(body, dict):
-        return [
-            {
-                "loc": ["body"],
-                "type": "type_error",
-                "msg": "the body must be a JSON object: a job specification (see `elastron schema` or /docs)",
-            }
-        ]
-    try:
-        parse_job(body)
-    except JobSpecError as err:
-        return problem_detail(problems_from_text(str(err)))
-    return _plain(errors)
+    return [
+        {
+            "loc": ["body"],
+            "type": "type_error",
+            "msg": "the body must be a JSON object: a job specification (see `elastron schema` or /docs)",
+        }
+    ]
 
 
 async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:

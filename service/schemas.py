@@ -9,7 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from engine.jobspec import ParallelSpec
-from engine.jobspec.layout import data_parallel_size
+from engine.jobspec.layout import describe
 from service.states import JobState
 from service.store.models import Checkpoint, Export, Job, JobEvent
 from service.store.telemetry import number
@@ -97,7 +97,7 @@ def _layout(spec: dict[str, Any] | None) -> tuple[int | None, str | None]:
         p = ParallelSpec.model_validate(spec["parallel"])
     except (KeyError, TypeError, ValueError):
         return None, None
-    return ranks, f"tp{p.tensor} pp{p.pipeline} cp{p.context} dp{data_parallel_size(ranks, p)}"
+    return ranks, describe(ranks, p)
 
 
 def _summary_fields(job: Job) -> dict[str, Any]:

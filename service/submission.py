@@ -1,5 +1,10 @@
 """Turn a submitted job specification into the one the job runs with.
 
+The body is taken as a plain JSON object (`SpecBody`, documented as `JobSpec`) and validated by
+`accept_spec` in the route's worker thread, not by FastAPI on the event loop: parsing reads
+`model.init_from`'s config.json (over S3 too), once, and stores its fields and digest in the
+spec, so nothing after submission reads it again.
+
 Two service-side rules on top of engine/jobspec/:
 - a job without `checkpoint.path` checkpoints under `<ELASTRON_CHECKPOINT_DIR>/<tenant>`
   (default `<ELASTRON_HOME>/checkpoints/<tenant>`), recorded in the spec as run, so
@@ -17,8 +22,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from typing import Any
+from typing import Annotated, Any
 
+from pydantic_core import core_schema
 from sqlalchemy.orm import Session
 
 from engine.jobspec import JobSpec, JobSpecError, parse_job
@@ -46,6 +52,34 @@ def problems_from_text(text: str) -> list[tuple[str, str]]:
         match = _FIELD.match(line)
         out.append((match.group(1) if match and "." in match.group(1) else "", line))
     return out
+
+
+class _DocumentedAsJobSpec:
+    """OpenAPI shows the body as `JobSpec` (a $ref, as when FastAPI validated it) although the
+    route receives the plain object and validates it itself."""
+
+    @classmethod
+    def __get_pydantic_json_schema__(cls, _schema, handler):
+        spec = JobSpec.__pydantic_core_schema__
+        return handler(
+            core_schema.definitions_schema(core_schema.definition_reference_schema(spec["ref"]), [spec])
+        )
+
+
+SpecBody = Annotated[dict[str, Any], _DocumentedAsJobSpec]
+
+
+def accept_spec(body: dict[str, Any]) -> JobSpec:
+    """A submitted job specification, validated, with `model.init_from`'s config.json read into
+    it (blocking I/O: call this off the event loop). A `model.hf_config_digest` the client sent
+    is dropped: the API reads the folder itself rather than trust a digest it did not compute."""
+    model = body.get("model")
+    if isinstance(model, dict) and "hf_config_digest" in model:
+        body = {**body, "model": {k: v for k, v in model.items() if k != "hf_config_digest"}}
+    try:
+        return parse_job(body)
+    except JobSpecError as err:
+        raise SpecProblem(problems_from_text(str(err))) from None
 
 
 def request_hash(spec: JobSpec) -> str:

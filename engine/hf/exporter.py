@@ -30,8 +30,9 @@ from engine.checkpointing.backends import open_storage
 from engine.checkpointing.commit import open_checkpoint, resolve_checkpoint
 from engine.data.tokenizer import build_tokenizer, local_tokenizer_path
 from engine.hf.families import Shapes, hf_tensors
-from engine.jobspec import JobSpec, parse_tokenizer_spec
-from engine.jobspec.hf_config import HFConfigError, hf_config_for, read_hf_config
+from engine.jobspec import JobSpec, parse_job, parse_tokenizer_spec
+from engine.jobspec.hf_config import HFConfigError, read_hf_config
+from engine.jobspec.hf_export_config import hf_config_for
 from engine.transformer.config import TransformerConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -74,7 +75,8 @@ def read_model_tensors(uri: str, *, endpoint_url: str | None = None, region: str
         with warnings.catch_warnings():  # one process, no process group: exactly the intent
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
             raw_io.load(targets, opened)
-    spec = JobSpec.model_validate(opened.meta["job"]) if opened.meta.get("job") else None
+    # parse_job: a record saved before specs carried hf_config_digest reads config.json once
+    spec = parse_job(opened.meta["job"]) if opened.meta.get("job") else None
     if spec is None:
         raise ExportError(
             f"checkpoint {uri} carries no job record (saved by an older elastron): cannot tell its model"

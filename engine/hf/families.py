@@ -12,8 +12,9 @@ family drives both directions and every layout. Fused tensors use Megatron-Core'
   ranges of HF's q_proj / k_proj / v_proj (GPT-2's c_attn is [q; k; v] over all heads);
 - `linear_fc1` is [gate; up] (SwiGLU): TP rank r holds gate shard r then up shard r.
 
-GPT-2 stores its linears as Conv1D ([in, out]); its segments are `transposed`. The config.json
-side of a family is engine/jobspec/hf_config.py (plain json, usable by the API).
+GPT-2 stores its linears as Conv1D ([in, out]); its segments are `transposed`. Which families
+exist and how each names its tensors (`layout`, `moe`) is the registry's,
+engine/jobspec/hf_families.py (plain data, shared with the config.json side the API uses).
 """
 
 from __future__ import annotations
@@ -25,18 +26,7 @@ from typing import Any
 
 import torch
 
-# Hugging Face architectures -> how their tensors are named.
-LLAMA_STYLE = {
-    "LlamaForCausalLM",
-    "MistralForCausalLM",
-    "Qwen2ForCausalLM",
-    "Qwen3ForCausalLM",
-    "MixtralForCausalLM",
-    "Qwen3MoeForCausalLM",
-}
-GPT2_STYLE = {"GPT2LMHeadModel"}
-DEEPSEEK_STYLE = {"DeepseekV3ForCausalLM"}
-
+from engine.jobspec.hf_families import family
 
 # Model state that only some families store: the aux-loss-free expert bias (DeepSeek-V3's
 # e_score_correction_bias; zero and left out for the others).
@@ -141,7 +131,8 @@ def _llama_layer(prefix: str, suffix: str, s: Shapes, arch: str) -> list[Segment
     h, hidden = s.heads, s.hidden_size
     attn = f"{prefix}.self_attn"
     qkv = (f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj")
-    moe = f"{prefix}.block_sparse_moe" if arch == "MixtralForCausalLM" else f"{prefix}.mlp"
+    mixtral = family(arch).moe == "mixtral"  # block_sparse_moe, experts' w1/w3/w2
+    moe = f"{prefix}.block_sparse_moe" if mixtral else f"{prefix}.mlp"
     table: dict[str, list[Segment]] = {
         "input_layernorm.weight": _whole(f"{prefix}.input_layernorm.weight", hidden),
         "pre_mlp_layernorm.weight": _whole(f"{prefix}.post_attention_layernorm.weight", hidden),
@@ -162,7 +153,7 @@ def _llama_layer(prefix: str, suffix: str, s: Shapes, arch: str) -> list[Segment
     e = _EXPERT.match(suffix)
     if e:
         j, which, f = e.group(1), e.group(2), s.expert_ffn_hidden_size
-        if arch == "MixtralForCausalLM":
+        if mixtral:
             gate, up, down = (f"{moe}.experts.{j}.{w}.weight" for w in ("w1", "w3", "w2"))
         else:
             gate, up, down = (f"{moe}.experts.{j}.{w}_proj.weight" for w in ("gate", "up", "down"))
@@ -277,18 +268,19 @@ def _gpt2_layer(prefix: str, suffix: str, s: Shapes) -> list[Segment]:
 def segments(arch: str, our_name: str, s: Shapes) -> list[Segment]:
     """Our global tensor `our_name` as HF segments along its first dimension; KeyError when the
     family has no tensor for it (a model feature the family lacks)."""
-    gpt2 = arch in GPT2_STYLE
+    layout = family(arch).layout
+    gpt2 = layout == "gpt2"
     m = _LAYER.match(our_name)
     if m:
         idx, suffix = m.groups()
         prefix = f"transformer.h.{idx}" if gpt2 else f"model.layers.{idx}"
         if gpt2:
             return _gpt2_layer(prefix, suffix, s)
-        if arch in DEEPSEEK_STYLE:
+        if layout == "deepseek":
             return _deepseek_layer(prefix, suffix, s)
         return _llama_layer(prefix, suffix, s, arch)
     m = _MTP.match(our_name)
-    if m and arch in DEEPSEEK_STYLE:
+    if m and layout == "deepseek":
         return _deepseek_mtp(int(m.group(1)), m.group(2), s)
     embed = "transformer.wte.weight" if gpt2 else "model.embed_tokens.weight"
     if our_name == "embedding.weight" or (our_name == "output_layer.weight" and s.tie_embeddings):

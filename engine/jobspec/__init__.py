@@ -9,11 +9,15 @@ does not divide) belongs here, not in the engine.
 One module per section (model, parallel, data, training and optimizer, checkpoint, resilience,
 resources), the rules spanning sections and the parsing in `job.py`, the facts derived from a
 layout in `layout.py`, a job resolved once in `resolved.py`, and the service <-> workers wire
-names in `contract.py`. Import from here: `from engine.jobspec import JobSpec, parse_job`.
+names in `contract.py`. Hugging Face models: the registry of families (`hf_families.py`),
+config.json <-> `model` fields (`hf_fields.py`, `hf_export_config.py`) and the one step that
+reads config.json (`hf_config.resolve_hf_config`, run by `parse_job`; validation itself reads
+nothing). Import from here: `from engine.jobspec import JobSpec, parse_job`.
 """
 
 from engine.jobspec.checkpoint import CheckpointSpec
 from engine.jobspec.data import DataSpec, parse_tokenizer_spec
+from engine.jobspec.hf_config import resolve_hf_config
 from engine.jobspec.job import (
     JobSpec,
     JobSpecError,
@@ -51,5 +55,6 @@ __all__ = [
     "parse_job",
     "parse_job_text",
     "parse_tokenizer_spec",
+    "resolve_hf_config",
     "resolve_job",
 ]

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 from pathlib import Path
 from typing import Any
 
@@ -16,8 +15,8 @@ from engine.jobspec import layout
 from engine.jobspec.checkpoint import CheckpointSpec
 from engine.jobspec.common import _divisors, _Section
 from engine.jobspec.data import DataSpec
-from engine.jobspec.hf_config import has_tokenizer
-from engine.jobspec.model import ModelSpec
+from engine.jobspec.hf_config import HFConfigError, resolve_hf_config
+from engine.jobspec.model import HF_CONFIG_ERROR, ModelSpec
 from engine.jobspec.parallel import ParallelSpec
 from engine.jobspec.resilience import ResilienceSpec
 from engine.jobspec.resources import ResourcesSpec
@@ -34,20 +33,6 @@ class JobSpec(_Section):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     resilience: ResilienceSpec = Field(default_factory=ResilienceSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _tokenizer_of_init_from(cls, data: Any) -> Any:
-        """data.tokenizer defaults to the tokenizer of the Hugging Face folder the model starts from."""
-        if not isinstance(data, dict) or not isinstance(data.get("model"), dict):
-            return data
-        folder = data["model"].get("init_from")
-        section = data.get("data") or {}
-        if not isinstance(folder, str) or not isinstance(section, dict) or "tokenizer" in section:
-            return data
-        if has_tokenizer(folder):
-            return {**data, "data": {**section, "tokenizer": f"hf:{folder}"}}
-        return data
 
     @property
     def data_parallel_size(self) -> int:
@@ -124,13 +109,13 @@ class JobSpec(_Section):
                     f"{field} ({size}) is not a multiple of parallel.tensor x pipeline x context ({mp}): a "
                     f"resize changes only the data-parallel size; use {hint}"
                 )
-            shard = p.data_parallel_shard_size
-            if shard is not None and (size // mp) % shard:
+            dp, shard = layout.data_parallel_size(size, p), p.data_parallel_shard_size
+            if shard is not None and dp % shard:
                 raise ValueError(
                     f"parallel.data_parallel_shard_size ({shard}) must divide the data-parallel size at {field} "
-                    f"({size // mp}): a resize keeps the shard groups"
+                    f"({dp}): a resize keeps the shard groups"
                 )
-            per_step = t.micro_batch_size * (size // mp)
+            per_step = layout.samples_per_microbatch(t, dp)
             batches = {"training.global_batch_size": t.global_batch_size}
             if t.rampup_batch_size is not None:
                 batches["training.rampup_batch_size start"] = t.rampup_batch_size[0]
@@ -139,7 +124,7 @@ class JobSpec(_Section):
                 if value % per_step:
                     raise ValueError(
                         f"{name} ({value}) is not divisible by training.micro_batch_size "
-                        f"({t.micro_batch_size}) x the data-parallel size at {field} ({size // mp}) = "
+                        f"({t.micro_batch_size}) x the data-parallel size at {field} ({dp}) = "
                         f"{per_step}: the global batch stays the same on every size the job may run on"
                     )
         return self
@@ -166,11 +151,9 @@ class JobSpec(_Section):
                 f"of {model_parallel} or shrink the parallel sizes"
             )
         dp = layout.data_parallel_size(ranks, p)
-        if ranks % (p.expert * p.pipeline):
-            # Experts are whole on their EP rank (expert TP 1), so EP may span TP ranks: only
-            # EP x PP has to divide the ranks (Megatron-Core's rule for the expert grid).
+        if ranks % layout.expert_grid_size(p):
             raise ValueError(
-                f"parallel.expert ({p.expert}) x parallel.pipeline ({p.pipeline}) = {p.expert * p.pipeline} "
+                f"parallel.expert ({p.expert}) x parallel.pipeline ({p.pipeline}) = {layout.expert_grid_size(p)} "
                 f"does not divide resources.ranks ({ranks})"
             )
         if m.num_attention_heads % tp:
@@ -200,12 +183,12 @@ class JobSpec(_Section):
                 "parallel.sequence_parallel: true"
             )
         if p.context > 1:
-            # Context parallelism: 2 x context equal chunks, two per CP rank (causal load
-            # balancing); under SP each CP rank's seq_length / context tokens split again over TP.
-            multiple, why = 2 * p.context, ""
-            if sequence_parallel:
-                multiple = p.context * math.lcm(2, tp)
-                why = f", each rank's share split again over parallel.tensor ({tp}) by sequence parallelism"
+            multiple = layout.seq_length_multiple(p)
+            why = (
+                f", each rank's share split again over parallel.tensor ({tp}) by sequence parallelism"
+                if sequence_parallel
+                else ""
+            )
             if m.seq_length % multiple:
                 lower = m.seq_length // multiple * multiple
                 hint = f"{lower} or {lower + multiple}" if lower else str(multiple)
@@ -229,7 +212,7 @@ class JobSpec(_Section):
             raise ValueError(
                 "parallel.virtual_pipeline needs parallel.pipeline > 1: remove it or raise pipeline"
             )
-        stages = p.pipeline * (p.virtual_pipeline or 1)
+        stages = layout.pipeline_stages(p)
         if p.pipeline_layers is not None:
             if len(p.pipeline_layers) != stages or sum(p.pipeline_layers) != m.num_layers:
                 raise ValueError(
@@ -246,7 +229,7 @@ class JobSpec(_Section):
                 f"model.num_layers ({m.num_layers}) must be divisible by parallel.pipeline x "
                 f"parallel.virtual_pipeline ({stages})"
             )
-        per_step = t.micro_batch_size * dp
+        per_step = layout.samples_per_microbatch(t, dp)
         if t.global_batch_size % per_step:
             raise ValueError(
                 f"training.global_batch_size ({t.global_batch_size}) is not divisible by "
@@ -319,8 +302,16 @@ def format_validation_error(err: ValidationError) -> str:
 
 
 def parse_job(data: dict[str, Any]) -> JobSpec:
+    """A job spec from its dict: `model.init_from`'s config.json read and merged first (the one
+    I/O of parsing, skipped for a spec resolved already: see hf_config.resolve_hf_config), then
+    validated; every problem in one JobSpecError, a line each."""
+    context = {}
     try:
-        return JobSpec.model_validate(data)
+        data = resolve_hf_config(data)
+    except HFConfigError as err:  # reported by ModelSpec, among the other sections' problems
+        context[HF_CONFIG_ERROR] = err
+    try:
+        return JobSpec.model_validate(data, context=context)
     except ValidationError as err:
         raise JobSpecError(format_validation_error(err)) from None
 

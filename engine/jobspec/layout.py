@@ -12,6 +12,7 @@ three compose the same path from these two functions.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from engine.jobspec.parallel import ParallelSpec
@@ -29,16 +30,49 @@ def data_parallel_size(ranks: int, parallel: ParallelSpec) -> int:
     return ranks // model_parallel_size(parallel)
 
 
+def expert_grid_size(parallel: ParallelSpec) -> int:
+    """Ranks of one expert-parallel x pipeline block, which must divide the ranks: experts are
+    whole on their EP rank (expert TP 1), so EP may span TP ranks (Megatron-Core's expert grid)."""
+    return parallel.expert * parallel.pipeline
+
+
+def pipeline_stages(parallel: ParallelSpec) -> int:
+    """Model chunks in pipeline order: pipeline x virtual_pipeline."""
+    return parallel.pipeline * (parallel.virtual_pipeline or 1)
+
+
+def describe(ranks: int, parallel: ParallelSpec) -> str:
+    """The layout in a few characters, e.g. 'tp2 pp1 cp1 dp4' (the API's job listings)."""
+    p = parallel
+    return f"tp{p.tensor} pp{p.pipeline} cp{p.context} dp{data_parallel_size(ranks, p)}"
+
+
 def sequence_parallel_effective(parallel: ParallelSpec) -> bool:
     """Sequence parallelism shards activations between TP regions: a no-op without TP."""
     return parallel.sequence_parallel and parallel.tensor > 1
+
+
+def seq_length_multiple(parallel: ParallelSpec) -> int:
+    """What model.seq_length must be a multiple of under context parallelism: 2 x context equal
+    chunks, two per CP rank (causal load balancing); under sequence parallelism each CP rank's
+    share splits again over TP. 1 without context parallelism."""
+    if parallel.context == 1:
+        return 1
+    tp = parallel.tensor if sequence_parallel_effective(parallel) else 1
+    return parallel.context * math.lcm(2, tp)
+
+
+def samples_per_microbatch(training: TrainingSpec, data_parallel: int) -> int:
+    """Samples one microbatch on every data-parallel rank takes: a global batch (and a rampup's
+    start and increment) must be a multiple of it."""
+    return training.micro_batch_size * data_parallel
 
 
 def num_microbatches(training: TrainingSpec, data_parallel: int, global_batch_size: int | None = None) -> int:
     """Microbatches each data-parallel rank runs per step for a global batch (default: the full
     one; a rampup's current one otherwise)."""
     gbs = training.global_batch_size if global_batch_size is None else global_batch_size
-    return gbs // (training.micro_batch_size * data_parallel)
+    return gbs // samples_per_microbatch(training, data_parallel)
 
 
 def join_location(root: str, name: str) -> str:

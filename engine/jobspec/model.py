@@ -6,10 +6,14 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, model_validator
 
 from engine.jobspec.common import PositiveInt, _divisors, _Section
-from engine.jobspec.hf_config import check_sliding_window, hf_model_fields, merge_fields, read_hf_config
+
+# Validation context key: why resolve_hf_config could not merge model.init_from's config.json
+# (parse_job passes it, so the message stands where the read would have failed, among the
+# other sections' problems).
+HF_CONFIG_ERROR = "hf_config_error"
 
 
 class MoESpec(_Section):
@@ -172,6 +176,13 @@ class ModelSpec(_Section):
         "from its config.json (a field set here to another value is an error naming both); the "
         "weights are loaded before the first step unless the job resumes from a checkpoint.",
     )
+    hf_config_digest: str | None = Field(
+        None,
+        pattern=r"^[0-9a-f]{64}$",
+        exclude_if=lambda v: v is None,  # a spec without init_from dumps as it always did
+        description="Set where the job is submitted: the sha256 of model.init_from's config.json, whose "
+        "fields are then merged into this section (later validations read nothing).",
+    )
     arch: Literal["gpt2", "llama"] = "llama"
     num_layers: PositiveInt = 2
     hidden_size: PositiveInt = 64
@@ -234,16 +245,28 @@ class ModelSpec(_Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _from_hf_config(cls, data: Any) -> Any:
-        """model.init_from: the architecture fields are config.json's, so the rest of validation
-        (and the layout rules of the whole job) sees the real model."""
-        if not isinstance(data, dict) or not data.get("init_from"):
+    def _hf_fields_merged(cls, data: Any, info: ValidationInfo) -> Any:
+        """model.init_from: the architecture fields are config.json's, merged by
+        engine.jobspec.hf_config.resolve_hf_config (which sets hf_config_digest) before
+        validation, so the rest of validation (and the layout rules of the whole job) sees the
+        real model without this validator reading anything."""
+        if not isinstance(data, dict):
             return data
-        if not isinstance(data["init_from"], str):
-            raise ValueError("model.init_from must be a path or an s3:// URI to a Hugging Face model folder")
-        cfg = read_hf_config(data["init_from"])
-        check_sliding_window(cfg, data.get("seq_length", cls.model_fields["seq_length"].default))
-        return merge_fields(hf_model_fields(cfg), data)
+        if data.get("init_from") and not data.get("hf_config_digest"):
+            failed = (info.context or {}).get(HF_CONFIG_ERROR)
+            raise ValueError(
+                str(failed)
+                if failed is not None
+                else f"model.init_from: the fields of {data['init_from']}/config.json are not merged into "
+                "this section (validation reads no files): parse the job with engine.jobspec.parse_job, "
+                "or run engine.jobspec.resolve_hf_config on it first"
+            )
+        if data.get("hf_config_digest") and not data.get("init_from"):
+            raise ValueError(
+                "model.hf_config_digest is the digest of model.init_from's config.json: remove it, or set "
+                "model.init_from"
+            )
+        return data
 
     @model_validator(mode="after")
     def _arch_defaults(self) -> ModelSpec:

@@ -47,5 +47,5 @@ def resolve_job(job: JobSpec | dict[str, Any]) -> ResolvedJob:
         data_parallel_size=dp,
         sequence_parallel=layout.sequence_parallel_effective(p),
         num_microbatches=layout.num_microbatches(spec.training, dp),
-        pipeline_stages=p.pipeline * (p.virtual_pipeline or 1),
+        pipeline_stages=layout.pipeline_stages(p),
     )

@@ -12,11 +12,10 @@ import math
 import time
 from typing import Annotated
 
-from fastapi import APIRouter, Header, HTTPException, Query, Response, status
+from fastapi import APIRouter, Body, Header, HTTPException, Query, Response, status
 from sqlalchemy import select
 from sqlalchemy.orm import Session, load_only
 
-from engine.jobspec import JobSpec
 from service.deps import Caller, Ctx, DbSession, JobId, VisibleJob, not_found
 from service.schemas import (
     CheckpointList,
@@ -34,7 +33,7 @@ from service.store.db import in_transaction
 from service.store.jobs import add_event, create_job, find_by_idempotency_key, get_job, new_job_id, transition
 from service.store.models import Checkpoint, Job, JobEvent, JobMetric
 from service.store.tokens import Principal
-from service.submission import effective_spec, request_hash
+from service.submission import SpecBody, accept_spec, effective_spec, request_hash
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -91,11 +90,18 @@ IdempotencyKey = Annotated[
     },
 )
 def submit_job(
-    spec: JobSpec, ctx: Ctx, caller: Caller, response: Response, idempotency_key: IdempotencyKey = None
+    body: Annotated[SpecBody, Body()],
+    ctx: Ctx,
+    caller: Caller,
+    response: Response,
+    idempotency_key: IdempotencyKey = None,
 ) -> JobOut:
     """Validate and record a job; it is launched on Ray as soon as Ray is reachable.
 
     The body is a job specification (`elastron schema`); the CLI sends YAML files as JSON."""
+    # A plain `def`: FastAPI runs it in a worker thread, so reading model.init_from's config.json
+    # (S3 too) here holds no other request; on the event loop the body is only parsed as JSON.
+    spec = accept_spec(body)
     digest = request_hash(spec)
     if idempotency_key is not None:
         replay = _replay(ctx.sessions, caller, idempotency_key, digest)

@@ -8,7 +8,7 @@ import torch.distributed as dist
 
 from engine import parallel_state as ps
 from engine.data.sources import SyntheticSource
-from engine.jobspec import JobSpec
+from engine.jobspec import parse_job
 from engine.training import Trainer
 
 SEQ = 16
@@ -111,7 +111,7 @@ def _full_logits(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | None:
 
 def import_forward_step(spec: dict, vocab: int) -> dict:
     """On every rank: import, the logits of the job's first micro-batch, one training step."""
-    trainer = Trainer(JobSpec.model_validate(spec))
+    trainer = Trainer(parse_job(spec))
     tokens, _ = batch(vocab, spec["training"]["micro_batch_size"])
     logits = _full_logits(trainer, tokens)
     step = trainer.train_step()
@@ -128,7 +128,7 @@ def import_forward_step(spec: dict, vocab: int) -> dict:
 def train_then_logits(spec: dict, vocab: int, stop_at: int | None = None) -> dict:
     """On every rank: import, train to `stop_at` (default: `train_iters`; checkpoints as the
     job says), then the logits of the first micro-batch."""
-    trainer = Trainer(JobSpec.model_validate(spec))
+    trainer = Trainer(parse_job(spec))
     losses = []
     while trainer.iteration < (stop_at or trainer.spec.training.train_iters):
         losses.append(trainer.train_step().loss)
@@ -143,7 +143,7 @@ def train_then_logits(spec: dict, vocab: int, stop_at: int | None = None) -> dic
 def import_save_step(spec: dict, vocab: int) -> dict:
     """On every rank: import, save a checkpoint before any step (iteration 0: the imported
     weights as they are), the first micro-batch's logits, then one step's loss."""
-    trainer = Trainer(JobSpec.model_validate(spec))
+    trainer = Trainer(parse_job(spec))
     trainer.checkpointer.save()
     trainer.checkpointer.wait()
     tokens, _ = batch(vocab, spec["training"]["micro_batch_size"])

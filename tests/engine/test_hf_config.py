@@ -1,4 +1,4 @@
-"""config.json -> model fields (engine/jobspec/hf_config.py), from real transformers configs."""
+"""config.json -> model fields (engine/jobspec/hf_fields.py), from real transformers configs."""
 
 from __future__ import annotations
 
@@ -6,13 +6,8 @@ import pytest
 from transformers import LlamaConfig, MistralConfig
 
 from engine.jobspec import ModelSpec
-from engine.jobspec.hf_config import (
-    HFConfigError,
-    check_sliding_window,
-    hf_model_fields,
-    merge_fields,
-    read_hf_config,
-)
+from engine.jobspec.hf_config import HFConfigError, read_hf_config
+from engine.jobspec.hf_fields import check_sliding_window, hf_model_fields, merge_fields
 
 TINY = dict(
     vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -31,7 +31,8 @@ from transformers import (
 )
 
 from engine.hf.exporter import export_hf
-from engine.jobspec.hf_config import hf_model_fields, read_hf_config
+from engine.jobspec.hf_config import read_hf_config
+from engine.jobspec.hf_fields import hf_model_fields
 from engine.launcher import spawn
 from tests.engine import hf_harness as h
 

@@ -63,3 +63,17 @@ def test_a_local_run_needs_a_checkpoint_path_but_the_spec_alone_does_not():
     with pytest.raises(JobSpecError, match="checkpoint.interval needs checkpoint.path.*elastron train"):
         check_local_run(s)
     check_local_run(parse_job({"checkpoint": {"interval": 5, "path": "runs/ck"}}))
+
+
+def test_the_grid_arithmetic_of_validation_lives_in_layout():
+    p = spec(16, tensor=2, pipeline=2, virtual_pipeline=2, expert=1).parallel
+    assert layout.pipeline_stages(p) == 4 == resolve_job(spec(16, tensor=2, pipeline=2, virtual_pipeline=2)).pipeline_stages
+    assert layout.expert_grid_size(p) == 2
+    assert layout.describe(16, p) == "tp2 pp2 cp1 dp4"
+    assert layout.seq_length_multiple(p) == 1  # no context parallelism
+    assert layout.seq_length_multiple(spec(8, context=2).parallel) == 4
+    assert layout.seq_length_multiple(spec(8, context=2, tensor=4, sequence_parallel=True).parallel) == 8
+    assert layout.seq_length_multiple(spec(8, context=2, tensor=2, sequence_parallel=False).parallel) == 4
+    s = spec(8, tensor=2)
+    assert layout.samples_per_microbatch(s.training, 4) == 4
+    assert layout.num_microbatches(s.training, 4) == 16 // 4
