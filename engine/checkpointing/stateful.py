@@ -137,40 +137,31 @@ class GradScalerState:
 
 
 class RerunMachineState:
-    """The rerun state machine, as meta["rerun"] = {"common": ..., "ranks": [every rank's own]}.
-
-    Every rank's own state is gathered into the meta (it is small), so `state_dict` is a
-    collective. A rank's own state comes back only on the layout that saved it; on another one
-    a pending rerun is dropped (RerunStateMachine.load_state_dict). Checkpoints written before
-    the rerun state machine have no "rerun": nothing is restored then."""
+    """The rerun state machine, as meta["rerun"] = {"common": ..., "ranks": [every rank's own]}
+    (RerunStateMachine.checkpoint_state: gathered from every rank, so `state_dict` is a
+    collective). A rank's own state comes back only on the layout that saved it; checkpoints
+    written before the rerun state machine have no "rerun": nothing is restored then. Either way
+    the machine then counts iterations from the one restored (`resume_at`)."""
 
     def __init__(self, rerun: RerunStateMachine, gather: bool = True) -> None:
         """`gather=False`: only this rank's own entry is filled in, no collective (an in-memory
         snapshot: one rank's, restored by that rank of the same layout)."""
         self.rerun = rerun
         self.gather = gather
-        self._same_layout = True
+        self._saved: SavedCheckpoint | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        common, mine = self.rerun.state_dict()
-        ranks = [None] * dist.get_world_size()
-        if self.gather:
-            dist.all_gather_object(ranks, mine)
-        else:
-            ranks[dist.get_rank()] = mine
-        return {"rerun": {"common": common, "ranks": ranks}}
+        return {"rerun": self.rerun.checkpoint_state(gather=self.gather)}
 
     def load_target(self, saved: SavedCheckpoint) -> dict[str, Any]:
-        self._same_layout = saved.same_layout
+        self._saved = saved
         return {"rerun": None}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        same_layout, self._same_layout = self._same_layout, True
-        saved = state_dict.get("rerun")
-        if not saved:
-            return
-        mine = saved["ranks"][dist.get_rank()] if same_layout else None
-        self.rerun.load_state_dict(saved["common"], mine)
+        saved, self._saved = self._saved, None
+        self.rerun.load_checkpoint_state(state_dict.get("rerun"), same_layout=saved is None or saved.same_layout)
+        if saved is not None:
+            self.rerun.resume_at(saved.iteration)
 
 
 class JobRecord:
