@@ -21,7 +21,8 @@ A resume: pick the checkpoint (newest under this job's root with `resume: auto`,
 and read which parts it holds tensors of, then DCP loads exactly the slices this layout needs,
 straight from storage, each checked against the manifest's checksums as it is read; a corrupt or
 missing shard fails the load on every rank (falling back to the previous committed checkpoint, for
-`auto`). Parts get their loaded state only once every tensor has loaded. State of a part this
+`auto`). Parts get their loaded state only once every tensor has loaded (restore.py: the same
+routine restores an in-memory snapshot). State of a part this
 checkpointer was not given, or a part the checkpoint has no tensors of, is an error rather than a
 silently partial resume. Parts learn whether the layout is the one that saved them
 (stateful.SavedCheckpoint): RNG states come back only then; on any other layout each rank reseeds

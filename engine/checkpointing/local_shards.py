@@ -89,7 +89,7 @@ class OptimizerShards:
         shard (None without HSDP: the shard is this rank's alone)."""
         owner = {id(p): ddp for ddp in ddp_chunks for p in ddp.module.parameters()}
         groups = []
-        for p, _, _ in optimizer.segment_ranges():
+        for p, _, _ in optimizer.segments:
             ddp = owner.get(id(p))
             bucket = ddp.bucket_of.get(id(p)) if ddp is not None else None
             if bucket is None:
@@ -100,13 +100,10 @@ class OptimizerShards:
                 groups.append(bucket.group if bucket.world > 1 else None)
         return groups
 
-    def _count(self) -> int:
-        return len(self.optimizer.segment_ranges())
-
     def state_dict(self) -> dict[str, Any]:
         opt = self.optimizer
         out: dict[str, Any] = {}
-        for i in range(self._count()):
+        for i in range(len(opt.segments)):
             for name in opt.state_names(i):
                 out[f"{i}/{name}"] = opt.segment_state(i, name)
         out["adam_step"] = opt.adam_step()
@@ -121,7 +118,7 @@ class OptimizerShards:
         opt = self.optimizer
         target: dict[str, Any] = {"adam_step": None}
         self._loading = {}
-        for i in range(self._count()):
+        for i in range(len(opt.segments)):
             master = opt.segment_state(i, "master")
             for name in opt.state_names(i):
                 if name == "master":
@@ -135,7 +132,7 @@ class OptimizerShards:
         loading, self._loading = self._loading, None
         source = loading if loading is not None else state_dict
         opt = self.optimizer
-        for i in range(self._count()):
+        for i in range(len(opt.segments)):
             # The master as loaded (in place when it is the master itself), the moments as loaded
             # into load_target's buffers (or as given, without a load_target).
             loaded = {name: source[f"{i}/{name}"] for name in opt.state_names(i) if name != "master"}

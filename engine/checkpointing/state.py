@@ -161,7 +161,7 @@ class OptimizerState:
         opt = self.optimizer
         named = self._named()
         segments = {id(p): [] for _, p, _ in named}
-        for i, (p, lo, hi) in enumerate(opt.segment_ranges()):
+        for i, (p, lo, hi) in enumerate(opt.segments):
             segments[id(p)].append((i, lo, hi))
         with_master = self._with_master()
         out = {}
@@ -248,7 +248,7 @@ class OptimizerState:
             id(p): {n: buffers[f"{gname}/{n}"] for n in STATE_NAMES if f"{gname}/{n}" in buffers}
             for gname, p, _ in self._named()
         }
-        for i, (p, lo, hi) in enumerate(opt.segment_ranges()):
+        for i, (p, lo, hi) in enumerate(opt.segments):
             states = full[id(p)]
             # A whole parameter keeps the loaded tensor; a slice is copied, or its view would pin
             # the whole parameter-sized tensor in memory.

@@ -14,7 +14,8 @@ torch.distributed.checkpoint's `Stateful` protocol, and it only decides where ea
 
 Loading follows DCP: the tensors of a part's state dict are loaded in place, the other values
 are replaced by the manifest's (a key an older checkpoint lacks keeps the value it had), and the
-result goes to `load_state_dict`, called only once every part's tensors loaded. A part whose load
+result goes to `load_state_dict`, called only once every part's tensors loaded (restore.py, for
+the persistent resume and the in-memory snapshot alike). A part whose load
 depends on the checkpoint (which optimizer states it holds, whether it was saved by this very
 layout) or that should not build its save-time state just to be loaded into (the ZeRO-1 optimizer
 assembles its state over DP) also has `load_target`, which the checkpointer calls instead of
@@ -22,7 +23,10 @@ assembles its state over DP) also has `load_target`, which the checkpointer call
 
 The tensor parts (model weights, optimizer state, RNG streams) are in state.py; here are the
 parts whose state is meta only, mostly adapters for objects that predate the protocol or whose
-own `state_dict` has another shape (the rerun state machine's is (common, this rank's)).
+own `state_dict` has another shape (the rerun state machine's is (common, this rank's)). Every
+part reads its owner only through the owner's own accessors (the optimizer's segment state,
+the RNG module's `rng_state_dict`, the rerun machine's `checkpoint_state`), so an owner can
+change its insides without the checkpoint parts noticing.
 """
 
 from __future__ import annotations

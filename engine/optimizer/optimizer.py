@@ -170,12 +170,9 @@ class TrainingOptimizer:
 
     # ------------------------------------------------------------ state, for checkpoints
     # What a checkpoint part may know of the optimizer (engine/checkpointing: state.py,
-    # local_shards.py): the segments it steps, each segment's state by name, Adam's step count,
-    # and a way to put a segment's state back. Nothing else of its fields is read from outside.
-
-    def segment_ranges(self) -> list[tuple[torch.Tensor, int, int]]:
-        """(param, lo, hi) per segment this rank steps, in the order of every accessor's `i`."""
-        return list(self.segments)
+    # local_shards.py): `segments` (read only: (param, lo, hi) per segment this rank steps, in the
+    # order of every accessor's `i`), each segment's state by name, Adam's step count, and a way
+    # to put a segment's state back. Nothing else of its fields is read from outside.
 
     def has_master_copies(self) -> bool:
         """Whether any master is a copy of its parameter (bf16 / fp16 models): only then is it state
