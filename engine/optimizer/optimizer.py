@@ -12,6 +12,10 @@ scheduler sets it per group through `wd_mult`.
 The step, in order: fp16 unscale + overflow check (skip the step and lower the scale on inf/nan,
 agreed by every rank), global grad norm, clip, AdamW, copy back, all-gather of the updated
 shards (distributed optimizer).
+
+Checkpoints read and restore its state only through the accessors at the end of the class (each
+segment's master and Adam's moments by name, Adam's step); torch's AdamW state layout stays in
+adam_state.py.
 """
 
 from __future__ import annotations

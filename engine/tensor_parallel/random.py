@@ -91,7 +91,8 @@ def restore_rng_state(state: dict[str, object]) -> None:
 
 def rng_state_dict() -> dict[str, torch.Tensor]:
     """The streams a checkpoint keeps per rank: the device default ("default") and the tracker's
-    ("tracker.<name>"). Not the host stream (nothing in a step draws from it that must repeat)."""
+    ("tracker.<name>"), under the keys checkpoints have always used (not the host stream, which
+    they never held; `capture_rng_state` above, for a re-run in place, has it too)."""
     out = {"default": device.get_rng_state()}
     out.update({f"tracker.{name}": state for name, state in _TRACKER.get_states().items()})
     return out
