@@ -579,3 +579,34 @@ class RerunStateMachine:
                 return
             self.state = state
             self.current_iteration = common["current_iteration"]
+
+    # ------------------------------------------------------------------ checkpoints
+    # The machine's state as a checkpoint keeps it (engine/checkpointing/stateful.py's
+    # RerunMachineState stores this in the manifest's meta["rerun"], a snapshot in its meta).
+
+    def checkpoint_state(self, gather: bool = True) -> dict[str, Any]:
+        """{"common": ..., "ranks": [every rank's own]}. Every rank's own state is small, so it is
+        gathered (a collective); `gather=False` fills in only this rank's entry, no collective (an
+        in-memory snapshot: one rank's, restored by that rank of the same layout)."""
+        common, mine = self.state_dict()
+        ranks = [None] * dist.get_world_size()
+        if gather:
+            dist.all_gather_object(ranks, mine)
+        else:
+            ranks[dist.get_rank()] = mine
+        return {"common": common, "ranks": ranks}
+
+    def load_checkpoint_state(self, saved: dict[str, Any] | None, same_layout: bool) -> None:
+        """Restore what `checkpoint_state` gave. This rank's own state comes back only on the layout
+        that saved it (otherwise a pending rerun is dropped: `load_state_dict`); checkpoints written
+        before the machine existed have none (`saved` empty): nothing is restored then."""
+        if not saved:
+            return
+        mine = saved["ranks"][dist.get_rank()] if same_layout else None
+        self.load_state_dict(saved["common"], mine)
+
+    def resume_at(self, iteration: int) -> None:
+        """Training continues after `iteration` (a resume, a snapshot restore): count from there,
+        unless a rerun from the checkpoint is pending (it re-runs the iteration it saved)."""
+        if self.state == RerunState.NOT_RUNNING_YET:
+            self.current_iteration = iteration

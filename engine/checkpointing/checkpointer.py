@@ -21,7 +21,8 @@ A resume: pick the checkpoint (newest under this job's root with `resume: auto`,
 and read which parts it holds tensors of, then DCP loads exactly the slices this layout needs,
 straight from storage, each checked against the manifest's checksums as it is read; a corrupt or
 missing shard fails the load on every rank (falling back to the previous committed checkpoint, for
-`auto`). Parts get their loaded state only once every tensor has loaded. State of a part this
+`auto`). Parts get their loaded state only once every tensor has loaded (restore.py: the same
+routine restores an in-memory snapshot). State of a part this
 checkpointer was not given, or a part the checkpoint has no tensors of, is an error rather than a
 silently partial resume. Parts learn whether the layout is the one that saved them
 (stateful.SavedCheckpoint): RNG states come back only then; on any other layout each rank reseeds
@@ -40,7 +41,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -61,7 +61,8 @@ from engine.checkpointing.commit import (
     open_checkpoint,
     resolve_checkpoint,
 )
-from engine.checkpointing.stateful import PlansItsLoad, SavedCheckpoint, Stateful
+from engine.checkpointing.restore import is_tensor, restore_parts
+from engine.checkpointing.stateful import SavedCheckpoint, Stateful
 from engine.checkpointing.storage import Storage
 
 if TYPE_CHECKING:
@@ -93,10 +94,6 @@ def _broadcast(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _is_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor)  # DTensor included
 
 
 def _stored_parts(opened: OpenCheckpoint) -> set[str]:
@@ -174,7 +171,7 @@ class Checkpointer:
         owners = dict.fromkeys(meta, "the checkpointer")
         for name, part in self.parts.items():
             for key, value in part.state_dict().items():
-                if _is_tensor(value):
+                if is_tensor(value):
                     tensors[f"{name}/{key}"] = value
                 elif key in meta:
                     raise ValueError(
@@ -323,20 +320,16 @@ class Checkpointer:
         if meta.get("shard_format") != raw_io.FORMAT:
             raise ValueError(f"checkpoint shard format {meta.get('shard_format')!r} is not {raw_io.FORMAT!r}")
         saved = SavedCheckpoint(opened.iteration, meta, same_layout=meta["layout"] == self.layout)
-        targets = {
-            name: part.load_target(saved) if isinstance(part, PlansItsLoad) else part.state_dict()
-            for name, part in self.parts.items()
-        }
-        self._check_parts(opened, stored_parts, targets)
-        raw_io.load(
-            {f"{name}/{k}": v for name, t in targets.items() for k, v in t.items() if _is_tensor(v)}, opened
-        )
-        # Tensors were loaded in place; every other value is the manifest's (the target's value
-        # stands in for a key an older checkpoint lacks).
-        for name, part in self.parts.items():
-            part.load_state_dict(
-                {k: v if _is_tensor(v) else meta.get(k, v) for k, v in targets[name].items()}
+
+        def load_tensors(targets: dict[str, dict[str, Any]]) -> None:
+            self._check_parts(opened, stored_parts, targets)
+            raw_io.load(
+                {f"{name}/{k}": v for name, t in targets.items() for k, v in t.items() if is_tensor(v)},
+                opened,
             )
+
+        # The manifest's meta is one flat object: every part reads its values from all of it.
+        restore_parts(self.parts, saved, load_tensors, dict.fromkeys(self.parts, meta))
 
     def _check_parts(self, opened: OpenCheckpoint, stored_parts: set[str], targets: dict[str, dict]) -> None:
         """Every part the checkpoint holds is one of ours, and every part of ours with tensors to
@@ -344,7 +337,7 @@ class Checkpointer:
         where = f"checkpoint iteration {opened.iteration} of {opened.job_root!r}"
         claimed = set(_OWN_META)
         for target in targets.values():
-            claimed.update(k for k, v in target.items() if not _is_tensor(v))
+            claimed.update(k for k, v in target.items() if not is_tensor(v))
         foreign = [f"tensors of part {name!r}" for name in sorted(stored_parts - self.parts.keys())]
         foreign += [f"meta {key!r}" for key in sorted(opened.meta.keys() - claimed)]
         if foreign:
@@ -355,7 +348,7 @@ class Checkpointer:
         missing = [
             name
             for name, target in targets.items()
-            if name not in stored_parts and any(_is_tensor(v) for v in target.values())
+            if name not in stored_parts and any(is_tensor(v) for v in target.values())
         ]
         if missing:
             raise ValueError(f"{where} has no tensors of checkpoint part(s) {', '.join(map(repr, missing))}")

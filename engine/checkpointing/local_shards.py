@@ -29,7 +29,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from engine.checkpointing.state import MOMENTS, adam_moment, adam_step, set_adam_state
 from engine.checkpointing.stateful import SavedCheckpoint
 
 if TYPE_CHECKING:
@@ -101,16 +100,13 @@ class OptimizerShards:
                 groups.append(bucket.group if bucket.world > 1 else None)
         return groups
 
-    def _names(self, i: int) -> tuple[str, ...]:
-        return ("master", *MOMENTS) if self.optimizer.needs_copy_back[i] else MOMENTS
-
     def state_dict(self) -> dict[str, Any]:
         opt = self.optimizer
         out: dict[str, Any] = {}
-        for i, m in enumerate(opt.main_params):
-            for name in self._names(i):
-                out[f"{i}/{name}"] = m if name == "master" else adam_moment(opt, m, name)
-        out["adam_step"] = adam_step(opt)
+        for i in range(len(opt.segments)):
+            for name in opt.state_names(i):
+                out[f"{i}/{name}"] = opt.segment_state(i, name)
+        out["adam_step"] = opt.adam_step()
         return out
 
     def replica_group(self, key: str) -> dist.ProcessGroup | None:
@@ -122,12 +118,13 @@ class OptimizerShards:
         opt = self.optimizer
         target: dict[str, Any] = {"adam_step": None}
         self._loading = {}
-        for i, m in enumerate(opt.main_params):
-            for name in self._names(i):
+        for i in range(len(opt.segments)):
+            master = opt.segment_state(i, "master")
+            for name in opt.state_names(i):
                 if name == "master":
-                    target[f"{i}/master"] = m
+                    target[f"{i}/master"] = master
                 else:
-                    target[f"{i}/{name}"] = self._loading[f"{i}/{name}"] = torch.empty_like(m)
+                    target[f"{i}/{name}"] = self._loading[f"{i}/{name}"] = torch.empty_like(master)
         return target
 
     @torch.no_grad()
@@ -135,7 +132,10 @@ class OptimizerShards:
         loading, self._loading = self._loading, None
         source = loading if loading is not None else state_dict
         opt = self.optimizer
-        for i, m in enumerate(opt.main_params):
-            if opt.needs_copy_back[i] and state_dict[f"{i}/master"] is not m:
-                m.copy_(state_dict[f"{i}/master"])
-            set_adam_state(opt, m, state_dict["adam_step"], {name: source[f"{i}/{name}"] for name in MOMENTS})
+        for i in range(len(opt.segments)):
+            # The master as loaded (in place when it is the master itself), the moments as loaded
+            # into load_target's buffers (or as given, without a load_target).
+            loaded = {name: source[f"{i}/{name}"] for name in opt.state_names(i) if name != "master"}
+            if "master" in opt.state_names(i):
+                loaded["master"] = state_dict[f"{i}/master"]
+            opt.load_segment_state(i, state_dict["adam_step"], loaded)

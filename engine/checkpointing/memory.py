@@ -25,8 +25,9 @@ is the only pass over the state the training thread makes; `HostSnapshot.seal()`
 writes the XXH3-64 checksum of header and payload into the frame and returns the block itself, no copy. `parse(blob, ...)` refuses a blob whose checksum, job, rank, world size or
 layout does not match (`SnapshotError`), so a corrupted or foreign shard is never loaded; the
 launcher decides which iteration is current (a stale one is never offered). `restore(parts, snap)`
-loads it like a persistent resume of the same layout: `load_target` where a part plans its load,
-tensors copied in, meta values from the snapshot, then every `load_state_dict`.
+loads it with the persistent resume's own routine (restore.py), as a resume of the same layout:
+`load_target` where a part plans its load, tensors copied in, meta values from the snapshot, then
+every `load_state_dict`.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ import xxhash
 from torch.distributed.tensor import DTensor
 
 from engine import device
-from engine.checkpointing.stateful import PlansItsLoad, SavedCheckpoint, Stateful
+from engine.checkpointing.restore import restore_parts
+from engine.checkpointing.stateful import SavedCheckpoint, Stateful
 
 MAGIC = b"ELASTRON-SNAPSHOT-2\n"
 # Header length, XXH3-64 of header + payload. Not the persistent shards' CRC-32: a snapshot is
@@ -300,11 +302,12 @@ def parse(
 
 @torch.no_grad()
 def restore(parts: Mapping[str, Stateful], snap: HostSnapshot) -> int:
-    """Load `snap` (from `parse`) into `parts`, as a resume of the same layout does; returns its
-    iteration. Every part must find its state in the snapshot and vice versa, and every shared
-    tensor the same replica group, checked before anything is loaded; parts get their state only
-    once every tensor is copied in. A collective over each replica group (every rank of the job
-    restores the same iteration): the slices its ranks kept are gathered back into whole tensors."""
+    """Load `snap` (from `parse`) into `parts`, as a resume of the same layout does (the same
+    routine: restore.restore_parts); returns its iteration. Every part must find its state in the
+    snapshot and vice versa, and every shared tensor the same replica group, checked before
+    anything is loaded; parts get their state only once every tensor is copied in. A collective
+    over each replica group (every rank of the job restores the same iteration): the slices its
+    ranks kept are gathered back into whole tensors."""
     if set(snap.meta) != set(parts):
         raise SnapshotError(
             f"in-memory snapshot of iteration {snap.iteration} holds parts {sorted(snap.meta)}, "
@@ -312,10 +315,13 @@ def restore(parts: Mapping[str, Stateful], snap: HostSnapshot) -> int:
         )
     flat_meta = {k: v for m in snap.meta.values() for k, v in m.items()}
     saved = SavedCheckpoint(snap.iteration, flat_meta, same_layout=True)
-    targets = {
-        name: part.load_target(saved) if isinstance(part, PlansItsLoad) else part.state_dict()
-        for name, part in parts.items()
-    }
+    restore_parts(parts, saved, lambda targets: _load_tensors(parts, snap, targets), snap.meta)
+    return snap.iteration
+
+
+def _load_tensors(parts: Mapping[str, Stateful], snap: HostSnapshot, targets: dict[str, dict[str, Any]]) -> None:
+    """Check `targets` against the snapshot (the same tensors, shapes, dtypes and replica groups;
+    this rank's slices), then copy every tensor in and gather the shared ones over their groups."""
     stored = {(row[0], row[1]): row for row in snap.index}
     wanted = {(name, k) for name, t in targets.items() for k, v in t.items() if isinstance(v, torch.Tensor)}
     if wanted != stored.keys():
@@ -362,14 +368,6 @@ def restore(parts: Mapping[str, Stateful], snap: HostSnapshot) -> int:
         for stream in sorted(snap.streams):  # one order on every rank: no two groups wait on each other
             rows = [row for row in snap.index if row[6] == stream]
             _gather_stream(snap, stream, rows, targets, groups[stream])
-    for name, part in parts.items():
-        part.load_state_dict(
-            {
-                k: v if isinstance(v, torch.Tensor) else snap.meta[name].get(k, v)
-                for k, v in targets[name].items()
-            }
-        )
-    return snap.iteration
 
 
 def _gather_stream(

@@ -41,8 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 from engine import device
 from engine import parallel_state as ps
 from engine.checkpointing.stateful import SavedCheckpoint
-from engine.tensor_parallel import model_parallel_manual_seed
-from engine.tensor_parallel.random import get_rng_tracker
+from engine.tensor_parallel.random import load_rng_state_dict, model_parallel_manual_seed, rng_state_dict
 
 if TYPE_CHECKING:
     from engine.distributed.data_parallel import DataParallel
@@ -135,31 +134,6 @@ class ModelState:
             ddp.params_loaded()
 
 
-MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def adam_moment(opt: TrainingOptimizer, main: torch.Tensor, name: str) -> torch.Tensor:
-    """Adam's moment for a master; zeros before the first step (Adam creates its state lazily),
-    which is exactly what a fresh Adam starts from, so a checkpoint of iteration 0 loads right."""
-    state = opt.inner.state.get(main)
-    return state[name] if state and name in state else torch.zeros_like(main)
-
-
-def adam_step(opt: TrainingOptimizer) -> int:
-    """The optimizer's step count (0 before the first step), saved as meta."""
-    return max((int(s["step"]) for s in opt.inner.state.values() if "step" in s), default=0)
-
-
-def set_adam_state(opt: TrainingOptimizer, main: torch.Tensor, step: int, moments: dict) -> None:
-    """Adam's state for a master, as a loaded checkpoint gives it (step count and both moments)."""
-    # The fused (GPU) AdamW keeps its step count on the parameter's device; foreach on the host.
-    where = main.device if opt.inner.defaults.get("fused") else None
-    opt.inner.state[main] = {
-        "step": torch.tensor(float(step), device=where),
-        **{name: moments[name] for name in MOMENTS},
-    }
-
-
 class OptimizerState:
     """AdamW's state for this rank's parameters, parameter-shaped, with `adam_step` and
     `has_master` (whether the masters are copies, so saved) in the meta."""
@@ -179,7 +153,7 @@ class OptimizerState:
         ]
 
     def _with_master(self) -> bool:
-        return any(self.optimizer.needs_copy_back)
+        return self.optimizer.has_master_copies()
 
     @torch.no_grad()
     def _by_param(self) -> dict[int, dict[str, torch.Tensor]]:
@@ -203,14 +177,12 @@ class OptimizerState:
                 segs = segments[id(p)]
                 if not sharded and len(segs) == 1 and segs[0][1:] == (0, p.numel()):
                     i = segs[0][0]  # this rank holds the whole state: a view, no copy
-                    m = opt.main_params[i]
-                    states[name] = (m if name == "master" else adam_moment(opt, m, name)).view(p.shape)
+                    states[name] = opt.segment_state(i, name).view(p.shape)
                     continue
                 # On the param's device: all-reduced, so NCCL on GPU.
                 flat = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
                 for i, lo, hi in segs:
-                    m = opt.main_params[i]
-                    flat[lo:hi] = m if name == "master" else adam_moment(opt, m, name)
+                    flat[lo:hi] = opt.segment_state(i, name)
                 if sharded:  # over one shard group: HSDP replicas hold the same pieces
                     dist.all_reduce(flat, group=bucket.group)
                 states[name] = flat.view(p.shape)
@@ -225,7 +197,7 @@ class OptimizerState:
         for gname, p, _ in self._named():
             for name, tensor in states[id(p)].items():
                 out.update(_pieces(f"{gname}/{name}", tensor, p, mesh))
-        out["adam_step"] = adam_step(self.optimizer)
+        out["adam_step"] = self.optimizer.adam_step()
         out["has_master"] = self._with_master()
         return out
 
@@ -277,19 +249,19 @@ class OptimizerState:
             for gname, p, _ in self._named()
         }
         for i, (p, lo, hi) in enumerate(opt.segments):
-            m = opt.main_params[i]
             states = full[id(p)]
-            if opt.needs_copy_back[i]:
-                source = states["master"] if "master" in states else p.detach().float()
-                m.copy_(source.reshape(-1)[lo:hi])
             # A whole parameter keeps the loaded tensor; a slice is copied, or its view would pin
             # the whole parameter-sized tensor in memory.
             whole = (lo, hi) == (0, p.numel())
-            moments = {
+            loaded = {
                 name: states[name].reshape(-1) if whole else states[name].reshape(-1)[lo:hi].clone()
-                for name in MOMENTS
+                for name in opt.state_names(i)
+                if name != "master"
             }
-            set_adam_state(opt, m, step, moments)
+            if "master" in opt.state_names(i):  # a copy: loaded, or else taken from the weights
+                source = states["master"] if "master" in states else p.detach().float()
+                loaded["master"] = source.reshape(-1)[lo:hi]
+            opt.load_segment_state(i, step, loaded)
         for ddp in self.ddp_chunks:
             ddp.gather_params()
 
@@ -310,9 +282,7 @@ class RNGState:
 
     def state_dict(self) -> dict[str, Any]:
         pos = _grid_position()
-        out = {f"{pos}/default": device.get_rng_state()}
-        out.update({f"{pos}/tracker.{k}": v for k, v in get_rng_tracker().get_states().items()})
-        return out
+        return {f"{pos}/{key}": value for key, value in rng_state_dict().items()}
 
     def load_target(self, saved: SavedCheckpoint) -> dict[str, Any]:
         if not saved.same_layout:
@@ -327,14 +297,7 @@ class RNGState:
             model_parallel_manual_seed(self.seed + reseed_at)
             return
         prefix = f"{_grid_position()}/"
-        device.set_rng_state(state_dict[f"{prefix}default"])
-        get_rng_tracker().set_states(
-            {
-                k.removeprefix(f"{prefix}tracker."): v
-                for k, v in state_dict.items()
-                if k.startswith(f"{prefix}tracker.")
-            }
-        )
+        load_rng_state_dict({k.removeprefix(prefix): v for k, v in state_dict.items() if k.startswith(prefix)})
 
 
 def snapshot(state: dict[str, object], buffers: dict[str, torch.Tensor]) -> dict[str, object]:

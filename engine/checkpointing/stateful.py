@@ -14,7 +14,8 @@ torch.distributed.checkpoint's `Stateful` protocol, and it only decides where ea
 
 Loading follows DCP: the tensors of a part's state dict are loaded in place, the other values
 are replaced by the manifest's (a key an older checkpoint lacks keeps the value it had), and the
-result goes to `load_state_dict`, called only once every part's tensors loaded. A part whose load
+result goes to `load_state_dict`, called only once every part's tensors loaded (restore.py, for
+the persistent resume and the in-memory snapshot alike). A part whose load
 depends on the checkpoint (which optimizer states it holds, whether it was saved by this very
 layout) or that should not build its save-time state just to be loaded into (the ZeRO-1 optimizer
 assembles its state over DP) also has `load_target`, which the checkpointer calls instead of
@@ -22,7 +23,10 @@ assembles its state over DP) also has `load_target`, which the checkpointer call
 
 The tensor parts (model weights, optimizer state, RNG streams) are in state.py; here are the
 parts whose state is meta only, mostly adapters for objects that predate the protocol or whose
-own `state_dict` has another shape (the rerun state machine's is (common, this rank's)).
+own `state_dict` has another shape (the rerun state machine's is (common, this rank's)). Every
+part reads its owner only through the owner's own accessors (the optimizer's segment state,
+the RNG module's `rng_state_dict`, the rerun machine's `checkpoint_state`), so an owner can
+change its insides without the checkpoint parts noticing.
 """
 
 from __future__ import annotations
@@ -137,40 +141,31 @@ class GradScalerState:
 
 
 class RerunMachineState:
-    """The rerun state machine, as meta["rerun"] = {"common": ..., "ranks": [every rank's own]}.
-
-    Every rank's own state is gathered into the meta (it is small), so `state_dict` is a
-    collective. A rank's own state comes back only on the layout that saved it; on another one
-    a pending rerun is dropped (RerunStateMachine.load_state_dict). Checkpoints written before
-    the rerun state machine have no "rerun": nothing is restored then."""
+    """The rerun state machine, as meta["rerun"] = {"common": ..., "ranks": [every rank's own]}
+    (RerunStateMachine.checkpoint_state: gathered from every rank, so `state_dict` is a
+    collective). A rank's own state comes back only on the layout that saved it; checkpoints
+    written before the rerun state machine have no "rerun": nothing is restored then. Either way
+    the machine then counts iterations from the one restored (`resume_at`)."""
 
     def __init__(self, rerun: RerunStateMachine, gather: bool = True) -> None:
         """`gather=False`: only this rank's own entry is filled in, no collective (an in-memory
         snapshot: one rank's, restored by that rank of the same layout)."""
         self.rerun = rerun
         self.gather = gather
-        self._same_layout = True
+        self._saved: SavedCheckpoint | None = None
 
     def state_dict(self) -> dict[str, Any]:
-        common, mine = self.rerun.state_dict()
-        ranks = [None] * dist.get_world_size()
-        if self.gather:
-            dist.all_gather_object(ranks, mine)
-        else:
-            ranks[dist.get_rank()] = mine
-        return {"rerun": {"common": common, "ranks": ranks}}
+        return {"rerun": self.rerun.checkpoint_state(gather=self.gather)}
 
     def load_target(self, saved: SavedCheckpoint) -> dict[str, Any]:
-        self._same_layout = saved.same_layout
+        self._saved = saved
         return {"rerun": None}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        same_layout, self._same_layout = self._same_layout, True
-        saved = state_dict.get("rerun")
-        if not saved:
-            return
-        mine = saved["ranks"][dist.get_rank()] if same_layout else None
-        self.rerun.load_state_dict(saved["common"], mine)
+        saved, self._saved = self._saved, None
+        self.rerun.load_checkpoint_state(state_dict.get("rerun"), same_layout=saved is None or saved.same_layout)
+        if saved is not None:
+            self.rerun.resume_at(saved.iteration)
 
 
 class JobRecord:

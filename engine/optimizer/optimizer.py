@@ -12,11 +12,16 @@ scheduler sets it per group through `wd_mult`.
 The step, in order: fp16 unscale + overflow check (skip the step and lower the scale on inf/nan,
 agreed by every rank), global grad norm, clip, AdamW, copy back, all-gather of the updated
 shards (distributed optimizer).
+
+Checkpoints read and restore its state only through the accessors at the end of the class (each
+segment's master and Adam's moments by name, Adam's step); torch's AdamW state layout stays in
+adam_state.py.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +30,7 @@ import torch.distributed as dist
 from engine import device
 from engine.distributed.data_parallel import DataParallel
 from engine.jobspec import OptimizerSpec
+from engine.optimizer import adam_state
 from engine.optimizer.clip_grads import clip_grads_, counts_in_norm
 from engine.optimizer.grad_scaler import DynamicGradScaler
 
@@ -157,12 +163,7 @@ class TrainingOptimizer:
     def state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds for optimizer state: fp32 masters that are copies, Adam moments."""
         masters = sum(m.numel() * 4 for m, c in zip(self.main_params, self.needs_copy_back, strict=True) if c)
-        moments = sum(
-            t.numel() * t.element_size()
-            for state in self.inner.state.values()
-            for k, t in state.items()
-            if k in ("exp_avg", "exp_avg_sq")
-        )
+        moments = adam_state.moment_bytes(self.inner)
         held = [c.memory_bytes() for c in self.chunks]
         return {
             "master_params": masters,
@@ -170,3 +171,41 @@ class TrainingOptimizer:
             "grad_buffer": sum(h["grad_buffer"] for h in held),
             "model_params": sum(h["model_params"] for h in held),
         }
+
+    # ------------------------------------------------------------ state, for checkpoints
+    # What a checkpoint part may know of the optimizer (engine/checkpointing: state.py,
+    # local_shards.py): `segments` (read only: (param, lo, hi) per segment this rank steps, in the
+    # order of every accessor's `i`), each segment's state by name, Adam's step count, and a way
+    # to put a segment's state back. Nothing else of its fields is read from outside.
+
+    def has_master_copies(self) -> bool:
+        """Whether any master is a copy of its parameter (bf16 / fp16 models): only then is it state
+        of its own, saved beside the weights."""
+        return any(self.needs_copy_back)
+
+    def state_names(self, i: int) -> tuple[str, ...]:
+        """The state segment `i` holds that is not its parameter's: its master when that is a copy,
+        then Adam's moments."""
+        return ("master", *adam_state.MOMENTS) if self.needs_copy_back[i] else adam_state.MOMENTS
+
+    def segment_state(self, i: int, name: str) -> torch.Tensor:
+        """Segment `i`'s "master" (fp32, flat; a view of the parameter itself when that is fp32) or
+        Adam's moment `name` (zeros before the first step). The tensors themselves: no copy."""
+        main = self.main_params[i]
+        return main if name == "master" else adam_state.moment(self.inner, main, name)
+
+    def adam_step(self) -> int:
+        """Adam's step count (0 before the first step)."""
+        return adam_state.step_count(self.inner)
+
+    @torch.no_grad()
+    def load_segment_state(self, i: int, step: int, state: Mapping[str, torch.Tensor]) -> None:
+        """Put segment `i`'s state back as a checkpoint gives it: Adam's `step` and both moments
+        (kept as they are: the caller hands over tensors of the segment's shape), and "master",
+        copied into the master when that is a copy (a master that is the parameter is restored with
+        the model; one loaded in place, the master itself, needs no copy)."""
+        main = self.main_params[i]
+        master = state.get("master")
+        if master is not None and self.needs_copy_back[i] and master is not main:
+            main.copy_(master)
+        adam_state.set_state(self.inner, main, step, {name: state[name] for name in adam_state.MOMENTS})

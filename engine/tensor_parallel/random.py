@@ -89,6 +89,21 @@ def restore_rng_state(state: dict[str, object]) -> None:
     _TRACKER.set_states(state["tracker"])
 
 
+def rng_state_dict() -> dict[str, torch.Tensor]:
+    """The streams a checkpoint keeps per rank: the device default ("default") and the tracker's
+    ("tracker.<name>"), under the keys checkpoints have always used (not the host stream, which
+    they never held; `capture_rng_state` above, for a re-run in place, has it too)."""
+    out = {"default": device.get_rng_state()}
+    out.update({f"tracker.{name}": state for name, state in _TRACKER.get_states().items()})
+    return out
+
+
+def load_rng_state_dict(states: dict[str, torch.Tensor]) -> None:
+    """Put back what `rng_state_dict` gave (of this rank's grid position: the caller knows)."""
+    device.set_rng_state(states["default"])
+    _TRACKER.set_states({k.removeprefix("tracker."): v for k, v in states.items() if k.startswith("tracker.")})
+
+
 def model_parallel_manual_seed(seed: int) -> None:
     """Seed the default stream and the TP / expert streams for this rank's grid position."""
     seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
