@@ -44,7 +44,6 @@ from engine.rerun_state_machine import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EventLog,
     RerunExit,
-    RerunState,
     RerunStateMachine,
     is_nan_or_inf,
 )
@@ -144,13 +143,7 @@ class Trainer:
         self.checkpointer = None
         if spec.checkpoint.path or spec.checkpoint.resume_from:
             self.checkpointer = self.make_checkpointer()
-            self.checkpointer.maybe_resume()
-        self._sync_rerun_iteration()
-
-    def _sync_rerun_iteration(self) -> None:
-        """After a resume or restore: the rerun machine, unless mid-rerun, is at our iteration."""
-        if self.rerun.state == RerunState.NOT_RUNNING_YET:
-            self.rerun.current_iteration = self.iteration
+            self.checkpointer.maybe_resume()  # the rerun machine's part moves it to our iteration
 
     def _will_import(self) -> bool:
         """model.init_from's weights are loaded unless the job resumes: its checkpoint has newer
@@ -217,9 +210,7 @@ class Trainer:
         return self.snapshots.parse(blob)
 
     def restore_snapshot(self, blob: bytes | bytearray | memoryview | HostSnapshot) -> int:
-        iteration = self.snapshots.restore(blob)
-        self._sync_rerun_iteration()
-        return iteration
+        return self.snapshots.restore(blob)
 
     def save_checkpoint_if_due(self) -> bool:
         """Save after iterations that are a multiple of checkpoint.interval, and after the last."""
