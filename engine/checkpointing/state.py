@@ -9,7 +9,7 @@ place in it:
 - a TP-sharded parameter becomes a DTensor sharded on a mesh over its TP group, so
   torch.distributed.checkpoint (DCP) records each piece's global offset and a different layout
   reads exactly the slices it needs;
-- a parameter made of `partition_stride` independently split chunks (SwiGLU's gate|up) is
+- a parameter made of `tp_stride` independently split chunks (SwiGLU's gate|up) is
   stored as one key per chunk (`name#k`), because a single DTensor cannot express a strided
   split; the keys do not depend on the layout;
 - replicated tensors (norms, DP replicas, MoE routers' expert bias) are plain tensors; DCP
@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 from engine import device
 from engine import parallel_state as ps
 from engine.checkpointing.stateful import SavedCheckpoint
+from engine.parallel_placement import placement_of
 from engine.tensor_parallel import model_parallel_manual_seed
 from engine.tensor_parallel.random import get_rng_tracker
 
@@ -59,8 +60,8 @@ def _tp_mesh() -> DeviceMesh | None:
 
 def _pieces(key: str, local: torch.Tensor, param: nn.Parameter, mesh: DeviceMesh | None) -> dict:
     """{key(#k): tensor or DTensor} for one parameter-shaped local tensor."""
-    dim = getattr(param, "partition_dim", None)
-    stride = getattr(param, "partition_stride", 1)
+    placement = placement_of(param)
+    dim, stride = placement.tp_dim, placement.tp_stride
     chunks = local.chunk(stride, dim=dim) if dim is not None and stride > 1 else [local]
     out = {}
     for k, chunk in enumerate(chunks):
@@ -258,9 +259,9 @@ class OptimizerState:
                 if key in state_dict:
                     out[key] = _local(state_dict[key])
                 elif f"{key}#0" in state_dict:
-                    stride = getattr(p, "partition_stride", 1)
-                    pieces = [_local(state_dict[f"{key}#{k}"]) for k in range(stride)]
-                    out[key] = torch.cat(pieces, dim=p.partition_dim)
+                    placement = placement_of(p)
+                    pieces = [_local(state_dict[f"{key}#{k}"]) for k in range(placement.tp_stride)]
+                    out[key] = torch.cat(pieces, dim=placement.tp_dim)
         return out
 
     @torch.no_grad()

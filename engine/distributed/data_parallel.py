@@ -49,6 +49,7 @@ from torch import nn
 
 from engine.distributed.collectives import all_gather_into, reduce_scatter_into
 from engine.distributed.param_gather import ParamGatherer, Unit
+from engine.parallel_placement import placement_of
 
 SHARDING_LEVELS = ("none", "optim", "optim_grads", "optim_grads_params")
 
@@ -126,8 +127,8 @@ class DataParallel(nn.Module):
         self.overlap = overlap
         self.grad_dtype = grad_dtype
         params = [p for p in module.parameters() if p.requires_grad]
-        dense = [p for p in params if not getattr(p, "expert", False)]
-        experts = [p for p in params if getattr(p, "expert", False)]
+        dense = [p for p in params if not placement_of(p).expert]
+        experts = [p for p in params if placement_of(p).expert]
         # Where one shard rank holds everything (no DP and no expert DP) there is nothing to
         # free: parameters stay whole.
         self.shard_params = sharding == "optim_grads_params" and (self.sdp > 1 or (bool(experts) and self.edp > 1))
@@ -213,8 +214,8 @@ class DataParallel(nn.Module):
         ]
         buckets, offset = [], 0
         for unit, unit_params in reversed(groups):  # backward order, like _plan_buckets
-            unit_dense = [p for p in unit_params if not getattr(p, "expert", False)]
-            unit_experts = [p for p in unit_params if getattr(p, "expert", False)]
+            unit_dense = [p for p in unit_params if not placement_of(p).expert]
+            unit_experts = [p for p in unit_params if placement_of(p).expert]
             planned = self._plan_buckets(unit_experts, bucket_size, expert=True)
             planned += self._plan_buckets(unit_dense, bucket_size)
             for bucket in planned:
@@ -243,7 +244,7 @@ class DataParallel(nn.Module):
             offset += padded
 
         for p in reversed(params):
-            if getattr(p, "shared_embedding", False):
+            if placement_of(p).tied_embedding:
                 close(current)
                 current = []
                 close([p])
