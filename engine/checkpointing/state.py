@@ -110,13 +110,13 @@ class ModelState:
         self.ddp_chunks = ddp_chunks or []
 
     def state_dict(self) -> dict[str, Any]:
-        return self._tensors(copies=any(ddp.shard_params for ddp in self.ddp_chunks))
+        return self._tensors(copies=any(ddp.checkpoint_view().params_sharded for ddp in self.ddp_chunks))
 
     def _tensors(self, copies: bool) -> dict[str, Any]:
         """Views of the parameters, or copies of them: the storage of gathered sharded parameters
         is freed by resizing it, which storage handed to the checkpoint's I/O (numpy views) forbids."""
         for ddp in self.ddp_chunks:
-            ddp.gather_all_params()
+            ddp.checkpoint_view().gather_whole()
         mesh = _tp_mesh()
         out: dict[str, Any] = {}
         for gname, p in named_params(self.chunks):
@@ -133,7 +133,7 @@ class ModelState:
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
         for ddp in self.ddp_chunks:
-            ddp.params_loaded()
+            ddp.checkpoint_view().scatter_loaded()
 
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -195,8 +195,8 @@ class OptimizerState:
         for _, p, ddp in named:
             # The shards span the param's bucket group: DP (DP x CP under context parallelism, one
             # shard group under HSDP), or the expert data-parallel group for MoE experts.
-            bucket = ddp.bucket_of[id(p)]
-            sharded = ddp.shard and bucket.world > 1
+            group = ddp.checkpoint_view().holding(p).state_group
+            sharded = group is not None
             states = {}
             for name in STATE_NAMES:
                 if name == "master" and not with_master:
@@ -213,7 +213,7 @@ class OptimizerState:
                     m = opt.main_params[i]
                     flat[lo:hi] = m if name == "master" else adam_moment(opt, m, name)
                 if sharded:  # over one shard group: HSDP replicas hold the same pieces
-                    dist.all_reduce(flat, group=bucket.group)
+                    dist.all_reduce(flat, group=group)
                 states[name] = flat.view(p.shape)
             out[id(p)] = states
         return out
@@ -292,7 +292,7 @@ class OptimizerState:
             }
             set_adam_state(opt, m, step, moments)
         for ddp in self.ddp_chunks:
-            ddp.gather_params()
+            ddp.checkpoint_view().refresh()
 
 
 def _grid_position() -> str:
