@@ -44,16 +44,14 @@ class ModelShards:
         # key -> (parameter, buffer or shard; the group whose ranks hold it alike, or None)
         self.entries: dict[str, tuple[torch.Tensor, dist.ProcessGroup | None]] = {}
         for j, (model, ddp) in enumerate(zip(chunks, ddp_chunks, strict=True)):
-            sharded = ddp.gatherer is not None
-            if sharded:
-                for b, bucket in enumerate(ddp.buckets):
-                    self.entries[f"{j}/bucket{b}"] = (bucket.param_shard, bucket.replica_group)
+            view = ddp.checkpoint_view()
+            for b, shard in enumerate(view.shards):
+                self.entries[f"{j}/bucket{b}"] = (shard.tensor, shard.replicas)
             for name, p in model.named_parameters():
-                bucket = ddp.bucket_of.get(id(p))
-                if sharded and bucket is not None:
+                holding = view.holding(p)
+                if holding is not None and holding.in_shard:
                     continue  # in its bucket's shard
-                shared = bucket is not None and bucket.world > 1 and bucket.group is not None
-                self.entries[f"{j}/{name}"] = (p, bucket.group if shared else None)
+                self.entries[f"{j}/{name}"] = (p, holding.value_replicas if holding is not None else None)
             for name, buf in model.named_buffers():
                 if name.endswith("expert_bias"):
                     self.entries[f"{j}/{name}"] = (buf, None)
@@ -68,8 +66,8 @@ class ModelShards:
         # The values were loaded in place (state_dict() is views); gathered copies of sharded
         # parameters are stale now, and the next use gathers the restored shards.
         for ddp in self.ddp_chunks:
-            if ddp.gatherer is not None:
-                ddp.gather_params()
+            if ddp.checkpoint_view().params_sharded:
+                ddp.checkpoint_view().refresh()
 
 
 class OptimizerShards:
@@ -87,17 +85,11 @@ class OptimizerShards:
         """Per segment, the group whose ranks hold it alike: without the distributed optimizer
         its bucket's (each replica steps the whole parameter); with it, the HSDP replicas of its
         shard (None without HSDP: the shard is this rank's alone)."""
-        owner = {id(p): ddp for ddp in ddp_chunks for p in ddp.module.parameters()}
+        views = [ddp.checkpoint_view() for ddp in ddp_chunks]
         groups = []
         for p, _, _ in optimizer.segments:
-            ddp = owner.get(id(p))
-            bucket = ddp.bucket_of.get(id(p)) if ddp is not None else None
-            if bucket is None:
-                groups.append(None)
-            elif ddp.shard:
-                groups.append(bucket.replica_group)
-            else:
-                groups.append(bucket.group if bucket.world > 1 else None)
+            holding = next((h for v in views if (h := v.holding(p)) is not None), None)
+            groups.append(holding.state_replicas if holding is not None else None)
         return groups
 
     def state_dict(self) -> dict[str, Any]:

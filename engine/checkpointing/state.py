@@ -9,7 +9,7 @@ place in it:
 - a TP-sharded parameter becomes a DTensor sharded on a mesh over its TP group, so
   torch.distributed.checkpoint (DCP) records each piece's global offset and a different layout
   reads exactly the slices it needs;
-- a parameter made of `partition_stride` independently split chunks (SwiGLU's gate|up) is
+- a parameter made of `tp_stride` independently split chunks (SwiGLU's gate|up) is
   stored as one key per chunk (`name#k`), because a single DTensor cannot express a strided
   split; the keys do not depend on the layout;
 - replicated tensors (norms, DP replicas, MoE routers' expert bias) are plain tensors; DCP
@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 from engine import device
 from engine import parallel_state as ps
 from engine.checkpointing.stateful import SavedCheckpoint
+from engine.parallel_placement import placement_of
 from engine.tensor_parallel.random import load_rng_state_dict, model_parallel_manual_seed, rng_state_dict
 
 if TYPE_CHECKING:
@@ -58,8 +59,8 @@ def _tp_mesh() -> DeviceMesh | None:
 
 def _pieces(key: str, local: torch.Tensor, param: nn.Parameter, mesh: DeviceMesh | None) -> dict:
     """{key(#k): tensor or DTensor} for one parameter-shaped local tensor."""
-    dim = getattr(param, "partition_dim", None)
-    stride = getattr(param, "partition_stride", 1)
+    placement = placement_of(param)
+    dim, stride = placement.tp_dim, placement.tp_stride
     chunks = local.chunk(stride, dim=dim) if dim is not None and stride > 1 else [local]
     out = {}
     for k, chunk in enumerate(chunks):
@@ -108,13 +109,13 @@ class ModelState:
         self.ddp_chunks = ddp_chunks or []
 
     def state_dict(self) -> dict[str, Any]:
-        return self._tensors(copies=any(ddp.shard_params for ddp in self.ddp_chunks))
+        return self._tensors(copies=any(ddp.checkpoint_view().params_sharded for ddp in self.ddp_chunks))
 
     def _tensors(self, copies: bool) -> dict[str, Any]:
         """Views of the parameters, or copies of them: the storage of gathered sharded parameters
         is freed by resizing it, which storage handed to the checkpoint's I/O (numpy views) forbids."""
         for ddp in self.ddp_chunks:
-            ddp.gather_all_params()
+            ddp.checkpoint_view().gather_whole()
         mesh = _tp_mesh()
         out: dict[str, Any] = {}
         for gname, p in named_params(self.chunks):
@@ -131,7 +132,7 @@ class ModelState:
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
         for ddp in self.ddp_chunks:
-            ddp.params_loaded()
+            ddp.checkpoint_view().scatter_loaded()
 
 
 class OptimizerState:
@@ -168,8 +169,8 @@ class OptimizerState:
         for _, p, ddp in named:
             # The shards span the param's bucket group: DP (DP x CP under context parallelism, one
             # shard group under HSDP), or the expert data-parallel group for MoE experts.
-            bucket = ddp.bucket_of[id(p)]
-            sharded = ddp.shard and bucket.world > 1
+            group = ddp.checkpoint_view().holding(p).state_group
+            sharded = group is not None
             states = {}
             for name in STATE_NAMES:
                 if name == "master" and not with_master:
@@ -184,7 +185,7 @@ class OptimizerState:
                 for i, lo, hi in segs:
                     flat[lo:hi] = opt.segment_state(i, name)
                 if sharded:  # over one shard group: HSDP replicas hold the same pieces
-                    dist.all_reduce(flat, group=bucket.group)
+                    dist.all_reduce(flat, group=group)
                 states[name] = flat.view(p.shape)
             out[id(p)] = states
         return out
@@ -230,9 +231,9 @@ class OptimizerState:
                 if key in state_dict:
                     out[key] = _local(state_dict[key])
                 elif f"{key}#0" in state_dict:
-                    stride = getattr(p, "partition_stride", 1)
-                    pieces = [_local(state_dict[f"{key}#{k}"]) for k in range(stride)]
-                    out[key] = torch.cat(pieces, dim=p.partition_dim)
+                    placement = placement_of(p)
+                    pieces = [_local(state_dict[f"{key}#{k}"]) for k in range(placement.tp_stride)]
+                    out[key] = torch.cat(pieces, dim=placement.tp_dim)
         return out
 
     @torch.no_grad()
@@ -263,7 +264,7 @@ class OptimizerState:
                 loaded["master"] = source.reshape(-1)[lo:hi]
             opt.load_segment_state(i, step, loaded)
         for ddp in self.ddp_chunks:
-            ddp.gather_params()
+            ddp.checkpoint_view().refresh()
 
 
 def _grid_position() -> str:

@@ -22,9 +22,9 @@ backward; a tied output layer shares it). Hooks that run during backward (activa
 re-running a layer's forward) neither prefetch nor free.
 
 Written by hand rather than with torch's FSDP2 (`fully_shard`), after a spike on gloo: FSDP2
-replaces every parameter with a new DTensor parameter, which drops the attributes our tensor
-parallelism, gradient finalisation and checkpoints read (`partition_dim`, `sequence_parallel`,
-`shared_embedding`, ...), and puts per-parameter DTensor gradients in `.grad`, outside the flat
+replaces every parameter with a new DTensor parameter, which drops the placement our tensor
+parallelism, gradient finalisation and checkpoints read (engine/parallel_placement.py: it
+travels with the parameter object), and puts per-parameter DTensor gradients in `.grad`, outside the flat
 buffers the optimizer's fp32 masters, the grad-norm/clipping and the counted-backward bucket
 reduction (needed by pipeline schedules that call backward themselves) are built on. Using it
 would mean rewriting those, and the checkpoint's global-coordinate state, around DTensors.

@@ -1,6 +1,6 @@
 """`model.init_from`: load a Hugging Face model's weights into this rank's model chunks.
 
-Each parameter knows where it sits in the global tensor (`partition_dim`, `partition_stride`,
+Each parameter knows where it sits in the global tensor (its placement's `tp_dim`, `tp_stride`,
 its TP rank) and its global name; families.segments says which HF rows make up that global
 tensor. So a rank reads exactly the rows (or columns) its TP/PP/EP position holds, from the
 safetensors files straight into memory (reader.py), and nothing else: no rank builds the whole
@@ -27,6 +27,7 @@ from engine import parallel_state as ps
 from engine.hf.families import NOT_WEIGHTS, Segment, Shapes, resolve_lengths, segments
 from engine.hf.reader import HFCheckpointError, HFFolder
 from engine.jobspec.hf_config import read_hf_config
+from engine.parallel_placement import placement_of
 
 # HF tensors no model of ours holds, safe to leave unread.
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
@@ -43,12 +44,12 @@ class ImportReport:
 def _span(param: nn.Parameter) -> tuple[int | None, list[tuple[int, int]]]:
     """(partition dim, [(start, stop) along it for each stride chunk]) of this rank's shard; dim
     None for a tensor held whole."""
-    dim = getattr(param, "partition_dim", None)
+    placement = placement_of(param)
+    dim, stride = placement.tp_dim, placement.tp_stride
     if dim is None:
         return None, []
-    stride = getattr(param, "partition_stride", 1)
     world, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-    chunk = param.global_shape[dim] // stride
+    chunk = placement.shape[dim] // stride
     per = chunk // world
     return dim, [(k * chunk + rank * per, k * chunk + (rank + 1) * per) for k in range(stride)]
 
@@ -118,7 +119,7 @@ class _Loader:
 
     @torch.no_grad()
     def load(self, name: str, param: nn.Parameter) -> None:
-        global_shape = tuple(getattr(param, "global_shape", param.shape))
+        global_shape = placement_of(param).shape
         segs = self.plan(name, global_shape)
         dim, spans = _span(param)
         if dim is None:

@@ -8,8 +8,8 @@ layers it is built from, so this file reads like a single-device model. Activati
 A pipeline stage is the same class with a slice of the layers (Megatron-Core's names):
 `pre_process` holds the embeddings and takes token ids, `post_process` holds the final norm and
 output layer, and a stage in between maps hidden states to hidden states. With tied embeddings
-split over stages, the last stage keeps its own copy of the embedding weight (marked
-`embedding_copy`, initialised from the same name) whose gradient is summed with the first
+split over stages, the last stage keeps its own copy of the embedding weight (placed as a
+`tied_copy`, initialised from the same name) whose gradient is summed with the first
 stage's after backward, so the two stay equal.
 
 Under context parallelism each rank holds two chunks of every sequence (see
@@ -31,13 +31,13 @@ import torch
 from torch import nn
 
 from engine import parallel_state as ps
+from engine.parallel_placement import set_placement
 from engine.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
     mark_sequence_parallel,
     vocab_parallel_cross_entropy,
 )
-from engine.tensor_parallel.layers import set_partition
 from engine.transformer import context_parallel
 from engine.transformer.config import TransformerConfig
 from engine.transformer.dropout import dropout
@@ -78,11 +78,10 @@ class GPTModel(nn.Module):
                 params_dtype=c.params_dtype,
                 init_std=c.init_method_std,
             )
-            self.embedding.weight.shared_embedding = tie_across_stages or mtp_copy
+            set_placement(self.embedding.weight, tied_embedding=tie_across_stages or mtp_copy)
             if c.position_embedding == "learned_absolute":
                 self.position_embeddings = nn.Embedding(c.seq_length, c.hidden_size, dtype=c.params_dtype)
-                set_partition(self.position_embeddings.weight, (c.seq_length, c.hidden_size), None)
-                self.position_embeddings.weight.init_std = c.init_method_std
+                set_placement(self.position_embeddings.weight, init_std=c.init_method_std)
                 # Under SP each rank adds only its chunk's positions: the grad is a partial sum over TP.
                 mark_sequence_parallel(self.position_embeddings, c.sequence_parallel)
         self.rotary = None
@@ -104,8 +103,7 @@ class GPTModel(nn.Module):
                 skip_weight_param_allocation=c.tie_embeddings and pre_process,
             )
             if tie_across_stages:
-                self.output_layer.weight.shared_embedding = True
-                self.output_layer.weight.embedding_copy = True
+                set_placement(self.output_layer.weight, tied_embedding=True, tied_copy=True)
         self.mtp = self.mtp_embedding = None
         if post_process and c.mtp_num_layers:
             self.mtp = MultiTokenPrediction(c)
@@ -120,8 +118,7 @@ class GPTModel(nn.Module):
                 if c.tie_embeddings:  # the output weight is the embedding's copy already
                     self.mtp_embedding.weight = self.output_layer.weight
                 else:
-                    self.mtp_embedding.weight.shared_embedding = True
-                    self.mtp_embedding.weight.embedding_copy = True
+                    set_placement(self.mtp_embedding.weight, tied_embedding=True, tied_copy=True)
 
     def fsdp_units(self) -> list[nn.Module]:
         """What data-parallel parameter sharding gathers at once, in forward order: one

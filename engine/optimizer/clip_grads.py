@@ -12,10 +12,11 @@ from __future__ import annotations
 import torch
 
 from engine import parallel_state as ps
+from engine.parallel_placement import placement_of
 
 
 def counts_in_norm(param: torch.Tensor) -> bool:
-    return bool(getattr(param, "tensor_model_parallel", False)) or ps.get_tensor_model_parallel_rank() == 0
+    return placement_of(param).tensor_parallel or ps.get_tensor_model_parallel_rank() == 0
 
 
 @torch.no_grad()

@@ -33,6 +33,7 @@ from engine.jobspec import OptimizerSpec
 from engine.optimizer import adam_state
 from engine.optimizer.clip_grads import clip_grads_, counts_in_norm
 from engine.optimizer.grad_scaler import DynamicGradScaler
+from engine.parallel_placement import placement_of
 
 
 def _sum_of_squares(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -73,9 +74,9 @@ class TrainingOptimizer:
             fp32 = p.dtype == torch.float32
             self.main_params.append(view if fp32 else view.float().clone())
             self.needs_copy_back.append(not fp32)
-        self.is_expert = [bool(getattr(p, "expert", False)) for p, _, _ in self.segments]
+        self.is_expert = [placement_of(p).expert for p, _, _ in self.segments]
         self.counts = [
-            not e and counts_in_norm(p) and not getattr(p, "embedding_copy", False)
+            not e and counts_in_norm(p) and not placement_of(p).tied_copy
             for (p, _, _), e in zip(self.segments, self.is_expert, strict=True)
         ]
         decay = [m for m, (p, _, _) in zip(self.main_params, self.segments, strict=True) if p.dim() > 1]

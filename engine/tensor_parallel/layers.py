@@ -1,14 +1,14 @@
 """Tensor-parallel layers: column- and row-parallel linears and the vocab-parallel embedding.
 
-Every parameter carries where it sits in the global (unsharded) tensor: `partition_dim`
-(None when replicated over TP), `partition_stride` (how many independently split chunks the
-global tensor is made of, e.g. 2 for SwiGLU's fused gate|up weight) and `global_shape`. That
-one description serves three readers: layout-independent initialisation (a seed gives the same
-model on any TP size), gathering for tests, and the sharded checkpoint's global offsets.
-Replicated parameters whose gradient is a partial sum over TP ranks (under sequence parallelism:
-norm weights, biases added after a reduce-scatter; always: the per-head q/k norms, which see only
-this rank's heads) are marked `sequence_parallel = True` so grad finalisation all-reduces them
-over TP.
+Every parameter carries where it sits in the global (unsharded) tensor, its placement
+(engine/parallel_placement.py): `tp_dim` (None when replicated over TP), `tp_stride` (how many
+independently split chunks the global tensor is made of, e.g. 2 for SwiGLU's fused gate|up
+weight) and the global `shape`. That one description serves three readers: layout-independent
+initialisation (a seed gives the same model on any TP size), gathering for tests, and the sharded
+checkpoint's global offsets. Replicated parameters whose gradient is a partial sum over TP ranks
+(under sequence parallelism: norm weights, biases added after a reduce-scatter; always: the
+per-head q/k norms, which see only this rank's heads) are marked `tp_partial_grad` so grad
+finalisation all-reduces them over TP.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import parallel_state as ps
+from engine.parallel_placement import set_placement
 from engine.tensor_parallel import fp8 as fp8_ops
 from engine.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -28,20 +29,11 @@ from engine.tensor_parallel.mappings import (
 )
 
 
-def set_partition(
-    param: torch.Tensor, global_shape: tuple[int, ...], partition_dim: int | None, stride: int = 1
-) -> None:
-    param.global_shape = tuple(global_shape)
-    param.partition_dim = partition_dim
-    param.partition_stride = stride
-    param.tensor_model_parallel = partition_dim is not None
-
-
 def mark_sequence_parallel(module: nn.Module, enabled: bool) -> None:
     """Mark a replicated module's params as seeing only part of the work (a sequence chunk, or
     this rank's heads): their grads need a TP sum."""
     for p in module.parameters(recurse=False):
-        p.sequence_parallel = enabled
+        set_placement(p, tp_partial_grad=enabled)
 
 
 def shard_of(full: torch.Tensor, dim: int | None, stride: int, rank: int, world: int) -> torch.Tensor:
@@ -100,12 +92,12 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("weight", None)
         else:
             self.weight = nn.Parameter(torch.empty(out_local, input_size, dtype=params_dtype, device=device))
-            set_partition(self.weight, (output_size, input_size), 0, partition_stride)
-            self.weight.init_std = init_std
+            set_placement(
+                self.weight, shape=(output_size, input_size), tp_dim=0, tp_stride=partition_stride, init_std=init_std
+            )
         if bias:
             self.bias = nn.Parameter(torch.empty(out_local, dtype=params_dtype, device=device))
-            set_partition(self.bias, (output_size,), 0, partition_stride)
-            self.bias.init_std = 0.0
+            set_placement(self.bias, shape=(output_size,), tp_dim=0, tp_stride=partition_stride, init_std=0.0)
         else:
             self.register_parameter("bias", None)
 
@@ -143,13 +135,10 @@ class RowParallelLinear(nn.Module):
         self.sequence_parallel = sequence_parallel and world > 1
         in_local = _divide(input_size, world, "input features")
         self.weight = nn.Parameter(torch.empty(output_size, in_local, dtype=params_dtype, device=device))
-        set_partition(self.weight, (output_size, input_size), 1)
-        self.weight.init_std = init_std
+        set_placement(self.weight, shape=(output_size, input_size), tp_dim=1, init_std=init_std)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=params_dtype, device=device))
-            set_partition(self.bias, (output_size,), None)
-            self.bias.init_std = 0.0
-            self.bias.sequence_parallel = self.sequence_parallel
+            set_placement(self.bias, init_std=0.0, tp_partial_grad=self.sequence_parallel)
         else:
             self.register_parameter("bias", None)
 
@@ -183,8 +172,7 @@ class VocabParallelEmbedding(nn.Module):
         per_rank = _divide(num_embeddings, world, "padded vocabulary size")
         self.vocab_start, self.vocab_end = rank * per_rank, (rank + 1) * per_rank
         self.weight = nn.Parameter(torch.empty(per_rank, embedding_dim, dtype=params_dtype, device=device))
-        set_partition(self.weight, (num_embeddings, embedding_dim), 0)
-        self.weight.init_std = init_std
+        set_placement(self.weight, shape=(num_embeddings, embedding_dim), tp_dim=0, init_std=init_std)
         self.tp_world = world
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Layout-independent weight initialisation.
 
-Each parameter is drawn whole (its `global_shape`) from a generator seeded by (seed, the
+Each parameter is drawn whole (its placement's global `shape`) from a generator seeded by (seed, the
 parameter's name in the whole model: global layer numbers on every pipeline stage), then this
 rank keeps its shard. The same seed therefore gives the same model on one rank
 and on any tensor/pipeline-parallel layout, which is what lets every parallel run be checked against the
@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from engine import parallel_state as ps
+from engine.parallel_placement import placement_of
 from engine.tensor_parallel import shard_of
 
 
@@ -25,7 +26,7 @@ def _generator(seed: int, name: str) -> torch.Generator:
 
 @torch.no_grad()
 def initialize_weights(model: nn.Module, seed: int, only: Callable[[str], bool] | None = None) -> None:
-    """Weights: normal(0, param.init_std); norm weights: 1; biases and std-0 params: 0.
+    """Weights: normal(0, the placement's init_std); norm weights: 1; biases and std-0 params: 0.
     `only`: initialise just the parameters whose global name it accepts (the rest are imported)."""
     world, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     global_name = getattr(model, "global_param_name", lambda n: n)
@@ -33,15 +34,13 @@ def initialize_weights(model: nn.Module, seed: int, only: Callable[[str], bool] 
         name = global_name(name)
         if only is not None and not only(name):
             continue
-        shape = getattr(param, "global_shape", tuple(param.shape))
-        std = getattr(param, "init_std", None)
+        placement = placement_of(param)
+        shape, std = placement.shape, placement.init_std
         if std is None:  # norms: scale 1, shift 0
             full = torch.ones(shape) if name.endswith("weight") else torch.zeros(shape)
         elif std == 0.0:
             full = torch.zeros(shape)
         else:
             full = torch.empty(shape).normal_(0.0, std, generator=_generator(seed, name))
-        local = shard_of(
-            full, getattr(param, "partition_dim", None), getattr(param, "partition_stride", 1), rank, world
-        )
+        local = shard_of(full, placement.tp_dim, placement.tp_stride, rank, world)
         param.copy_(local.to(param.dtype))

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import parallel_state as ps
+from engine.parallel_placement import set_placement
 from engine.tensor_parallel import ColumnParallelLinear, RowParallelLinear, mark_sequence_parallel
-from engine.tensor_parallel.layers import set_partition
 from engine.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -43,8 +43,7 @@ from engine.transformer.rope import apply_rotary, mla_softmax_mscale
 
 def _replicated_linear(config: TransformerConfig, inputs: int, outputs: int) -> nn.Parameter:
     weight = nn.Parameter(torch.empty(outputs, inputs, dtype=config.params_dtype))
-    set_partition(weight, (outputs, inputs), None)
-    weight.init_std = config.init_method_std
+    set_placement(weight, init_std=config.init_method_std)
     return weight
 
 

@@ -26,9 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.parallel_placement import set_placement
 from engine.tensor_parallel import mark_sequence_parallel, vocab_parallel_cross_entropy
 from engine.tensor_parallel.cross_entropy import IGNORE_INDEX
-from engine.tensor_parallel.layers import set_partition
 from engine.transformer.config import TransformerConfig
 from engine.transformer.loss_attach import attach_loss
 from engine.transformer.norm import build_norm
@@ -50,8 +50,7 @@ class MTPLayer(nn.Module):
         self.hnorm = build_norm(config)
         self.eh_proj = nn.Module()
         self.eh_proj.weight = nn.Parameter(torch.empty(h, 2 * h, dtype=config.params_dtype))
-        set_partition(self.eh_proj.weight, (h, 2 * h), None)
-        self.eh_proj.weight.init_std = config.init_method_std
+        set_placement(self.eh_proj.weight, init_std=config.init_method_std)
         mark_sequence_parallel(self.eh_proj, config.sequence_parallel)
         self.transformer_layer = TransformerLayer(config, moe=moe)
         self.final_layernorm = build_norm(config)

@@ -21,6 +21,7 @@ from engine import parallel_state as ps
 from engine.checkpointing import checkpointer as checkpointer_module
 from engine.jobspec import JobSpec
 from engine.launcher import spawn
+from engine.parallel_placement import placement_of
 from engine.tensor_parallel import unshard
 from engine.tensor_parallel.mappings import all_gather_along
 from engine.training import Trainer
@@ -54,12 +55,12 @@ def job(ranks: int = 1, **sections) -> dict:
 
 
 def _full(t: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    dim = getattr(param, "partition_dim", None)
+    dim = placement_of(param).tp_dim
     if dim is None or ps.get_tensor_model_parallel_world_size() == 1:
         return t.detach().float().clone()
     tp = ps.get_tensor_model_parallel_world_size()
     gathered = all_gather_along(t.detach().float().contiguous(), 0, ps.get_tensor_model_parallel_group())
-    return unshard(list(gathered.chunk(tp, dim=0)), dim, param.partition_stride)
+    return unshard(list(gathered.chunk(tp, dim=0)), dim, placement_of(param).tp_stride)
 
 
 def _train_and_collect(spec_dict: dict) -> dict:
@@ -74,7 +75,7 @@ def _train_and_collect(spec_dict: dict) -> dict:
         whole_grads = {} if sharded_grads else ddp.unsharded_grads()
         for name, p in chunk.named_parameters():
             key = chunk.global_param_name(name)
-            if getattr(p, "embedding_copy", False):
+            if placement_of(p).tied_copy:
                 copies[key] = _full(p, p)
                 continue
             params[key] = _full(p, p)

@@ -19,14 +19,14 @@ def _model() -> nn.Module:
 def _launch_log(overlap: bool, microbatches: int) -> dict:
     ddp = DataParallel(_model(), dist.group.WORLD, bucket_size=16 * 16 + 16, overlap=overlap)
     log = []
-    original = ddp._launch
+    original = ddp.grad_sync._launch  # the level's gradient strategy (sharding.WholeGrads)
 
-    def record(bucket):
-        waiting = sum(len(b.pending) for b in ddp.buckets)
+    def record(dp, bucket):
+        waiting = sum(len(b.flight.pending) for b in ddp.buckets)
         log.append({"waiting_params": waiting, "backward_done": in_backward[0] is False})
-        original(bucket)
+        original(dp, bucket)
 
-    ddp._launch = record
+    ddp.grad_sync._launch = record
     in_backward = [None]
     ddp.start_step(microbatches)
     g = torch.Generator().manual_seed(dist.get_rank())

@@ -13,6 +13,7 @@ import pytest
 
 from engine.jobspec import JobSpec
 from engine.launcher import spawn
+from engine.parallel_placement import placement_of
 from engine.training import Trainer
 from tests.engine.parallel_harness import (
     assert_same_training,
@@ -204,7 +205,7 @@ def _expert_holdings(spec: dict) -> dict:
     it holds optimizer state, persistent gradient and persistent parameter storage for."""
     trainer = Trainer(JobSpec.model_validate(spec))
     trainer.train_step()
-    local = sum(p.numel() for c in trainer.model_chunks for p in c.parameters() if getattr(p, "expert", False))
+    local = sum(p.numel() for c in trainer.model_chunks for p in c.parameters() if placement_of(p).expert)
     state = sum(m.numel() for m, e in zip(trainer.optimizer.main_params, trainer.optimizer.is_expert, strict=True) if e)
     grads = params = 0
     for ddp in trainer.ddp_chunks:

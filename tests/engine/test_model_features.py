@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.jobspec import JobSpecError, parse_job
+from engine.parallel_placement import placement_of
 from engine.transformer.activations import activation
 from engine.transformer.attention import SelfAttention
 from engine.transformer.config import TransformerConfig
@@ -74,7 +75,7 @@ def test_qkv_bias_qk_layernorm_and_kv_channels_match_a_reference():
     assert att.linear_qkv.weight.shape == ((4 + 2 * 2) * 10, 24)
     assert att.linear_qkv.bias is not None and att.linear_proj.bias is None  # qkv only (Qwen2)
     assert att.q_layernorm.weight.shape == att.k_layernorm.weight.shape == (10,)
-    assert att.q_layernorm.weight.sequence_parallel  # summed over TP even without SP
+    assert placement_of(att.q_layernorm.weight).tp_partial_grad  # summed over TP even without SP
     _randomize(att)
     x = torch.randn(7, 2, 24, generator=torch.Generator().manual_seed(1))
     rotary = RotaryEmbedding(c.head_dim, c.rotary_base)(7, torch.float32)
@@ -85,7 +86,7 @@ def test_qk_layernorm_parameter_names_and_gpt2_layernorm():
     names = {n for n, _ in SelfAttention(_config(qk_layernorm=True)).named_parameters()}
     assert {"q_layernorm.weight", "k_layernorm.weight"} <= names
     gpt2 = SelfAttention(_config(arch="gpt2", qk_layernorm=True))
-    assert isinstance(gpt2.q_layernorm, torch.nn.LayerNorm) and gpt2.q_layernorm.bias.sequence_parallel
+    assert isinstance(gpt2.q_layernorm, torch.nn.LayerNorm) and placement_of(gpt2.q_layernorm.bias).tp_partial_grad
 
 
 def test_qkv_bias_defaults_follow_the_arch():

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.parallel_placement import set_placement
 from engine.transformer import activations
 
 
@@ -27,9 +28,8 @@ class ExpertMLP(nn.Module):
             hidden, ffn * (2 if activations.is_gated(activation) else 1), bias=False, dtype=dtype
         )
         self.linear_fc2 = nn.Linear(ffn, hidden, bias=False, dtype=dtype)
-        self.linear_fc1.weight.init_std, self.linear_fc2.weight.init_std = init_std, out_std
-        for p in self.parameters():
-            p.expert = True
+        set_placement(self.linear_fc1.weight, init_std=init_std, expert=True)
+        set_placement(self.linear_fc2.weight, init_std=out_std, expert=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.linear_fc2(activations.activation(self.linear_fc1(x), self.activation))

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import parallel_state as ps
+from engine.parallel_placement import set_placement
 from engine.tensor_parallel import mark_sequence_parallel
 
 
@@ -89,7 +90,7 @@ class TopKRouter(nn.Module):
         self.moe = moe
         self.sequence_parallel = sequence_parallel
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size, dtype=params_dtype))
-        self.weight.init_std = init_std
+        set_placement(self.weight, init_std=init_std)
         mark_sequence_parallel(self, sequence_parallel)
         # Aux-loss-free balancing: a bias moved after every step toward under-used experts.
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts), persistent=True)

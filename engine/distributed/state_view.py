@@ -1,0 +1,90 @@
+"""DataParallel's state as checkpoints see it: a read-only view, so that the checkpoint parts
+(engine/checkpointing/state.py, local_shards.py) need nothing of its buckets, strategies or flags.
+
+A checkpoint needs three things of data parallelism:
+- per parameter, which ranks hold it alike (to write one copy, or keep a 1/n slice of it in a
+  snapshot), and over which ranks its optimizer state is split into disjoint ranges (to
+  assemble it to parameter shape by a sum) or held alike;
+- the tensors it keeps that are not the parameters: under ZeRO-3 each bucket's persistent
+  parameter shard, with the HSDP replicas that hold the same shard;
+- how to assemble: make every parameter whole before reading it (a collective under ZeRO-3),
+  put whole loaded values back into the shards, and bring parameters up to date after the
+  persistent values (shards, or the optimizer's masters) were replaced by a load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from engine.distributed.data_parallel import DataParallel
+
+
+@dataclass(frozen=True)
+class ParamHolding:
+    """How this rank holds one parameter. `in_shard`: between steps its values live in its
+    bucket's persistent shard (ZeRO-3), not in the parameter. `value_replicas`: the ranks that
+    hold its values alike (None: no other rank does). `state_group`: the ranks its optimizer
+    state is split over, each holding disjoint flat ranges (None: whole on this rank).
+    `state_replicas`: the ranks that hold this rank's optimizer segments of it alike."""
+
+    in_shard: bool
+    value_replicas: dist.ProcessGroup | None
+    state_group: dist.ProcessGroup | None
+    state_replicas: dist.ProcessGroup | None
+
+
+@dataclass(frozen=True)
+class ShardHolding:
+    """A bucket's persistent parameter shard (ZeRO-3), read and loaded in place, and the HSDP
+    replicas that hold the same shard (None: this rank's alone)."""
+
+    tensor: torch.Tensor
+    replicas: dist.ProcessGroup | None
+
+
+@dataclass(frozen=True)
+class CheckpointView:
+    """See the module docstring. `params_sharded`: parameters are kept as shards between steps
+    (a save gathers them whole first, and holds copies: their storage is freed again). The three
+    callables are the assembly steps, no-ops where the level has nothing to do."""
+
+    params_sharded: bool
+    shards: tuple[ShardHolding, ...]
+    _holdings: Mapping[int, ParamHolding]
+    gather_whole: Callable[[], None]  # every parameter whole now (collective under ZeRO-3)
+    scatter_loaded: Callable[[], None]  # whole values written into the parameters -> the shards
+    refresh: Callable[[], None]  # persistent values replaced: bring the parameters up to date
+
+    def holding(self, param: torch.Tensor) -> ParamHolding | None:
+        """None for a parameter data parallelism does not hold (frozen, or another chunk's)."""
+        return self._holdings.get(id(param))
+
+    @classmethod
+    def of(cls, dp: DataParallel) -> CheckpointView:
+        holdings = {}
+        for bucket in dp.buckets:
+            shared = bucket.world > 1 and bucket.group is not None
+            split = dp.shard and bucket.world > 1
+            holding = ParamHolding(
+                in_shard=dp.shard_params,
+                value_replicas=bucket.group if shared else None,
+                state_group=bucket.group if split else None,
+                state_replicas=bucket.replica_group if dp.shard else (bucket.group if bucket.world > 1 else None),
+            )
+            for p in bucket.params:
+                holdings[id(p)] = holding
+        shards = tuple(ShardHolding(b.param_shard, b.replica_group) for b in dp.buckets) if dp.shard_params else ()
+        return cls(
+            params_sharded=dp.shard_params,
+            shards=shards,
+            _holdings=holdings,
+            gather_whole=dp.gather_all_params,
+            scatter_loaded=dp.params_loaded,
+            refresh=dp.gather_params,
+        )
