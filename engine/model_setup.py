@@ -16,7 +16,7 @@ import torch.distributed as dist
 from engine import parallel_state as ps
 from engine.compile import compile_layers
 from engine.distributed.data_parallel import DataParallel
-from engine.hf.importer import ImportReport, hf_architecture, import_hf_weights
+from engine.hf.importer import ImportReport, import_hf_weights
 from engine.jobspec import JobSpec
 from engine.models import GPTModel
 from engine.optimizer.grad_scaler import DynamicGradScaler
@@ -140,7 +140,7 @@ def build_model_and_optimizer(
         hf_import = import_hf_weights(
             chunks,
             uri,
-            hf_architecture(uri),
+            None,  # the folder's own architecture: the import reads config.json once
             config,
             # what the checkpoint has no weights for (MTP depths it lacks)
             initialize=lambda chunk, only: initialize_weights(chunk, t.seed, only=only),

@@ -134,25 +134,23 @@ class _Loader:
             self.fill(segs, 0, (a, b), param.data)
 
 
-def hf_architecture(uri: str) -> str:
-    """The folder's `architectures[0]` (which naming table its tensors follow)."""
-    return read_hf_config(uri)["architectures"][0]
-
-
 def import_hf_weights(
     chunks: list[nn.Module],
     uri: str,
-    arch: str,
+    arch: str | None,
     config,
     initialize: Callable[[nn.Module, Callable[[str], bool]], None] | None = None,
 ) -> ImportReport:
     """Fill every parameter of this rank's `chunks` (GPTModels) from the HF folder at `uri`.
     MTP depths the checkpoint does not have (a job may train more than it imports) are handed
-    to `initialize(chunk, only=name filter)` instead; without it they are an error. A
-    collective when torch.distributed is initialised (the unused-tensor check)."""
+    to `initialize(chunk, only=name filter)` instead; without it they are an error. `arch`:
+    which naming table the tensors follow (None: the folder's `architectures[0]`, from the one
+    read of its config.json the import makes). A collective when torch.distributed is
+    initialised (the unused-tensor check)."""
     start = time.perf_counter()
     folder = HFFolder(uri)
     hf_config = read_hf_config(uri)
+    arch = arch or hf_config["architectures"][0]
     shapes = dataclasses.replace(Shapes.of(config), rope_interleave=hf_config.get("rope_interleave", True))
     loader = _Loader(folder, arch, shapes)
     count = 0
