@@ -24,8 +24,9 @@ Every decision is agreed over all ranks with one SUM all-reduce of flags (any ra
 Where this differs from Megatron-Core: a transient error always continues with the re-run's
 result when that result itself passes validation (Megatron-Core exits 17 on a fatal transient);
 the re-run already is a validated result, and the event record names the flaky device for the
-orchestrator. The node identity is `ELASTRON_NODE_ID` when set (Ray workers set the Ray node
-id; a drill on one machine sets it to pretend a move), else the host name.
+orchestrator. The node identity is the one the launcher gave `train_rank` (engine/rank_hooks.py:
+Ray workers give the Ray node id), else `ELASTRON_NODE_ID` when set (a drill on one machine sets
+it to pretend a move), else the host name.
 
 `report_determinism_stats` re-runs every step once and reports how far the two runs differ per
 validated value. Error injection (`resilience.error_injection_rate` / `_type`) rejects a result
@@ -43,7 +44,6 @@ import logging
 import math
 import os
 import random
-import socket
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -55,8 +55,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine import device
-from engine.jobspec import contract
+from engine import device, rank_hooks
 from engine.tensor_parallel.random import capture_rng_state, restore_rng_state
 
 log = logging.getLogger(__name__)
@@ -123,7 +122,7 @@ def compare_floats(a: float, b: float) -> float:
 
 def node_identity() -> tuple[str, str]:
     """(node, device) this rank runs on: what a rerun 'on other hardware' must differ in."""
-    return os.environ.get(contract.ENV_NODE_ID) or socket.gethostname(), str(device.current_device())
+    return rank_hooks.node_id(), str(device.current_device())
 
 
 class ErrorInjector:
@@ -166,6 +165,7 @@ class EventLog:
                 os.write(fd, line)
             finally:
                 os.close(fd)
+        rank_hooks.emit(event)
         return event
 
 

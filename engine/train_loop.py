@@ -1,20 +1,23 @@
 """The per-rank training loop: build a Trainer, step it to `training.train_iters`, save and
 snapshot when due, and hand rank 0's record of every step to whoever listens. Launchers (the
-local `elastron train`, Ray workers) call `train_rank`; what one step does is the Trainer's.
+local `elastron train`, Ray workers) call `train_rank` with the rank's identity and hooks
+(engine/rank_hooks.py); what one step does is the Trainer's.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 
 from engine import parallel_state as ps
+from engine import rank_hooks
 from engine.jobspec import JobSpec, ResolvedJob, resolve_job
+from engine.rank_hooks import RankHooks, RankIdentity
 from engine.training import StepMetrics, Trainer
 
 
@@ -35,6 +38,8 @@ def train_rank(
     events_out: str | None = None,
     on_record: Callable[[dict], None] | None = None,
     *,
+    hooks: RankHooks | None = None,
+    identity: RankIdentity | None = None,
     on_trainer: Callable[[Trainer], None] | None = None,
     on_snapshot_due: Callable[[Trainer], None] | None = None,
 ) -> list[dict]:
@@ -42,9 +47,14 @@ def train_rank(
 
     `job` is resolved once by the launcher (a ResolvedJob); a spec or its JSON is resolved here.
 
-    Every rank appends its events (rerun state machine) to `events_out`. A rerun verdict that
-    stops the job raises RerunExit on every rank, carrying exit code 16 or 17. `on_record` gets
-    rank 0's record of every iteration (how Ray workers forward metrics without a file).
+    `identity` says who runs this rank (engine/rank_hooks.py; default: this host, or
+    `ELASTRON_NODE_ID`); `hooks` what the launcher hears (`RankHooks`: on_trainer, on_record,
+    on_snapshot_due, on_event). The loose `on_record`, `on_trainer` and `on_snapshot_due`
+    arguments are the same hooks for callers that need only one; a hook given both ways is an
+    error. Every rank appends its events (rerun state machine, checkpointer) to `events_out`
+    when given (`elastron train`'s event record) and hands each to `hooks.on_event` in-process.
+    A rerun verdict that stops the job raises RerunExit on every rank, carrying exit code 16
+    or 17.
 
     `on_trainer` gets every rank's Trainer, from the training thread, once it is built (and
     resumed) and before the first step, because a launcher's watchdog and shutdown hook must
@@ -58,7 +68,27 @@ def train_rank(
     names (`Trainer.snapshot_due`): the caller takes an in-memory snapshot
     (`Trainer.capture_snapshot`) and keeps it where a restarted rank finds it; the engine keeps
     none itself (a snapshot that dies with the process is no use)."""
-    trainer = Trainer(job if isinstance(job, ResolvedJob) else resolve_job(job), events_path=events_out)
+    hooks = _merge_hooks(hooks, on_record=on_record, on_trainer=on_trainer, on_snapshot_due=on_snapshot_due)
+    job = job if isinstance(job, ResolvedJob) else resolve_job(job)
+    with rank_hooks.bound(identity or RankIdentity.local(), hooks.on_event):
+        return _train(job, metrics_out, quiet, events_out, hooks)
+
+
+def _merge_hooks(hooks: RankHooks | None, **loose: Callable | None) -> RankHooks:
+    merged = replace(hooks) if hooks is not None else RankHooks()
+    for name, fn in loose.items():
+        if fn is None:
+            continue
+        if getattr(merged, name) is not None:
+            raise TypeError(f"train_rank: {name} given both in hooks and as an argument")
+        setattr(merged, name, fn)
+    return merged
+
+
+def _train(
+    job: ResolvedJob, metrics_out: str | None, quiet: bool, events_out: str | None, hooks: RankHooks
+) -> list[dict]:
+    trainer = Trainer(job, events_path=events_out)
     spec = trainer.spec
     is_logger = dist.get_rank() == 0
     records: list[dict] = []
@@ -68,8 +98,8 @@ def train_rank(
         # A resumed job appends to the metrics it already wrote.
         sink = open(metrics_out, "a" if trainer.iteration else "w")  # noqa: SIM115 - closed below
     try:
-        if on_trainer is not None:
-            on_trainer(trainer)
+        if hooks.on_trainer is not None:
+            hooks.on_trainer(trainer)
         if is_logger and not quiet:
             c, g = trainer.config, ps.get_grid()
             n_params = sum(p.numel() for chunk in trainer.model_chunks for p in chunk.parameters())
@@ -100,9 +130,9 @@ def train_rank(
                 trainer.save_checkpoint_if_due()
                 # Before the record: when the record says a step is done, its snapshot is taken
                 # and only its push can be in flight (a failure re-runs at most that step).
-                if on_snapshot_due is not None and trainer.snapshot_due():
+                if hooks.on_snapshot_due is not None and trainer.snapshot_due():
                     trainer.phase = "checkpoint-local"
-                    on_snapshot_due(trainer)
+                    hooks.on_snapshot_due(trainer)
             finally:
                 # Even when the save or the snapshot fails (collectives: a peer died), the record
                 # goes out: a resume from the persistent checkpoint just committed never runs the
@@ -110,8 +140,8 @@ def train_rank(
                 if is_logger:
                     rec = asdict(m)
                     records.append(rec)
-                    if on_record is not None:
-                        on_record(rec)
+                    if hooks.on_record is not None:
+                        hooks.on_record(rec)
                     if sink:
                         sink.write(json.dumps(rec) + "\n")
                         sink.flush()
