@@ -15,9 +15,9 @@ call this function:
    `world_size`, `data_parallel_size`, `ts`); every rank forwards every event its engine
    records (`RankHooks.on_event`, an in-process call);
 4. starts the step watchdog (resilience.step_timeout_s) on the engine's Trainer, which
-   `train_rank` hands over through `RankHooks.on_trainer` (setup, before the Trainer exists, is watched
-   on a stand-in); on a hang it leaves its message with the registry and kills the process, so
-   the group restarts;
+   `train_rank` hands over through `RankHooks.on_trainer` (setup, before the Trainer exists, is
+   watched on a stand-in); on a hang it leaves its message with the registry and kills the
+   process, so the group restarts;
 5. when Ray shuts the group down (resize, cancel), stops rank 0 at a step boundary and delivers
    the telemetry (`on_worker_shutdown`, called from a Ray Train worker callback);
 6. with `checkpoint.local_interval`: pushes in-memory snapshots to the node holders from a

@@ -39,6 +39,7 @@ class JobRegistry:
         self._groups: list[dict[str, Any]] = []
         self._watchdog: list[dict[str, Any]] = []
         self._progress: tuple[int, float] | None = None  # rank 0's newest iteration, when
+        self._holders: list[Any] = []  # every snapshot holder handle this actor obtained
 
     def ping(self) -> bool:
         return True
@@ -82,4 +83,9 @@ class JobRegistry:
         the driver owns, when there is none yet)."""
         from workers.snapshots import holder
 
-        return {node: holder(self.job_id, node) for node in node_ids}
+        handles = {node: holder(self.job_id, node) for node in node_ids}
+        # Every handle is kept for the job's life: Ray ends a non-detached actor once its owner
+        # has no handle left (the ranks' go with the ranks), and a holder that already runs comes
+        # back as a looked-up handle, which does not count; the one that started it must stay.
+        self._holders.extend(handles.values())
+        return handles

@@ -203,7 +203,11 @@ class SnapshotPusher:
         self.job_id, self.rank, self.my_node = job_id, rank, my_node
         self.targets = [my_node, *replica_nodes(my_node, group_nodes, replicas)]
         # The registry starts them (the driver's side owns them; see the module docstring).
-        self._holders = ray.get(registry.snapshot_holders.remote(self.targets), timeout=CALL_TIMEOUT_S)
+        try:
+            self._holders = ray.get(registry.snapshot_holders.remote(self.targets), timeout=CALL_TIMEOUT_S)
+        except Exception as err:  # noqa: BLE001 - no holders costs recovery speed, not training
+            log.warning("no in-memory snapshots: the job registry did not start their holders (%s)", err)
+            self._holders = {}
         # One slot more than the holders list: the one being written is never one a recovery may read.
         self._files: SlotFiles | None = SlotFiles(job_id, rank, slots=KEEP + 1)
         self._size = 0  # the last snapshot's block: the slot files are sized from it
@@ -214,7 +218,9 @@ class SnapshotPusher:
         self.capture_s: list[float] = []
 
     def snapshot(self, trainer) -> None:
-        """Called by the engine when a snapshot is due (train_rank's on_snapshot_due)."""
+        """Called by the engine when a snapshot is due (RankHooks.on_snapshot_due)."""
+        if not self._holders:
+            return
         self.wait()
         started = time.perf_counter()
         slot, buffer = None, self._buffer
