@@ -69,8 +69,10 @@ def train_rank(
     (`Trainer.capture_snapshot`) and keeps it where a restarted rank finds it; the engine keeps
     none itself (a snapshot that dies with the process is no use)."""
     hooks = _merge_hooks(hooks, on_record=on_record, on_trainer=on_trainer, on_snapshot_due=on_snapshot_due)
+    identity = identity or RankIdentity.local()
+    _check_identity(identity)
     job = job if isinstance(job, ResolvedJob) else resolve_job(job)
-    with rank_hooks.bound(identity or RankIdentity.local(), hooks.on_event):
+    with rank_hooks.bound(identity, hooks.on_event):
         return _train(job, metrics_out, quiet, events_out, hooks)
 
 
@@ -83,6 +85,16 @@ def _merge_hooks(hooks: RankHooks | None, **loose: Callable | None) -> RankHooks
             raise TypeError(f"train_rank: {name} given both in hooks and as an argument")
         setattr(merged, name, fn)
     return merged
+
+
+def _check_identity(identity: RankIdentity) -> None:
+    """A launcher that names the rank and world size must name the process group's."""
+    said, actual = (identity.rank, identity.world_size), (dist.get_rank(), dist.get_world_size())
+    if any(s is not None and s != a for s, a in zip(said, actual, strict=True)):
+        raise ValueError(
+            f"train_rank: the launcher says rank {said[0]} of {said[1]}, the process group "
+            f"{actual[0]} of {actual[1]}"
+        )
 
 
 def _train(

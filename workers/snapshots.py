@@ -61,7 +61,7 @@ class SnapshotHolder:
         if reap_files:  # the actor: its node's slot files of the job end with this process
             from workers.snapshot_files import remove_when_gone, snapshot_dir
 
-            self._lifeline = remove_when_gone(snapshot_dir(job_id))
+            self._lifeline = remove_when_gone(snapshot_dir(job_id) / node_id)
 
     def ping(self) -> str:
         return self.node_id
@@ -209,7 +209,7 @@ class SnapshotPusher:
             log.warning("no in-memory snapshots: the job registry did not start their holders (%s)", err)
             self._holders = {}
         # One slot more than the holders list: the one being written is never one a recovery may read.
-        self._files: SlotFiles | None = SlotFiles(job_id, rank, slots=KEEP + 1)
+        self._files: SlotFiles | None = SlotFiles(job_id, rank, slots=KEEP + 1, node_id=my_node)
         self._size = 0  # the last snapshot's block: the slot files are sized from it
         self._buffer: bytearray | None = None  # the capture buffer when no slot file is used
         self._thread: threading.Thread | None = None

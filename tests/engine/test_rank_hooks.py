@@ -54,3 +54,18 @@ def test_events_reach_the_hook_in_process_with_the_launchers_node_id(tmp_path):
 def test_a_hook_given_twice_is_refused():
     with pytest.raises(TypeError, match="on_record given both"):
         train_rank({}, on_record=print, hooks=RankHooks(on_record=print))
+
+
+def _train_as(spec: dict, rank: int) -> str:
+    try:
+        train_rank(spec, quiet=True, identity=RankIdentity(node_id="n", rank=rank, world_size=1))
+    except ValueError as err:
+        return str(err)
+    return "trained"
+
+
+def test_an_identity_that_names_another_rank_is_refused():
+    spec = job(1, training={"train_iters": 1})
+    assert spawn(_train_as, 1, (spec, 3), timeout_s=120) == [
+        "train_rank: the launcher says rank 3 of 1, the process group 0 of 1"
+    ]

@@ -32,8 +32,8 @@ def _alive_actors(prefix: str = "", class_names: tuple[str, ...] = ("SnapshotHol
 
 
 def _slot_files(job_id: str) -> list[str]:
-    directory = snapshot_dir(job_id)
-    return sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
+    """The job's slot files on this machine (the test cluster's nodes share its /dev/shm)."""
+    return sorted(str(p) for p in snapshot_dir(job_id).rglob("*.snap"))
 
 
 def test_a_sigkilled_driver_leaves_no_holder_and_no_snapshot_file(ray_cluster, telemetry, tmp_path):
