@@ -24,8 +24,9 @@ Every decision is agreed over all ranks with one SUM all-reduce of flags (any ra
 Where this differs from Megatron-Core: a transient error always continues with the re-run's
 result when that result itself passes validation (Megatron-Core exits 17 on a fatal transient);
 the re-run already is a validated result, and the event record names the flaky device for the
-orchestrator. The node identity is `ELASTRON_NODE_ID` when set (Ray workers set the Ray node
-id; a drill on one machine sets it to pretend a move), else the host name.
+orchestrator. The node identity is the one the launcher gave `train_rank` (engine/rank_hooks.py:
+Ray workers give the Ray node id), else `ELASTRON_NODE_ID` when set (a drill on one machine sets
+it to pretend a move), else the host name.
 
 `report_determinism_stats` re-runs every step once and reports how far the two runs differ per
 validated value. Error injection (`resilience.error_injection_rate` / `_type`) rejects a result
@@ -43,7 +44,6 @@ import logging
 import math
 import os
 import random
-import socket
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from engine import device
-from engine.jobspec import contract
+from engine.rank_hooks import RankIdentity
 from engine.tensor_parallel.random import capture_rng_state, restore_rng_state
 
 log = logging.getLogger(__name__)
@@ -121,9 +121,9 @@ def compare_floats(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-30)
 
 
-def node_identity() -> tuple[str, str]:
+def node_identity(node_id: str) -> tuple[str, str]:
     """(node, device) this rank runs on: what a rerun 'on other hardware' must differ in."""
-    return os.environ.get(contract.ENV_NODE_ID) or socket.gethostname(), str(device.current_device())
+    return node_id, str(device.current_device())
 
 
 class ErrorInjector:
@@ -147,15 +147,26 @@ class ErrorInjector:
 
 
 class EventLog:
-    """Append-only JSON lines, one per event; every rank appends whole lines (O_APPEND)."""
+    """This rank's events: append-only JSON lines, one per event (every rank appends whole lines,
+    O_APPEND), and each handed to `on_event` (a launcher's hook, in-process, from whichever
+    thread made it). `node_id` is the hardware identity the launcher gave the rank
+    (engine/rank_hooks.py; default: this host)."""
 
-    def __init__(self, path: str | Path | None, job: str):
+    def __init__(
+        self,
+        path: str | Path | None,
+        job: str,
+        node_id: str | None = None,
+        on_event: Callable[[dict], None] | None = None,
+    ):
         self.path, self.job = (Path(path) if path else None), job
+        self.node_id = node_id or RankIdentity.local().node_id
+        self.on_event = on_event
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
 
     def append(self, kind: str, **fields: Any) -> dict:
-        host, dev = node_identity()
+        host, dev = node_identity(self.node_id)
         rank = dist.get_rank() if dist.is_initialized() else 0
         event = {"ts": time.time(), "job": self.job, "kind": kind, "rank": rank, "host": host, "device": dev}
         event.update(fields)
@@ -166,6 +177,8 @@ class EventLog:
                 os.write(fd, line)
             finally:
                 os.close(fd)
+        if self.on_event is not None:
+            self.on_event(event)
         return event
 
 
@@ -489,13 +502,13 @@ class RerunStateMachine:
                 rs.failed_call = None
             elif rs.fatal:
                 self.checkpoint_requested = True
-                rs.suspicious = node_identity()
+                rs.suspicious = node_identity(self.events.node_id)
                 self._event("rerun_reproduced", **fields)
             else:
                 self._event("rerun_reproduced", continuing=True, **fields)
                 rs.failed_call = None
             return
-        if tuple(node_identity()) == tuple(rs.suspicious or ()):
+        if tuple(node_identity(self.events.node_id)) == tuple(rs.suspicious or ()):
             self.restart_again_requested = True
             self._event("rerun_on_suspect_device", **fields)
         elif differs:

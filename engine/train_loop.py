@@ -1,13 +1,14 @@
 """The per-rank training loop: build a Trainer, step it to `training.train_iters`, save and
 snapshot when due, and hand rank 0's record of every step to whoever listens. Launchers (the
-local `elastron train`, Ray workers) call `train_rank`; what one step does is the Trainer's.
+local `elastron train`, Ray workers) call `train_rank` with the rank's identity and hooks
+(engine/rank_hooks.py); what one step does is the Trainer's.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ import torch.distributed as dist
 
 from engine import parallel_state as ps
 from engine.jobspec import JobSpec, ResolvedJob, resolve_job
+from engine.rank_hooks import RankHooks, RankIdentity
 from engine.step_metrics import progress_line
 from engine.training import Trainer
 
@@ -26,6 +28,8 @@ def train_rank(
     events_out: str | None = None,
     on_record: Callable[[dict], None] | None = None,
     *,
+    hooks: RankHooks | None = None,
+    identity: RankIdentity | None = None,
     on_trainer: Callable[[Trainer], None] | None = None,
     on_snapshot_due: Callable[[Trainer], None] | None = None,
 ) -> list[dict]:
@@ -33,9 +37,14 @@ def train_rank(
 
     `job` is resolved once by the launcher (a ResolvedJob); a spec or its JSON is resolved here.
 
-    Every rank appends its events (rerun state machine) to `events_out`. A rerun verdict that
-    stops the job raises RerunExit on every rank, carrying exit code 16 or 17. `on_record` gets
-    rank 0's record of every iteration (how Ray workers forward metrics without a file).
+    `identity` says who runs this rank (engine/rank_hooks.py; default: this host, or
+    `ELASTRON_NODE_ID`); `hooks` what the launcher hears (`RankHooks`: on_trainer, on_record,
+    on_snapshot_due, on_event). The loose `on_record`, `on_trainer` and `on_snapshot_due`
+    arguments are the same hooks for callers that need only one; a hook given both ways is an
+    error. Every rank appends its events (rerun state machine, checkpointer) to `events_out`
+    when given (`elastron train`'s event record) and hands each to `hooks.on_event` in-process.
+    A rerun verdict that stops the job raises RerunExit on every rank, carrying exit code 16
+    or 17.
 
     `on_trainer` gets every rank's Trainer, from the training thread, once it is built (and
     resumed) and before the first step, because a launcher's watchdog and shutdown hook must
@@ -49,7 +58,43 @@ def train_rank(
     names (`Trainer.snapshot_due`): the caller takes an in-memory snapshot
     (`Trainer.capture_snapshot`) and keeps it where a restarted rank finds it; the engine keeps
     none itself (a snapshot that dies with the process is no use)."""
-    trainer = Trainer(job if isinstance(job, ResolvedJob) else resolve_job(job), events_path=events_out)
+    hooks = _merge_hooks(hooks, on_record=on_record, on_trainer=on_trainer, on_snapshot_due=on_snapshot_due)
+    identity = identity or RankIdentity.local()
+    _check_identity(identity)
+    job = job if isinstance(job, ResolvedJob) else resolve_job(job)
+    return _train(job, metrics_out, quiet, events_out, hooks, identity)
+
+
+def _merge_hooks(hooks: RankHooks | None, **loose: Callable | None) -> RankHooks:
+    merged = replace(hooks) if hooks is not None else RankHooks()
+    for name, fn in loose.items():
+        if fn is None:
+            continue
+        if getattr(merged, name) is not None:
+            raise TypeError(f"train_rank: {name} given both in hooks and as an argument")
+        setattr(merged, name, fn)
+    return merged
+
+
+def _check_identity(identity: RankIdentity) -> None:
+    """A launcher that names the rank and world size must name the process group's."""
+    said, actual = (identity.rank, identity.world_size), (dist.get_rank(), dist.get_world_size())
+    if any(s is not None and s != a for s, a in zip(said, actual, strict=True)):
+        raise ValueError(
+            f"train_rank: the launcher says rank {said[0]} of {said[1]}, the process group "
+            f"{actual[0]} of {actual[1]}"
+        )
+
+
+def _train(
+    job: ResolvedJob,
+    metrics_out: str | None,
+    quiet: bool,
+    events_out: str | None,
+    hooks: RankHooks,
+    identity: RankIdentity,
+) -> list[dict]:
+    trainer = Trainer(job, events_path=events_out, identity=identity, on_event=hooks.on_event)
     spec = trainer.spec
     is_logger = dist.get_rank() == 0
     records: list[dict] = []
@@ -59,8 +104,8 @@ def train_rank(
         # A resumed job appends to the metrics it already wrote.
         sink = open(metrics_out, "a" if trainer.iteration else "w")  # noqa: SIM115 - closed below
     try:
-        if on_trainer is not None:
-            on_trainer(trainer)
+        if hooks.on_trainer is not None:
+            hooks.on_trainer(trainer)
         if is_logger and not quiet:
             c, g = trainer.config, ps.get_grid()
             n_params = sum(p.numel() for chunk in trainer.model_chunks for p in chunk.parameters())
@@ -91,9 +136,9 @@ def train_rank(
                 trainer.save_checkpoint_if_due()
                 # Before the record: when the record says a step is done, its snapshot is taken
                 # and only its push can be in flight (a failure re-runs at most that step).
-                if on_snapshot_due is not None and trainer.snapshot_due():
+                if hooks.on_snapshot_due is not None and trainer.snapshot_due():
                     trainer.phase = "checkpoint-local"
-                    on_snapshot_due(trainer)
+                    hooks.on_snapshot_due(trainer)
             finally:
                 # Even when the save or the snapshot fails (collectives: a peer died), the record
                 # goes out: a resume from the persistent checkpoint just committed never runs the
@@ -101,8 +146,8 @@ def train_rank(
                 if is_logger:
                     rec = asdict(m)
                     records.append(rec)
-                    if on_record is not None:
-                        on_record(rec)
+                    if hooks.on_record is not None:
+                        hooks.on_record(rec)
                     if sink:
                         sink.write(json.dumps(rec) + "\n")
                         sink.flush()

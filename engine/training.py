@@ -9,6 +9,7 @@ step needs are inside `train_step`, so every rank calls it the same number of ti
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -40,6 +41,7 @@ from engine.microbatches import MicrobatchCalculator
 from engine.model_setup import build_model_and_optimizer
 from engine.models import GPTModel
 from engine.objective import TrainingObjective
+from engine.rank_hooks import RankIdentity
 from engine.rerun_state_machine import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EventLog,
@@ -64,8 +66,16 @@ class Trainer:
     (engine.checkpointing); the Trainer runs one step over them and reports it."""
 
     def __init__(
-        self, job: JobSpec | ResolvedJob, timer_level: int = 1, events_path: str | Path | None = None
+        self,
+        job: JobSpec | ResolvedJob,
+        timer_level: int = 1,
+        events_path: str | Path | None = None,
+        *,
+        identity: RankIdentity | None = None,
+        on_event: Callable[[dict], None] | None = None,
     ):
+        """`identity`: who runs this rank (default: this host); `on_event`: the launcher's hook
+        for every event this rank records (engine/rank_hooks.py)."""
         self.job = job if isinstance(job, ResolvedJob) else resolve_job(job)
         self.spec = spec = self.job.spec
         p, t = spec.parallel, spec.training
@@ -126,7 +136,7 @@ class Trainer:
         self.energy = EnergyMonitor(self.device.type)
         self.energy.setup()
         self.peak_flops_per_device = self._peak_flops()
-        self.events = EventLog(events_path, spec.name)
+        self.events = EventLog(events_path, spec.name, (identity or RankIdentity.local()).node_id, on_event)
         self.rerun = RerunStateMachine.from_spec(spec.resilience, t.seed, self.events)
         self.snapshots = SnapshotManager(
             self.checkpoint_parts,

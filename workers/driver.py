@@ -5,8 +5,9 @@ Process model:
 
     Ray Jobs supervisor ── elastron worker-run JOB_ID        (this module: the driver loop)
                                ├─ job registry actor         (workers/registry.py, 0 CPU, on this node)
-                               ├─ snapshot holders, one per node (workers/snapshots.py, with
-                               │  checkpoint.local_interval: detached, killed at the job's end)
+                               │   └─ snapshot holders, one per node (workers/snapshots.py, with
+                               │      checkpoint.local_interval: owned through the registry, so
+                               │      they die with the driver; killed at the job's end)
                                └─ TorchTrainer.fit()  ×  attempts
                                     ├─ Ray Train controller  (polls the ranks, resizes elastic groups)
                                     └─ one RayTrainWorker actor per rank ── workers.rank.rank_main
@@ -195,6 +196,7 @@ class JobDriver:
         if not self.sizes:
             raise JobInputError("no rank count between resources.min_ranks and max_ranks can run this job")
         self.spec_dict = prepare_spec(job_id, spec, self.options.storage_path)
+        self.job = resolve_job(self.spec_dict)  # what the ranks get: typed, resolved once here
         self.stop = threading.Event()
         self.sender = TelemetrySender.from_env(
             job_id,
@@ -327,7 +329,7 @@ class JobDriver:
             train_loop_config={
                 "job_id": self.job_id,
                 "attempt": attempt,
-                "spec": self.spec_dict,
+                "job": self.job,
                 "device": "cuda" if self.use_gpu else "cpu",
                 "metrics_out": self.options.metrics_out,
                 "quiet": self.options.quiet,
@@ -454,16 +456,16 @@ class JobDriver:
             traceback.print_exc()
             result = self._finish("failed", EXIT_FAILED, f"{type(err).__name__}: {err}", attempt)
         finally:
-            if self.registry is not None:
-                try:
-                    ray.kill(self.registry)
-                except Exception:  # noqa: BLE001
-                    pass
             if self.spec.checkpoint.local_interval:
                 from workers.snapshots import kill_holders
 
-                try:  # the in-memory checkpoints' holders are detached: they end with the job
+                try:  # the in-memory checkpoints' holders end with the job, their files first
                     kill_holders(self.job_id)
+                except Exception:  # noqa: BLE001
+                    pass
+            if self.registry is not None:  # (the holders' owner: after them)
+                try:
+                    ray.kill(self.registry)
                 except Exception:  # noqa: BLE001
                     pass
             for signum, previous in getattr(self, "_previous_handlers", {}).items():

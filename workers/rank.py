@@ -7,22 +7,27 @@ resumes from the newest committed checkpoint in the job's storage, and trains. A
 call this function:
 
 1. binds the device (the GPU Ray assigned, or CPU threads split between the node's ranks) and
-   sets ELASTRON_NODE_ID to the Ray node id (plus the GPU id on CUDA): the identity the rerun
-   state machine compares to tell "other hardware";
+   hands `train_rank` the rank's identity (engine/rank_hooks.py `RankIdentity`): the Ray node
+   id (plus the GPU id on CUDA) is what the rerun state machine compares to tell "other
+   hardware";
 2. gathers who runs where (node, pid) and registers the group with the job registry;
 3. starts a telemetry sender: rank 0 forwards every metrics record (with `attempt`, `group`,
-   `world_size`, `data_parallel_size`, `ts`); every rank forwards the events the engine appends
-   to its event record;
+   `world_size`, `data_parallel_size`, `ts`); every rank forwards every event its engine
+   records (`RankHooks.on_event`, an in-process call);
 4. starts the step watchdog (resilience.step_timeout_s) on the engine's Trainer, which
-   `train_rank` hands over through `on_trainer` (setup, before the Trainer exists, is watched
-   on a stand-in); on a hang it leaves its message with the registry and kills the process, so
-   the group restarts;
+   `train_rank` hands over through `RankHooks.on_trainer` (setup, before the Trainer exists, is
+   watched on a stand-in); on a hang it leaves its message with the registry and kills the
+   process, so the group restarts;
 5. when Ray shuts the group down (resize, cancel), stops rank 0 at a step boundary and delivers
    the telemetry (`on_worker_shutdown`, called from a Ray Train worker callback);
 6. with `checkpoint.local_interval`: pushes in-memory snapshots to the node holders from a
-   background thread, and on start resumes from the newest one every rank has
-   (workers/snapshots.py), rank 0 sending the `recovered` event with its phases;
+   background thread (workers/snapshots.py), and on start resumes from the newest one every
+   rank has (engine/checkpointing/recovery.py, through the holders' `HolderStore`), rank 0
+   sending the `recovered` event with its phases;
 7. returns rank 0's last record, which the driver reports as the job's outcome.
+
+The job arrives typed and resolved (`engine.jobspec.ResolvedJob`, made once by the driver);
+only an elastic group of another size resolves it again, on its rank count.
 """
 
 from __future__ import annotations
@@ -33,11 +38,10 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from engine.jobspec import contract
+from engine.jobspec import ResolvedJob, contract
 
 
 class _RankState:
@@ -137,10 +141,11 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     import ray.train
     import torch.distributed as dist
 
-    from engine.jobspec import resolve_job
+    from engine.checkpointing.recovery import recover
+    from engine.rank_hooks import RankHooks, RankIdentity
     from engine.train_loop import train_rank
     from engine.watchdog import StepWatchdog
-    from workers.snapshots import SnapshotPusher, recover
+    from workers.snapshots import HolderStore, SnapshotPusher
     from workers.telemetry import TelemetrySender
     from workers.warm_processes import prestart_after_first_step, process_was_warm, warm_restart_enabled
 
@@ -150,7 +155,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     hardware = _bind_device(config["device"], ctx.get_local_world_size())
-    os.environ[contract.ENV_NODE_ID] = hardware
+    identity = RankIdentity(node_id=hardware, job_id=job_id, rank=rank, world_size=world)
 
     me = {
         "rank": rank,
@@ -166,10 +171,10 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     if rank == 0 and registry is not None:
         group = ray.get(registry.group_started.remote(attempt, everyone))
 
-    spec_dict = dict(config["spec"])
-    spec_dict["resources"] = {**spec_dict["resources"], "ranks": world}
-    job = resolve_job(spec_dict)  # once for this rank: train_rank takes it as it is
-    dp = job.data_parallel_size
+    job: ResolvedJob = config["job"]
+    if job.spec.resources.ranks != world:  # an elastic group of another size
+        job = job.with_ranks(world)
+    spec, dp = job.spec, job.data_parallel_size
 
     fallback = ray.get(registry.telemetry_settings.remote()) if registry is not None else {}
     sender = TelemetrySender.from_env(
@@ -179,9 +184,6 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
         flush_interval_s=config.get("flush_interval_s", 1.0),
         event_defaults={"attempt": attempt},
     )
-    events_path = sender.spool_path.parent / f"events-attempt{attempt}-pid{os.getpid()}.jsonl"
-    events_path.parent.mkdir(parents=True, exist_ok=True)
-    sender.tail_events(events_path)
     sender.start()
     if rank == 0:
         sender.event(
@@ -200,14 +202,17 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
                 ray.get(registry.report_watchdog.remote(attempt, rank, os.getpid(), message), timeout=5)
         sender.flush(3)
 
-    ckpt = spec_dict.get("checkpoint") or {}
-    local_interval = ckpt.get("local_interval")
-    warm_restart = warm_restart_enabled(spec_dict)
+    warm_restart = warm_restart_enabled(spec)
     pusher = (
         SnapshotPusher(
-            job_id, rank, me["node_id"], [r["node_id"] for r in everyone], int(ckpt.get("local_replicas", 1))
+            job_id,
+            rank,
+            me["node_id"],
+            [r["node_id"] for r in everyone],
+            spec.checkpoint.local_replicas,
+            registry,
         )
-        if local_interval
+        if spec.checkpoint.local_interval and registry is not None
         else None
     )
     setup_started = time.time()
@@ -223,7 +228,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
         }
         if pusher is not None:
             trainer.phase = "recover"
-            recovery = recover(trainer, job_id, me["node_id"])
+            recovery = recover(trainer, HolderStore(job_id, me["node_id"]))
         watchdog.watch(trainer)
         if warm_restart:
             prestart_after_first_step(trainer)
@@ -264,15 +269,14 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
                 world_size=world,
             )
 
-    resilience = spec_dict.get("resilience", {})
-    step_timeout = float(resilience.get("step_timeout_s", 300.0))
+    step_timeout = spec.resilience.step_timeout_s
     watchdog = StepWatchdog(
         step_timeout,
         setup_timeout_s=config.get("setup_timeout_s", max(step_timeout, 600.0)),
         on_timeout=on_timeout,
     ).start()
 
-    checkpoint_interval = (spec_dict.get("checkpoint") or {}).get("interval")
+    checkpoint_interval = spec.checkpoint.interval
 
     def on_record(record: dict) -> None:
         if registry is not None:  # how far the job got, for the steps a restart loses (no wait)
@@ -309,10 +313,13 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
             job,
             config.get("metrics_out") if rank == 0 else None,
             config.get("quiet", False),
-            str(events_path),
-            on_record if rank == 0 else None,
-            on_trainer=on_trainer,
-            on_snapshot_due=pusher.snapshot if pusher is not None else None,
+            hooks=RankHooks(
+                on_trainer=on_trainer,
+                on_record=on_record if rank == 0 else None,
+                on_snapshot_due=pusher.snapshot if pusher is not None else None,
+                on_event=sender.forward_event,
+            ),
+            identity=identity,
         )
         finished = True
     finally:
@@ -330,9 +337,6 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
                 file=sys.stderr,
                 flush=True,
             )
-        if sender.enabled:  # its lines are delivered or spooled by now
-            with contextlib.suppress(OSError):
-                Path(events_path).unlink()
     if rank != 0:
         return None
     last = records[-1] if records else {}

@@ -12,6 +12,9 @@ read from here:
 - `telemetry_settings()`: where to send telemetry, for ranks whose environment does not say.
 - `progress(iteration, ts)` / `last_progress()`: rank 0's newest finished step, so a restart can
   say how many steps it lost.
+- `snapshot_holders(node_ids)`: the in-memory snapshots' holder on each node, started here when
+  missing, so that the driver's side owns them (workers/snapshots.py): they outlive the ranks and
+  die with the driver.
 
 The actor is named `elastron-job-<job_id>` in namespace `elastron` (`registry_name`), holds no
 resources, and is killed by the driver when the job ends.
@@ -36,6 +39,7 @@ class JobRegistry:
         self._groups: list[dict[str, Any]] = []
         self._watchdog: list[dict[str, Any]] = []
         self._progress: tuple[int, float] | None = None  # rank 0's newest iteration, when
+        self._holders: list[Any] = []  # every snapshot holder handle this actor obtained
 
     def ping(self) -> bool:
         return True
@@ -73,3 +77,15 @@ class JobRegistry:
 
     def last_progress(self) -> int | None:
         return self._progress[0] if self._progress is not None else None
+
+    def snapshot_holders(self, node_ids: list[str]) -> dict[str, Any]:
+        """node id -> handle of this job's snapshot holder there (started by this actor, which
+        the driver owns, when there is none yet)."""
+        from workers.snapshots import holder
+
+        handles = {node: holder(self.job_id, node) for node in node_ids}
+        # Every handle is kept for the job's life: Ray ends a non-detached actor once its owner
+        # has no handle left (the ranks' go with the ranks), and a holder that already runs comes
+        # back as a looked-up handle, which does not count; the one that started it must stay.
+        self._holders.extend(handles.values())
+        return handles

@@ -1,15 +1,19 @@
-"""In-memory checkpoints on Ray: per-node holders that outlive the ranks, and the rank's side.
+"""In-memory checkpoints on Ray: per-node holders that outlive the ranks, the rank's side, and
+the store the engine's recovery protocol reads them through.
 
 The engine makes and takes the bytes (engine/checkpointing/memory.py: one rank's checkpoint
 parts, its slice of what its data-parallel replicas share, XXH3-64 checksummed, refused if
 corrupted or not this rank's); here is where they live:
 
 - `SnapshotHolder`: one actor per job and node, named `elastron-snap-<job_id>-<node_id>` in
-  namespace `elastron`, pinned to its node, 0 CPU, *detached* so that it survives the rank
-  processes (Ray Train's workers own nothing that outlives them; an actor a rank created would die
-  with the rank) and the end of a `fit()` attempt. It keeps, per rank, the newest `KEEP`
-  snapshots (two: a rank killed while pushing step N still has N-1 everywhere). The driver kills
-  every holder of the job when the job ends (`kill_holders`).
+  namespace `elastron`, pinned to its node, 0 CPU. The job registry creates it when a rank asks
+  (`JobRegistry.snapshot_holders`), so it survives the rank processes and the end of a `fit()`
+  attempt (an actor a rank created would die with the rank) and is owned by the job's driver
+  (through its registry): not detached, so when the driver dies, SIGKILL included, Ray kills it
+  with the driver's other actors. The driver also kills every holder when the job ends
+  (`kill_holders`). It keeps, per rank, the newest `KEEP` snapshots (two: a rank killed while
+  pushing step N still has N-1 everywhere). Its node's slot files of the job go with it, however
+  it ends (snapshot_files.remove_when_gone: a SIGKILLed process runs no handler).
 - `SnapshotPusher` (in each rank): every `checkpoint.local_interval` steps the training thread
   captures the host copy (the only part that blocks the step) straight into the framed block,
   itself a memory-mapped file in the node's RAM-backed directory (snapshot_files.py), and a
@@ -20,14 +24,9 @@ corrupted or not this rank's); here is where they live:
   copy belongs to the rank and goes with it). Where the directory cannot hold the files, the own
   node's holder gets its copy through the store too. A push still in flight when the next is due
   is waited for.
-- `recover` (every rank, once the Trainer is built and has resumed from the newest persistent
-  checkpoint): each rank asks every holder of the job which iterations it has for this rank,
-  world size and layout, newer than the persistent one; the ranks agree on the newest iteration
-  every rank has somewhere (an all-gather); each rank fetches its blob (own node first, then a
-  replica) and checks it; only if every rank holds a good one do they all restore (else the next
-  older common iteration, else the persistent checkpoint stands). `recovered_from` is `memory`
-  when every rank's blob came from its own node, `replica` when any came from another node,
-  `persistent` otherwise.
+- `HolderStore`: the engine's `SnapshotStore` (engine/checkpointing/recovery.py, where the
+  protocol a restarted group resumes by lives) over every holder of the job Ray lists, a place
+  being a node id, the rank's own node local.
 """
 
 from __future__ import annotations
@@ -56,9 +55,13 @@ class SnapshotHolder:
     a blob being bytes (a replica, or the store fallback) or {"path", "nbytes"}: a slot file the
     rank wrote on this node."""
 
-    def __init__(self, job_id: str, node_id: str):
+    def __init__(self, job_id: str, node_id: str, reap_files: bool = False):
         self.job_id, self.node_id = job_id, node_id
         self._by_rank: dict[int, dict[int, tuple[int, str, bytes]]] = {}
+        if reap_files:  # the actor: its node's slot files of the job end with this process
+            from workers.snapshot_files import remove_when_gone, snapshot_dir
+
+            self._lifeline = remove_when_gone(snapshot_dir(job_id) / node_id)
 
     def ping(self) -> str:
         return self.node_id
@@ -130,7 +133,9 @@ class SnapshotHolder:
 
 
 def holder(job_id: str, node_id: str):
-    """The holder of `job_id` on `node_id`, started there if it is not running yet."""
+    """The holder of `job_id` on `node_id`, started there if it is not running yet. Called by the
+    job registry (`JobRegistry.snapshot_holders`): the caller owns what it starts, and a holder
+    must be owned by the driver's side, never by a rank."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -141,12 +146,11 @@ def holder(job_id: str, node_id: str):
         .options(
             name=holder_name(job_id, node_id),
             namespace=NAMESPACE,
-            lifetime="detached",
             get_if_exists=True,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node_id, soft=False),
             runtime_env=no_preload_runtime_env(),  # it needs numpy, not the rank's torch preload
         )
-        .remote(job_id, node_id)
+        .remote(job_id, node_id, reap_files=True)
     )
 
 
@@ -191,14 +195,21 @@ def replica_nodes(my_node: str, group_nodes: list[str], replicas: int) -> list[s
 class SnapshotPusher:
     """The rank's side: capture in the training thread, push from a background thread."""
 
-    def __init__(self, job_id: str, rank: int, my_node: str, group_nodes: list[str], replicas: int):
+    def __init__(self, job_id: str, rank: int, my_node: str, group_nodes: list[str], replicas: int, registry):
+        import ray
+
         from workers.snapshot_files import SlotFiles
 
         self.job_id, self.rank, self.my_node = job_id, rank, my_node
         self.targets = [my_node, *replica_nodes(my_node, group_nodes, replicas)]
-        self._holders = {n: holder(job_id, n) for n in self.targets}
+        # The registry starts them (the driver's side owns them; see the module docstring).
+        try:
+            self._holders = ray.get(registry.snapshot_holders.remote(self.targets), timeout=CALL_TIMEOUT_S)
+        except Exception as err:  # noqa: BLE001 - no holders costs recovery speed, not training
+            log.warning("no in-memory snapshots: the job registry did not start their holders (%s)", err)
+            self._holders = {}
         # One slot more than the holders list: the one being written is never one a recovery may read.
-        self._files: SlotFiles | None = SlotFiles(job_id, rank, slots=KEEP + 1)
+        self._files: SlotFiles | None = SlotFiles(job_id, rank, slots=KEEP + 1, node_id=my_node)
         self._size = 0  # the last snapshot's block: the slot files are sized from it
         self._buffer: bytearray | None = None  # the capture buffer when no slot file is used
         self._thread: threading.Thread | None = None
@@ -207,7 +218,9 @@ class SnapshotPusher:
         self.capture_s: list[float] = []
 
     def snapshot(self, trainer) -> None:
-        """Called by the engine when a snapshot is due (train_rank's on_snapshot_due)."""
+        """Called by the engine when a snapshot is due (RankHooks.on_snapshot_due)."""
+        if not self._holders:
+            return
         self.wait()
         started = time.perf_counter()
         slot, buffer = None, self._buffer
@@ -262,75 +275,53 @@ class SnapshotPusher:
             self._thread = None
 
 
-def recover(trainer, job_id: str, my_node: str) -> dict[str, Any]:
-    """Resume `trainer` (built, resumed from the persistent checkpoint) from the newest in-memory
-    snapshot every rank has (see the module docstring). A collective: every rank calls it.
-    Returns {"recovered_from", "iteration", "agree_s", "restore_s", "nodes"}."""
-    import ray
-    import torch.distributed as dist
+class HolderStore:
+    """The engine's SnapshotStore (engine/checkpointing/recovery.py) over the job's holders, as
+    a rank sees them: a place is a node id, `my_node` the local one."""
 
-    from engine.checkpointing.checkpointer import layout_signature
-    from engine.checkpointing.memory import SnapshotError
-    from workers.snapshot_files import read_slot
+    def __init__(self, job_id: str, my_node: str):
+        self.job_id, self.my_node = job_id, my_node
+        self._holders = existing_holders(job_id)
 
-    started = time.perf_counter()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    layout = layout_signature(trainer.spec.parallel)
-    baseline = trainer.iteration
-    holders = existing_holders(job_id)
-    refs = {h.available.remote(rank, world, layout): node for node, h in holders.items()}
-    # A holder on a node that vanished (and is not marked dead yet) does not answer: not waited for.
-    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=LIST_TIMEOUT_S) if refs else ([], [])
-    where: dict[int, list[str]] = {}  # iteration -> nodes holding it, own node first
-    for ref in ready:
-        node = refs[ref]
-        try:
-            iterations = ray.get(ref)
-        except Exception:  # noqa: BLE001 - a holder on a lost node
-            continue
-        for it in iterations:
-            if it > baseline:
-                where.setdefault(it, []).append(node)
-    for nodes in where.values():
-        nodes.sort(key=lambda n: n != my_node)
-    gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, sorted(where))
-    common = sorted(set.intersection(*(set(g) for g in gathered)), reverse=True) if gathered else []
-    agree_s = time.perf_counter() - started
-    for iteration in common:
-        started = time.perf_counter()
-        good, source = None, None
-        for node in where[iteration]:
+    def is_local(self, where: str) -> bool:
+        return where == self.my_node
+
+    def put(self, rank: int, iteration: int, world_size: int, layout: str, blob: bytes) -> None:
+        import ray
+
+        ray.get(
+            [h.put.remote(rank, iteration, world_size, layout, blob) for h in self._holders.values()],
+            timeout=CALL_TIMEOUT_S,
+        )
+
+    def available(self, rank: int, world_size: int, layout: str) -> dict[int, list[str]]:
+        import ray
+
+        refs = {h.available.remote(rank, world_size, layout): node for node, h in self._holders.items()}
+        # A holder on a node that vanished (and is not marked dead yet) does not answer: not waited for.
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=LIST_TIMEOUT_S) if refs else ([], [])
+        where: dict[int, list[str]] = {}
+        for ref in ready:
             try:
-                here = node == my_node
-                blob = ray.get(holders[node].get.remote(rank, iteration, not here), timeout=CALL_TIMEOUT_S)
-                if blob is None:
-                    continue
-                if isinstance(blob, dict):  # a slot file on this node
-                    blob = read_slot(blob["path"], blob["nbytes"])
-                good = trainer.parse_snapshot(blob)
-                if good.iteration != iteration:  # listed under one iteration, holding another
-                    raise SnapshotError(f"holds iteration {good.iteration}, listed as {iteration}")
-                source = node
-                break
-            except SnapshotError as err:
-                log.warning("in-memory snapshot of iteration %d on node %s refused: %s", iteration, node, err)
-            except Exception as err:  # noqa: BLE001 - the holder went away meanwhile
-                log.warning(
-                    "in-memory snapshot of iteration %d on node %s unreachable: %s", iteration, node, err
-                )
-        sources: list[Any] = [None] * world
-        dist.all_gather_object(sources, None if good is None else source == my_node)
-        if any(s is None for s in sources):
-            continue  # some rank has no good copy of it: an older one, or the persistent checkpoint
-        trainer.restore_snapshot(good)
-        for h in holders.values():
+                iterations = ray.get(ref)
+            except Exception:  # noqa: BLE001 - a holder on a lost node
+                continue
+            for it in iterations:
+                where.setdefault(it, []).append(refs[ref])
+        return where
+
+    def get(self, rank: int, iteration: int, where: str) -> bytes | None:
+        import ray
+
+        from workers.snapshot_files import read_slot
+
+        here = self.is_local(where)
+        blob = ray.get(self._holders[where].get.remote(rank, iteration, not here), timeout=CALL_TIMEOUT_S)
+        if isinstance(blob, dict):  # a slot file on this node
+            blob = read_slot(blob["path"], blob["nbytes"])
+        return blob
+
+    def forget_after(self, iteration: int) -> None:
+        for h in self._holders.values():
             with contextlib.suppress(Exception):
                 h.forget_after.remote(iteration)
-        return {
-            "recovered_from": "memory" if all(sources) else "replica",
-            "iteration": iteration,
-            "agree_s": agree_s,
-            "restore_s": time.perf_counter() - started,
-        }
-    return {"recovered_from": "persistent", "iteration": baseline, "agree_s": agree_s, "restore_s": 0.0}

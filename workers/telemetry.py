@@ -197,6 +197,12 @@ class TelemetrySender:
             self._events.append(ev)
         return ev
 
+    def forward_event(self, event: dict) -> None:
+        """Queue an event made elsewhere in this process (the engine's, through
+        `RankHooks.on_event`), with this sender's defaults (`source`, ...) under its own fields."""
+        if self.enabled:
+            self._events.append({**self.event_defaults, **event})
+
     def tail_events(self, path: str | Path) -> None:
         """Also send every event appended to this JSON-lines file (the engine's event record)."""
         if self.enabled:

@@ -3,6 +3,8 @@ is plain Python; tests/workers/test_ray_recovery.py runs it on a cluster)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from workers.snapshots import KEEP, SnapshotHolder, replica_nodes
@@ -130,3 +132,48 @@ def test_the_slot_being_written_is_never_one_the_holder_lists(tmp_path, monkeypa
             h.put_file(0, iteration, 1, "L", str(files.paths[slot]), 64)
             files.advance()
         assert (clashes == 0) is safe, (slots, clashes)
+
+
+def _hold_then_sleep(directory: str) -> None:
+    """A stand-in holder process: starts the watcher of `directory`, says so, waits to be killed."""
+    import time
+    from pathlib import Path
+
+    from workers.snapshot_files import remove_when_gone
+
+    remove_when_gone(Path(directory))
+    print("watching", flush=True)
+    time.sleep(120)
+
+
+def test_a_holders_files_go_when_its_process_is_killed(tmp_path):
+    """SIGKILL runs no handler: the watcher removes the holder's node directory all the same, and
+    the job's directory once no other node's is left in it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from tests.waiting import wait_for
+
+    job = tmp_path / "job"
+    for node in ("node-a", "node-b"):
+        (job / node).mkdir(parents=True)
+        (job / node / "rank0-slot0.snap").write_bytes(b"x" * 64)
+    holders = {}
+    for node in ("node-a", "node-b"):
+        code = f"from tests.workers.test_snapshots import _hold_then_sleep; _hold_then_sleep({str(job / node)!r})"
+        holders[node] = subprocess.Popen(
+            [sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=Path(__file__).parents[2]
+        )
+        assert holders[node].stdout.readline().strip() == "watching"
+    try:
+        os.kill(holders["node-a"].pid, signal.SIGKILL)
+        wait_for(lambda: not (job / "node-a").exists(), 10, "node-a's files to go")
+        assert (job / "node-b" / "rank0-slot0.snap").exists()  # another holder's: kept
+        os.kill(holders["node-b"].pid, signal.SIGKILL)
+        wait_for(lambda: not job.exists(), 10, "the job's directory to go")
+    finally:
+        for proc in holders.values():
+            proc.kill()
+            proc.wait()

@@ -1,0 +1,58 @@
+"""The seam between a launcher and the engine's per-rank loop (`engine.train_loop.train_rank`):
+who this rank is (`RankIdentity`) and what the launcher wants to hear (`RankHooks`).
+
+A launcher (the local `elastron train`, a Ray worker) hands both to `train_rank`, which passes
+them to the Trainer: the identity to its event record (the rerun state machine's "same
+hardware?" comparison reads it there) and `on_event` to be called with each event, in-process.
+Nothing travels through the environment or through a file the same process writes.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from engine.jobspec import contract
+
+if TYPE_CHECKING:
+    from engine.training import Trainer
+
+
+@dataclass(frozen=True)
+class RankIdentity:
+    """Who runs this rank. `node_id` is the hardware identity the rerun state machine compares
+    to tell "other hardware" (a Ray worker: its Ray node id, plus `/gpuN` on CUDA)."""
+
+    node_id: str
+    job_id: str | None = None
+    rank: int | None = None
+    world_size: int | None = None
+
+    @classmethod
+    def local(cls, job_id: str | None = None) -> RankIdentity:
+        """A rank started without a cluster manager (`elastron train`): the host name, or the
+        operator's `ELASTRON_NODE_ID` (a Kubernetes pod's node name; a drill pretending a move)."""
+        return cls(node_id=os.environ.get(contract.ENV_NODE_ID) or socket.gethostname(), job_id=job_id)
+
+
+@dataclass
+class RankHooks:
+    """What a launcher hears from the loop; every hook is optional.
+
+    - `on_trainer(trainer)`: every rank, from the training thread, once the Trainer is built and
+      resumed, before the first step (a watchdog, a shutdown hook or an in-memory recovery needs
+      it; never a half-built one).
+    - `on_record(record)`: rank 0's metrics record of every iteration.
+    - `on_snapshot_due(trainer)`: every rank, after each iteration `checkpoint.local_interval`
+      names: take an in-memory snapshot and keep it where a restarted rank finds it.
+    - `on_event(event)`: every event this rank's engine records (rerun state machine,
+      checkpointer), as the dict the event record holds, from whichever thread made it.
+    """
+
+    on_trainer: Callable[[Trainer], None] | None = None
+    on_record: Callable[[dict], None] | None = None
+    on_snapshot_due: Callable[[Trainer], None] | None = None
+    on_event: Callable[[dict], None] | None = None
