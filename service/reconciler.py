@@ -262,7 +262,12 @@ class Reconciler:
             "preempted",
             f"{sid} stopped ({status}): {reason}; resumes from "
             + (f"the checkpoint of iteration {latest}" if latest is not None else "its newest checkpoint"),
-            data={"submission_id": sid, "launcher_status": str(status), "resume_iteration": latest},
+            data={
+                "submission_id": sid,
+                "launcher_status": str(status),
+                "stopped_at_iteration": job.current_iteration,
+                "resume_iteration": latest,
+            },
         )
         edited = job_stats.editable(job.stats)
         job_stats.count(edited, "preemptions", "stopped")
