@@ -212,26 +212,51 @@ def test_cli_queue_and_set_quota(start_env, fake):
     assert "queue        #1: tenant alice at its quota: 2/3 ranks" in cli("status", second).stdout
 
 
-def test_api_restart_keeps_the_queue_and_loses_no_job(start_env, fake):
-    env = start_env(fake)
+class SlowToStop(FakeLauncher):
+    """While `slow`: a stop is asked for, but the job ends only when the test says so."""
+
+    slow = True
+
+    def stop(self, submission_id):
+        if not self.slow:
+            return super().stop(submission_id)
+        self.stopped.append(submission_id)
+        return True
+
+
+def test_api_restart_with_jobs_queued_running_and_being_preempted(start_env):
+    slow = SlowToStop()
+    slow.nodes = list(NODES)
+    env = start_env(slow)
     scheduled(env)
-    running = submit(env, spec("running", ranks=4, interval=None))  # not preemptible
-    env.wait_state(running, "starting")
+    low = submit(env, spec("low", ranks=4))
+    env.wait_state(low, "starting")
     waiting = [submit(env, spec(f"w{i}", ranks=2, priority=i)) for i in range(3)]
+    # w2 outranks low: low is asked to stop; everyone waits for it, in order.
     wait_for(lambda: all(env.job(j)["queue_position"] for j in waiting), what="queue positions")
+    wait_for(lambda: slow.stopped, what="the stop request")
     before = {j: (env.job(j)["queue_position"], env.job(j)["waiting_reason"]) for j in waiting}
-    assert sorted(p for p, _ in before.values()) == [1, 2, 3] and before[waiting[2]][0] == 1
+    assert before[waiting[2]] == (1, "needs 2 ranks x (1 CPU, 0 GPU), 0 free; waiting for 1 job(s) to stop or shrink")
+    assert [before[j][0] for j in waiting] == [3, 2, 1]
     env.server.stop()
-    env.server = ApiServer(env.settings, fake, env.server.port).start()
+    env.server = ApiServer(env.settings, slow, env.server.port).start()
     try:
         wait_for(lambda: env.server.ctx.reconciler.capacity is not None, what="a pass of the new API")
         after = {j: (env.job(j)["queue_position"], env.job(j)["waiting_reason"]) for j in waiting}
-        assert after == before and env.job(running)["state"] == "starting"
-        assert fake.submissions.keys() == {f"elastron-{running}-1"}  # nothing launched twice or over
-        fake.set_status(f"elastron-{running}-1", LaunchStatus.SUCCEEDED)
-        env.wait_state(waiting[2], "starting")  # the highest priority first
+        assert after == before and env.job(low)["state"] == "starting"
+        assert slow.submissions.keys() == {f"elastron-{low}-1"}  # nothing launched twice or over
+        slow.set_status(f"elastron-{low}-1", LaunchStatus.STOPPED)  # the stop lands after the restart
+        slow.slow = False
+        env.wait_state(waiting[2], "starting")
         env.wait_state(waiting[1], "starting")
-        assert env.job(waiting[0])["queue_position"] == 1
+        assert env.job(low)["state"] == "queued" and len(events(env, low, "preempted")) == 1
+        # low keeps its submission time: first at its priority, ahead of w0
+        wait_for(lambda: env.job(low)["queue_position"] == 1, what="low first in the queue again")
+        assert env.job(waiting[0])["queue_position"] == 2
+        for j in waiting[1:]:  # (if a pass sees only one end, w0 backfills, then yields to low)
+            slow.set_status(sid_of(env, j), LaunchStatus.SUCCEEDED)
+        env.wait_state(low, "starting")
+        assert env.job(low)["attempt"] == 2 and env.job(waiting[0])["state"] == "queued"
     finally:
         env.server.stop()
 
