@@ -22,9 +22,9 @@ from service.auth import TokenCache
 from service.context import AppContext
 from service.launcher import Launcher, RayJobsLauncher
 from service.limits import BodySizeLimit, RateLimiter
-from service.metrics import HttpMetrics, JobSeries
+from service.metrics import HttpMetrics, JobSeries, SchedulerMetrics
 from service.reconciler import Reconciler
-from service.routers import exports, health, jobs, logs, telemetry, ui
+from service.routers import exports, health, jobs, logs, scheduling, telemetry, ui
 from service.settings import Settings
 from service.store.db import make_engine, make_sessionmaker
 from service.store.migrate import upgrade
@@ -61,7 +61,7 @@ def create_app(
         engine=engine,
         sessions=sessions,
         launcher=launcher,
-        reconciler=Reconciler(sessions, launcher, settings),
+        reconciler=Reconciler(sessions, launcher, settings, metrics=SchedulerMetrics(registry)),
         tokens=TokenCache(sessions),
         submit_limiter=RateLimiter(settings.submit_rate_per_minute, settings.submit_burst),
         registry=registry,
@@ -99,6 +99,7 @@ def create_app(
     errors.install(app)
     app.include_router(jobs.router)
     app.include_router(exports.router)
+    app.include_router(scheduling.router)
     app.include_router(logs.router)
     app.include_router(telemetry.router)
     app.include_router(health.router)

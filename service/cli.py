@@ -1,10 +1,11 @@
 """The service's commands: `up`, `down`, `token`, `submit`, `jobs`, `status`, `logs`, `cancel`,
-`demo` (service/cli_jobs.py), composed into `elastron` by elastron/cli.py with the engine's and
-the workers' own commands. Importing this loads no torch and nothing of the engine or workers.
+`demo` (service/cli_jobs.py), `queue` and `tenants` (service/cli_queue.py), composed into
+`elastron` by elastron/cli.py with the engine's and the workers' own commands. Importing this loads no torch and nothing of the engine or workers.
 """
 
 from __future__ import annotations
 
+from service import cli_queue  # noqa: F401  (registers `queue` and `tenants` on the app)
 from service.cli_jobs import app
 
 __all__ = ["app"]

@@ -288,6 +288,9 @@ def status(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
         f"  state        {job['state']}"
         + ("  (cancel requested)" if job["cancel_requested_at"] and job["state"] not in FINAL else "")
     )
+    if job.get("waiting_reason"):
+        position = f"#{job['queue_position']}: " if job.get("queue_position") else ""
+        typer.echo(f"  queue        {position}{job['waiting_reason']}")
     typer.echo(
         f"  progress     {job['iteration'] or 0}/{job['train_iters']} iterations, {job['restarts']} restarts"
     )

@@ -139,6 +139,15 @@ class ApiClient:
     def export(self, job_id: str, export_id: str) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{job_id}/exports/{export_id}").json()
 
+    def queue(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/queue").json()
+
+    def quota(self, tenant: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/tenants/{tenant}/quota").json()
+
+    def set_quota(self, tenant: str, body: dict[str, Any]) -> dict[str, Any]:
+        return self._call("PUT", f"/v1/tenants/{tenant}/quota", json=body).json()
+
     def logs(self, job_id: str) -> str:
         return self._call("GET", f"/v1/jobs/{job_id}/logs").text
 

@@ -13,7 +13,10 @@ Contract:
 - every call returns or raises within the launcher's timeout; `LauncherUnavailable` means
   "cannot tell now, try later" (Ray down, slow, or busy) and never changes a job's state;
 - `stop` is graceful: Ray sends the job's driver RAY_JOB_STOP_SIGNAL, which `elastron up` sets
-  to SIGINT, the signal Ray Train handles (Ray Train V2 aborts a run gracefully on SIGINT only).
+  to SIGINT, the signal Ray Train handles (Ray Train V2 aborts a run gracefully on SIGINT only);
+- `capacity` lists the cluster's nodes (alive or not, their CPU and GPU totals) for the scheduler
+  (service/scheduling/), or None when the launcher cannot tell: then the reconciler hands every
+  queued job to the launcher in order, as before there was a scheduler.
 
 Ray is imported inside the methods: the API starts, and answers /healthz, without Ray.
 """
@@ -32,6 +35,7 @@ from enum import StrEnum
 from typing import Any
 
 from engine.jobspec import contract
+from service.scheduling.core import Node
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +94,10 @@ class Launcher(ABC):
 
     @abstractmethod
     def reachable(self) -> bool: ...
+
+    def capacity(self) -> list[Node] | None:
+        """The cluster's nodes with their CPU and GPU totals; None: unknown (no scheduling)."""
+        return None
 
     def describe(self) -> str:
         return type(self).__name__
@@ -283,6 +291,19 @@ class RayJobsLauncher(Launcher):
         except Exception as err:  # aiohttp's errors, Ray's RuntimeErrors: the stream is gone either way
             raise LauncherUnavailable(f"the log stream of {submission_id} from Ray broke off: {err}") from err
 
+    def capacity(self) -> list[Node] | None:
+        """Ray's nodes from the dashboard's State API (`GET /api/v0/nodes`, what `ray list nodes`
+        reads): one HTTP call through the Jobs client (its auth and timeout), no ray.init, no Ray
+        Train in this process. Dead nodes are listed with alive=False."""
+        client = self._client()
+        try:
+            response = self._translate(client._do_request, "GET", "/api/v0/nodes?limit=10000&detail=false")
+        except RuntimeError as err:
+            raise LauncherUnavailable(f"Ray could not list its nodes: {err}") from err
+        if response.status_code != 200:
+            raise LauncherUnavailable(f"Ray could not list its nodes: HTTP {response.status_code}")
+        return nodes_from_state_api(response.json())
+
     def reachable(self) -> bool:
         try:
             client = self._client()
@@ -292,6 +313,21 @@ class RayJobsLauncher(Launcher):
             self._drop_client()
             return False
         return True
+
+
+def nodes_from_state_api(body: dict[str, Any]) -> list[Node]:
+    """`GET /api/v0/nodes` -> nodes: {"data": {"result": {"result": [{"node_id", "state",
+    "resources_total": {"CPU": .., "GPU": ..}}, ...]}}}."""
+    rows = (((body or {}).get("data") or {}).get("result") or {}).get("result") or []
+    return [
+        Node(
+            id=str(row.get("node_id")),
+            cpus=float((row.get("resources_total") or {}).get("CPU", 0.0)),
+            gpus=float((row.get("resources_total") or {}).get("GPU", 0.0)),
+            alive=row.get("state") == "ALIVE",
+        )
+        for row in rows
+    ]
 
 
 def _http_status(err: Exception) -> int | None:

@@ -19,7 +19,7 @@ import math
 import time
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from sqlalchemy import func, or_, select
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -100,14 +100,29 @@ class JobSeries:
                     Job.stats,
                 ).where(or_(Job.finished_at.is_(None), Job.finished_at >= cutoff))
             ).all()
-            counts = dict(s.execute(select(Job.state, func.count()).group_by(Job.state)).all())
-        return rows, counts
+            # Counts per state, and per tenant and priority for the queue's gauge: one query whose
+            # size grows with tenants and priority levels, never with jobs.
+            groups = s.execute(
+                select(Job.state, Job.tenant, Job.priority, func.count()).group_by(
+                    Job.state, Job.tenant, Job.priority
+                )
+            ).all()
+        counts: dict[str, int] = {}
+        queue = []
+        for state, tenant, priority, n in groups:
+            counts[state] = counts.get(state, 0) + n
+            if state == JobState.QUEUED.value:
+                queue.append((tenant, priority, n))
+        return rows, counts, queue
 
     def render(self) -> str:
-        rows, counts = self._read()
+        rows, counts, queue = self._read()
         jobs = _Family("elastron_jobs", "gauge", "Jobs in each state.")
         for state in JobState:
             jobs.add(f'state="{state.value}"', counts.get(state.value, 0))
+        queued = _Family("elastron_queue_jobs", "gauge", "Jobs waiting in the queue, per tenant and priority.")
+        for tenant, priority, n in queue:
+            queued.add(f'tenant="{_label(tenant)}",priority="{priority or 0}"', n)
         state = _Family("elastron_job_state", "gauge", "1, labelled with the job's current state.")
         transitions = _Family(
             "elastron_job_state_transitions_total", "counter", "Transitions into each state."
@@ -197,6 +212,7 @@ class JobSeries:
 
         families = (
             jobs,
+            queued,
             state,
             transitions,
             iteration,
@@ -219,6 +235,47 @@ class JobSeries:
             ckpt_save,
         )
         return "".join(f.text() for f in families)
+
+
+class SchedulerMetrics:
+    """What the reconciler's scheduling passes observe: waits at admission, preemptions, and the
+    cluster's capacity against what the scheduler has allocated (the last pass; absent until
+    the capacity is known). In the app's registry: they restart from zero with the API, which
+    Prometheus' rate() handles; the queue's length is read from the store (JobSeries)."""
+
+    WAIT_BUCKETS = (1.0, 10.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0, 14400.0, 43200.0, 86400.0)
+
+    def __init__(self, registry: CollectorRegistry):
+        self.wait = Histogram(
+            "elastron_queue_wait_seconds",
+            "Time a job waited in the queue before it was admitted (each admission).",
+            ["tenant", "priority"],
+            registry=registry,
+            buckets=self.WAIT_BUCKETS,
+        )
+        self.preemptions = Counter(
+            "elastron_preemptions",
+            "Jobs the scheduler stopped to make room for another, by the stopped job's tenant and priority.",
+            ["tenant", "priority"],
+            registry=registry,
+        )
+        self.capacity = Gauge(
+            "elastron_cluster_capacity",
+            "CPUs and GPUs of the cluster's alive nodes (the scheduler's last read).",
+            ["resource"],
+            registry=registry,
+        )
+        self.allocated = Gauge(
+            "elastron_cluster_allocated",
+            "CPUs and GPUs the scheduler has given to launched jobs.",
+            ["resource"],
+            registry=registry,
+        )
+
+    def cluster(self, capacity: tuple[float, float], allocated: tuple[float, float]) -> None:
+        for resource, total, used in zip(("cpu", "gpu"), capacity, allocated, strict=True):
+            self.capacity.labels(resource).set(total)
+            self.allocated.labels(resource).set(used)
 
 
 class HttpMetrics:

@@ -6,8 +6,11 @@ Every pass (every `reconcile_interval_s`, or sooner when a request nudges it):
 2. once per API process, before anything else: reconcile every non-final job with Ray and
    record what was found (still running, finished while the API was away, vanished);
 3. poll the submitted non-final jobs and apply what Ray reports;
-4. send stop requests for jobs whose cancel was recorded;
-5. launch queued jobs (oldest first, `dispatch_batch` per pass);
+4. send stop requests for jobs whose cancel (or preemption) was recorded;
+5. launch queued jobs: when the launcher reports the cluster's capacity, the scheduler's pure
+   core (service/scheduling/core.py) decides who is admitted where, who is preempted, and each
+   waiting job's position and reason (`_schedule`); when it cannot tell, oldest first,
+   `dispatch_batch` per pass, as Ray Jobs queues them itself;
 6. checkpoint exports: submit the recorded ones (`elastron export` as their own submission),
    then poll the submitted unfinished ones and record how they ended (status, message, and the
    job's `export_succeeded` / `export_failed` event). Done here rather than on read so that no
@@ -18,6 +21,11 @@ telemetry token hash (an intent) and commits *before* calling Ray. After a crash
 finds the intent and asks Ray about that submission id: found -> the job is starting; missing
 (the call never reached Ray) -> the intent is dropped and the job is launched again with a
 fresh id and token. Ray calls run in a worker thread, never in a request.
+
+A preemption is a graceful stop like a cancel: recorded first (`preempt_requested_at`), then
+the launcher's `stop`; when the launcher confirms that the job ended, it goes back to `queued`
+(a `preempted` event) with a fresh submission to come, and resumes from its newest checkpoint
+(`checkpoint.resume: auto`; only such jobs are preemptible, service/scheduling/demand.py).
 """
 
 from __future__ import annotations
@@ -31,13 +39,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from service.exports import export_command
 from service.launcher import Launcher, LauncherUnavailable, LaunchStatus, worker_env
+from service.metrics import SchedulerMetrics
+from service.scheduling.core import Admission, Node, Policy, decide
+from service.scheduling.demand import Demand, launch_size, sized_spec, trim_placement
+from service.scheduling.lease import SchedulerLease
+from service.scheduling.state import read_inputs
 from service.settings import Settings
 from service.states import FINAL, JobState
+from service.store import stats as job_stats
 from service.store.db import in_transaction
 from service.store.exports import FAILED, RUNNING, SUCCEEDED, UNFINISHED, finish_export
 from service.store.jobs import add_event, fail, get_job, transition
@@ -84,8 +98,19 @@ class Reconciler:
         settings: Settings,
         *,
         clock: Callable[[], float] = time.time,
+        metrics: SchedulerMetrics | None = None,
     ):
         self.sessions, self.launcher, self.settings, self.clock = sessions, launcher, settings, clock
+        self.metrics = metrics
+        # The cluster as last read (None: unknown): the scheduler's and the submission check's.
+        self.capacity: list[Node] | None = None
+        self.capacity_at: float | None = None
+        self.allocated: tuple[float, float] = (0.0, 0.0)  # CPUs, GPUs given to launched jobs
+        # Elastic jobs are admitted at a size in [min_ranks, ranks] but not resized while they
+        # run: the workers cannot resize on request yet.
+        self.policy = Policy(aging_s=settings.scheduler_aging_s, grow=False, shrink=False)
+        self.lease = SchedulerLease(sessions.kw["bind"])
+        self._demands: dict[str, Demand] = {}  # job id -> its demand (read_inputs' cache)
         self.ray_reachable: bool | None = None  # None: not checked yet
         self.ray_checked_at: float | None = None
         self.reconciled_on_start = False
@@ -113,6 +138,8 @@ class Reconciler:
     def stop(self) -> None:
         self._stopping.set()
         self.nudge()
+        # A pass in flight launches nothing more once _stopping is set.
+        self.lease.release()
 
     def nudge(self) -> None:
         """Run a pass soon (after a submission or a cancel); safe from any thread."""
@@ -202,6 +229,10 @@ class Reconciler:
                 data={"submission_id": sid, "launcher_status": str(status)},
             )
         cancel = job.cancel_requested_at is not None
+        if job.preempt_requested_at is not None and not cancel and status not in _STILL_GOING:
+            if status != LaunchStatus.SUCCEEDED:
+                self._requeue(s, job, sid, status)
+                return
         if status in _STILL_GOING:
             if job.state == JobState.QUEUED:
                 transition(s, job, JobState.STARTING, f"submitted as {sid}")
@@ -219,6 +250,36 @@ class Reconciler:
         elif status == LaunchStatus.MISSING:
             self._missing(s, job, sid, cancel)
 
+    def _requeue(self, s: Session, job: Job, sid: str, status: LaunchStatus) -> None:
+        """A preempted job's stop is confirmed: back to the queue, to resume from its newest
+        checkpoint with its next launch."""
+        reason = job.preempt_reason or "preempted"
+        latest = (job.latest_checkpoint or {}).get("iteration")
+        transition(s, job, JobState.QUEUED, f"{reason}; back in the queue", submission_id=sid)
+        add_event(
+            s,
+            job,
+            "preempted",
+            f"{sid} stopped ({status}): {reason}; resumes from "
+            + (f"the checkpoint of iteration {latest}" if latest is not None else "its newest checkpoint"),
+            data={
+                "submission_id": sid,
+                "launcher_status": str(status),
+                "stopped_at_iteration": job.current_iteration,
+                "resume_iteration": latest,
+            },
+        )
+        edited = job_stats.editable(job.stats)
+        job_stats.count(edited, "preemptions", "stopped")
+        job.stats = edited
+        job.submission_id = None
+        job.telemetry_token_hash = None
+        job.stop_sent_at = None
+        job.preempt_requested_at = None
+        job.placement = None
+        job.backfilled_for = None
+        job.queued_at = self.clock()
+
     def _missing(self, s: Session, job: Job, sid: str, cancel: bool) -> None:
         if job.state == JobState.QUEUED:
             # An intent whose submit never reached the launcher (or is still on its way from
@@ -233,6 +294,8 @@ class Reconciler:
             )
             job.submission_id = None
             job.telemetry_token_hash = None
+            job.placement = None
+            job.queued_at = self.clock()
             return
         if cancel:
             transition(s, job, JobState.CANCELLED, f"stopped on request ({sid} is gone)")
@@ -254,7 +317,7 @@ class Reconciler:
             rows = s.execute(
                 select(Job.id, Job.submission_id, Job.stop_sent_at).where(
                     Job.state.in_(_NON_FINAL),
-                    Job.cancel_requested_at.is_not(None),
+                    or_(Job.cancel_requested_at.is_not(None), Job.preempt_requested_at.is_not(None)),
                     Job.submission_id.is_not(None),
                 )
             ).all()
@@ -278,11 +341,12 @@ class Reconciler:
                     return
                 job.stop_sent_at = self.clock()
                 if first:
+                    why = "" if job.cancel_requested_at is not None else f" ({job.preempt_reason})"
                     add_event(
                         s,
                         job,
                         "stop_sent",
-                        f"asked {job.submission_id} to stop gracefully"
+                        f"asked {job.submission_id} to stop gracefully{why}"
                         if stopped
                         else f"{job.submission_id} had already ended",
                     )
@@ -292,6 +356,18 @@ class Reconciler:
     # -- launch -----------------------------------------------------------------------------
 
     def _dispatch(self) -> None:
+        try:
+            nodes = self.launcher.capacity()
+        except LauncherUnavailable as err:
+            # Not knowing the cluster this pass is no reason to hand Ray jobs that may not fit:
+            # nothing is launched until the next pass reads it.
+            log.warning("cluster capacity unknown this pass, no job launched: %s", err)
+            return
+        self.capacity, self.capacity_at = nodes, self.clock()
+        if nodes is not None:
+            if self.lease.held():  # else another API replica schedules
+                self._schedule(nodes)
+            return
         with self.sessions() as s:
             ids = s.scalars(
                 select(Job.id)
@@ -307,18 +383,107 @@ class Reconciler:
             if self._stopping.is_set() or not self._launch(job_id):
                 return
 
-    def _launch(self, job_id: str) -> bool:
-        """Launch one job; False when the launcher became unavailable (stop dispatching)."""
+    def _schedule(self, nodes: list[Node]) -> None:
+        """One scheduling pass: the core's decision on the store's state, applied. Waiting jobs'
+        positions and reasons are written only when they changed (this runs every pass);
+        preemptions are recorded, then sent as graceful stops; admissions are launched."""
+        now = self.clock()
+        with self.sessions() as s:
+            inputs = read_inputs(s, nodes, self._demands)
+        decision = decide(nodes, inputs.running, inputs.queued, inputs.quotas, now, self.policy, inputs.stopping)
+        alive = [n for n in nodes if n.alive]
+        capacity = (sum(n.cpus for n in alive), sum(n.gpus for n in alive))
+        held = [(r.ranks, r.job.shape) for r in inputs.running]
+        shapes = {j.id: j.shape for j in inputs.queued}
+        held += [(a.ranks, shapes[a.job_id]) for a in decision.admit[: self.settings.dispatch_batch]]
+        self.allocated = (sum(k * sh.cpus for k, sh in held), sum(k * sh.gpus for k, sh in held))
+        if self.metrics is not None:
+            self.metrics.cluster(capacity, self.allocated)
+        batch = self.settings.dispatch_batch
+        shown = {job_id: (w.position, w.reason[:4000]) for job_id, w in decision.waiting.items()}
+        for a in decision.admit[batch:]:  # admitted, launched in a later pass (dispatch_batch)
+            shown[a.job_id] = (None, "admitted: launching")
+        changed = [
+            {"job_id": job_id, "position": pos, "reason": reason}
+            for job_id, (pos, reason) in shown.items()
+            if inputs.shown.get(job_id) != (pos, reason)
+        ]
+        if changed:
+            # Plain UPDATEs, not ORM writes: advisory fields that must not bump the row's version
+            # (a telemetry write racing with this would otherwise be retried for nothing).
+            stmt = (
+                update(Job)
+                .where(Job.id == bindparam("job_id"), Job.state == JobState.QUEUED.value)
+                .values(queue_position=bindparam("position"), waiting_reason=bindparam("reason"))
+            )
+            in_transaction(self.sessions, lambda s: s.connection().execute(stmt, changed))
+        for p in decision.preempt:
+            in_transaction(self.sessions, lambda s, p=p: self._record_preemption(s, p.job_id, p.reason, p))
+            if self.metrics is not None and p.job_id in inputs.priorities:
+                tenant, priority = inputs.priorities[p.job_id]
+                self.metrics.preemptions.labels(tenant, str(priority)).inc()
+        if decision.preempt:
+            self._send_stops()
+        for admission in decision.admit[: self.settings.dispatch_batch]:
+            if self._stopping.is_set():
+                return
+            if not self._launch(admission.job_id, admission, inputs.demands[admission.job_id]):
+                return
+
+    def _record_preemption(self, s: Session, job_id: str, reason: str, p: Any) -> None:
+        job = get_job(s, job_id)
+        if job is None or job.state in FINAL or job.submission_id is None or job.preempt_requested_at:
+            return
+        job.preempt_requested_at = self.clock()
+        job.preempt_reason = reason
+        job.yields_to = p.for_job if p.reclaimed else None
+        add_event(
+            s,
+            job,
+            "preempting",
+            f"{reason}: asking {job.submission_id} to stop gracefully; it goes back to the queue",
+            data={"for_job": p.for_job, "reclaimed": p.reclaimed, "submission_id": job.submission_id},
+        )
+
+    def _launch(self, job_id: str, admission: Admission | None = None, demand: Demand | None = None) -> bool:
+        """Launch one job; False when the launcher became unavailable (stop dispatching). With an
+        admission: at its size and placement, recorded in an `admitted` event (and its wait in
+        the wait-time histogram once the launcher has it)."""
         token = new_secret(JOB_PREFIX)
 
-        def intent(s: Session) -> tuple[str, dict[str, Any]] | None:
+        def intent(s: Session) -> tuple[str, dict[str, Any], float | None, str, int] | None:
             job = get_job(s, job_id)
             if job is None or job.state != JobState.QUEUED or job.submission_id or job.cancel_requested_at:
                 return None
+            now = self.clock()
             job.attempt += 1
             sid = f"elastron-{job.id}-{job.attempt}"
-            job.submission_id, job.launched_at = sid, self.clock()
+            job.submission_id, job.launched_at = sid, now
             job.telemetry_token_hash = hash_secret(token)
+            spec, waited = job.spec, None
+            if admission is not None and demand is not None:
+                size = launch_size(demand, admission.ranks)
+                placement = trim_placement(admission.placement, size)
+                waited = max(0.0, now - (job.queued_at if job.queued_at is not None else job.created_at))
+                job.waited_s = (job.waited_s or 0.0) + waited
+                job.placement, job.backfilled_for = placement, admission.backfilled_for
+                job.queue_position = job.waiting_reason = job.yields_to = None
+                spec = sized_spec(job.spec, demand, size)
+                add_event(
+                    s,
+                    job,
+                    "admitted",
+                    f"admitted on {size} ranks: "
+                    + ", ".join(f"{k} on {node}" for node, k in sorted(placement.items()))
+                    + (f" (backfilled ahead of {admission.backfilled_for})" if admission.backfilled_for else "")
+                    + f", after {waited:.0f} s queued",
+                    data={
+                        "ranks": size,
+                        "placement": placement,
+                        "backfilled_for": admission.backfilled_for,
+                        "waited_s": waited,
+                    },
+                )
             add_event(
                 s,
                 job,
@@ -326,12 +491,12 @@ class Reconciler:
                 f"submitting to {self.launcher.describe()} as {sid}",
                 data={"submission_id": sid, "attempt": job.attempt},
             )
-            return sid, job.spec
+            return sid, spec, waited, job.tenant, job.priority or 0
 
         claimed = in_transaction(self.sessions, intent)
         if claimed is None:
             return True
-        sid, spec = claimed
+        sid, spec, waited, tenant, priority = claimed
         spec_json = json.dumps(spec, separators=(",", ":"))
         env = worker_env(job_id, spec_json, self.settings.api_url, token)
         try:
@@ -352,6 +517,8 @@ class Reconciler:
                 transition(s, job, JobState.STARTING, f"submitted as {sid}")
 
         in_transaction(self.sessions, started)
+        if waited is not None and self.metrics is not None:
+            self.metrics.wait.labels(tenant, str(priority)).observe(waited)
         return True
 
     def _launch_failed(self, s: Session, job_id: str, sid: str, err: Exception) -> None:
@@ -361,6 +528,8 @@ class Reconciler:
         job.launch_failures += 1
         job.submission_id = None
         job.telemetry_token_hash = None
+        job.placement = None
+        job.queued_at = self.clock()
         add_event(
             s,
             job,

@@ -84,6 +84,13 @@ class JobSummary(BaseModel):
     loss: float | None = Field(None, description="Training loss of the newest metrics record.")
     tokens_per_s: float | None = Field(None, description="Throughput of the newest metrics record.")
     mfu: float | None = Field(None, description="Model FLOPs utilisation of the newest record, 0..1.")
+    priority: int = Field(0, description="scheduling.priority of the spec as run.")
+    queue_position: int | None = Field(
+        None, description="While queued: 1 = next in the scheduler's order (null when not queued or not scheduled yet)."
+    )
+    waiting_reason: str | None = Field(
+        None, description="While queued: why it waits, e.g. 'needs 4 ranks x (1 CPU, 1 GPU), 2 free'."
+    )
 
     @classmethod
     def from_row(cls, job: Job) -> JobSummary:
@@ -120,6 +127,9 @@ def _summary_fields(job: Job) -> dict[str, Any]:
         "loss": number(last.get("loss")),
         "tokens_per_s": number(last.get("tokens_per_s")),
         "mfu": number(last.get("mfu")),
+        "priority": job.priority or 0,
+        "queue_position": job.queue_position if job.state == JobState.QUEUED else None,
+        "waiting_reason": job.waiting_reason if job.state == JobState.QUEUED else None,
     }
 
 
@@ -185,6 +195,52 @@ class MetricsPage(BaseModel):
 
 class CheckpointList(BaseModel):
     checkpoints: list[CheckpointOut]
+
+
+class QueueEntry(BaseModel):
+    position: int | None = Field(description="1 = next; null until the scheduler's first pass over it.")
+    id: str
+    name: str
+    tenant: str
+    priority: int
+    ranks: int | None
+    waiting_reason: str | None
+    queued_since: datetime | None = Field(description="When its current wait began.")
+    waited_s: float = Field(description="Seconds queued so far, this wait and earlier ones (a preempted job's).")
+
+
+class ClusterUse(BaseModel):
+    nodes: int = Field(description="Alive nodes.")
+    cpus: float
+    gpus: float
+    allocated_cpus: float = Field(description="Given to launched jobs by the scheduler's accounting.")
+    allocated_gpus: float
+    read_at: datetime | None
+
+
+class QueueOut(BaseModel):
+    jobs: list[QueueEntry] = Field(description="Waiting jobs in the scheduler's order.")
+    cluster: ClusterUse | None = Field(description="The capacity the scheduler last read; null: unknown (no scheduling).")
+
+
+class QuotaIn(BaseModel):
+    """A tenant's limits; null (or absent): unlimited."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    ranks: int | None = Field(None, ge=0, le=2**31 - 1, description="Ranks running at once.")
+    gpus: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False, description="GPUs running at once.")
+    cpus: float | None = Field(None, ge=0, le=1e9, allow_inf_nan=False, description="CPUs running at once.")
+    queued: int | None = Field(None, ge=0, le=2**31 - 1, description="Jobs waiting at once (more: 429).")
+    max_priority: int | None = Field(
+        None, ge=-1000, le=1000, description="The highest scheduling.priority its jobs may ask for."
+    )
+    allow_non_preemptible: bool = Field(False, description="Whether its jobs may set scheduling.preemptible: false.")
+
+
+class QuotaOut(QuotaIn):
+    tenant: str
+    updated_at: datetime | None
 
 
 class ExportIn(BaseModel):

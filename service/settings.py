@@ -56,6 +56,11 @@ class Settings(BaseSettings):
     reconcile_interval_s: float = Field(2.0, gt=0, description="How often non-final jobs are polled.")
     dispatch_batch: int = Field(16, ge=1, description="Queued jobs launched per reconcile pass.")
     max_launch_attempts: int = Field(5, ge=1, description="Failed submissions before a job is failed.")
+    scheduler_aging_s: float = Field(
+        3600.0,
+        gt=0,
+        description="A queued job gains one priority level per this many seconds waited (so none waits forever).",
+    )
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
     submit_rate_per_minute: float = Field(120.0, gt=0, description="Job submissions per tenant per minute.")
     submit_burst: int = Field(

@@ -11,7 +11,7 @@ from enum import StrEnum
 
 
 class JobState(StrEnum):
-    QUEUED = "queued"  # recorded, waiting for Ray
+    QUEUED = "queued"  # recorded, waiting for the scheduler (and Ray); again after a preemption
     STARTING = "starting"  # submitted to Ray, no metrics record yet
     RUNNING = "running"  # metrics records are arriving
     RESTARTING = "restarting"  # the worker group restarts (a rank or node failed)
@@ -23,13 +23,15 @@ class JobState(StrEnum):
 FINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 
 _ENDINGS = {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
+# -> queued from a launched state: preempted. Only the reconciler makes that move, after the
+# launcher confirmed the stop it asked for (telemetry never moves a job back to queued).
 ALLOWED: dict[JobState, frozenset[JobState]] = {
     # queued -> running: the API stopped between submitting and recording it, and the first
     # metrics record is how it learns the job started.
     JobState.QUEUED: frozenset({JobState.STARTING, JobState.RUNNING, JobState.FAILED, JobState.CANCELLED}),
-    JobState.STARTING: frozenset({JobState.RUNNING, JobState.RESTARTING} | _ENDINGS),
-    JobState.RUNNING: frozenset({JobState.RESTARTING} | _ENDINGS),
-    JobState.RESTARTING: frozenset({JobState.RUNNING} | _ENDINGS),
+    JobState.STARTING: frozenset({JobState.RUNNING, JobState.RESTARTING, JobState.QUEUED} | _ENDINGS),
+    JobState.RUNNING: frozenset({JobState.RESTARTING, JobState.QUEUED} | _ENDINGS),
+    JobState.RESTARTING: frozenset({JobState.RUNNING, JobState.QUEUED} | _ENDINGS),
 }
 
 

@@ -137,6 +137,6 @@ def test_the_dispatcher_lists_every_layers_commands_as_before_the_split():
     assert list(typer.main.get_command(app).commands) == [
         "train", "export", "schema", "preprocess",  # engine/cli.py
         "worker-run",  # workers/cli.py
-        # service/cli.py; its command groups (token, jobs: a listing with `jobs export`) come last
-        "up", "down", "submit", "status", "logs", "cancel", "demo", "token", "jobs",
+        # service/cli.py; its command groups (token, jobs: a listing with `jobs export`, tenants) come last
+        "up", "down", "submit", "status", "logs", "cancel", "demo", "queue", "token", "jobs", "tenants",
     ]  # fmt: skip

@@ -216,11 +216,10 @@ class JobDriver:
 
     # -------------------------------------------------------------- the cluster
     def _per_rank(self) -> dict[str, float]:
-        return (
-            {"GPU": 1.0, "CPU": self.options.cpus_per_rank}
-            if self.use_gpu
-            else {"CPU": self.options.cpus_per_rank}
-        )
+        # The rule lives in engine/jobspec/demand.py: the service's scheduler counts the same.
+        from engine.jobspec.demand import rank_resources
+
+        return rank_resources(self.use_gpu, self.options.cpus_per_rank)
 
     def room(self, blocked: set[str]) -> bool:
         """Whether live nodes outside `blocked` have room for the job's smallest size."""

@@ -7,9 +7,10 @@ a running engine would trip over later (heads that do not split over tensor rank
 does not divide) belongs here, not in the engine.
 
 One module per section (model, parallel, data, training and optimizer, checkpoint, resilience,
-resources), the rules spanning sections and the parsing in `job.py`, the facts derived from a
-layout in `layout.py`, a job resolved once in `resolved.py`, and the service <-> workers wire
-names in `contract.py`. Hugging Face models: the registry of families (`hf_families.py`),
+resources, scheduling), the rules spanning sections and the parsing in `job.py`, the facts
+derived from a layout in `layout.py`, what a job asks of a cluster (its sizes and per-rank
+resources) in `demand.py`, a job resolved once in `resolved.py`, and the service <-> workers
+wire names in `contract.py`. Hugging Face models: the registry of families (`hf_families.py`),
 config.json <-> `model` fields (`hf_fields.py`, `hf_export_config.py`) and the one step that
 reads config.json (`hf_config.resolve_hf_config`, run by `parse_job`; validation itself reads
 nothing). Import from here: `from engine.jobspec import JobSpec, parse_job`.
@@ -33,6 +34,7 @@ from engine.jobspec.parallel import ParallelSpec
 from engine.jobspec.resilience import ResilienceSpec
 from engine.jobspec.resolved import ResolvedJob, resolve_job
 from engine.jobspec.resources import ResourcesSpec
+from engine.jobspec.scheduling import SchedulingSpec
 from engine.jobspec.training import OptimizerSpec, TrainingSpec
 
 __all__ = [
@@ -47,6 +49,7 @@ __all__ = [
     "ResilienceSpec",
     "ResolvedJob",
     "ResourcesSpec",
+    "SchedulingSpec",
     "TrainingSpec",
     "check_local_run",
     "format_validation_error",

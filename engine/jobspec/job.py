@@ -20,6 +20,7 @@ from engine.jobspec.model import HF_CONFIG_ERROR, ModelSpec
 from engine.jobspec.parallel import ParallelSpec
 from engine.jobspec.resilience import ResilienceSpec
 from engine.jobspec.resources import ResourcesSpec
+from engine.jobspec.scheduling import SchedulingSpec
 from engine.jobspec.training import OptimizerSpec, TrainingSpec
 
 
@@ -33,6 +34,7 @@ class JobSpec(_Section):
     checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec)
     resilience: ResilienceSpec = Field(default_factory=ResilienceSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
+    scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
 
     @property
     def data_parallel_size(self) -> int:

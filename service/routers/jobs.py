@@ -17,6 +17,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, load_only
 
 from service.deps import Caller, Ctx, DbSession, JobId, VisibleJob, not_found
+from service.scheduling.admission import check_submission, schedule_fields
 from service.schemas import (
     CheckpointList,
     CheckpointOut,
@@ -80,13 +81,21 @@ IdempotencyKey = Annotated[
     responses={
         201: {"description": "The job, recorded and queued.", "links": JOB_LINKS},
         **AUTH,
+        403: {
+            "model": Problem,
+            "description": "scheduling.preemptible: false or a scheduling.priority the tenant may not use.",
+        },
         413: {"model": Problem, "description": "Body over ELASTRON_MAX_BODY_BYTES."},
         422: {
             "model": Problem,
             "description": "The job specification is invalid: one entry per problem, "
-            "naming the field and the fix (or an Idempotency-Key reused with another body).",
+            "naming the field and the fix (or an Idempotency-Key reused with another body, or a job "
+            "that could never fit the cluster or its tenant's quota).",
         },
-        429: {"model": Problem, "description": "Too many submissions; see Retry-After."},
+        429: {
+            "model": Problem,
+            "description": "Too many submissions (see Retry-After), or the tenant's queued-jobs quota is full.",
+        },
     },
 )
 def submit_job(
@@ -124,6 +133,7 @@ def submit_job(
             existing = find_by_idempotency_key(session, caller.tenant, idempotency_key)
             if existing is not None:  # a concurrent retry won the race
                 return _check_replay(existing, digest), True
+        demand = check_submission(session, caller, spec, ctx.reconciler.capacity)
         run_spec = effective_spec(spec, job_id=job_id, caller=caller, settings=ctx.settings, session=session)
         job = create_job(
             session,
@@ -133,6 +143,7 @@ def submit_job(
             idempotency_key=idempotency_key,
             request_hash=digest,
         )
+        schedule_fields(job, spec, demand, run_spec["checkpoint"]["path"])
         return JobOut.from_row(job), False
 
     out, replayed = in_transaction(ctx.sessions, create)
@@ -182,6 +193,9 @@ _SUMMARY_COLUMNS = (
     Job.finished_at,
     Job.spec,
     Job.last_record,
+    Job.priority,
+    Job.queue_position,
+    Job.waiting_reason,
 )
 
 

@@ -174,6 +174,9 @@ class Policy:
     backfill: bool = True
     preemption: bool = True
     grow: bool = True  # elastic jobs take free room up to max_ranks when nothing waits for it
+    # False: preemption stops whole jobs only, never shrinks an elastic one (the service until it
+    # can resize a running job on request).
+    shrink: bool = True
 
 
 def _fit_on(shape: Shape, cpu: float, gpu: float) -> int:
@@ -533,6 +536,8 @@ def _make_room(
 
     # Shrink elastic jobs above their minimum first: the lowest priority, the most room first.
     for r in sorted(candidates, key=lambda r: (r.job.priority, -(r.ranks - r.job.lo), r.job.id)):
+        if not policy.shrink:
+            break
         while not room() and r.job.size_at_most(victims.get(r.job.id, r.ranks) - 1):
             resize(r, r.job.size_at_most(victims.get(r.job.id, r.ranks) - 1))
     # Then stop whole jobs: backfilled ones first, then the lowest priority, the smallest first.

@@ -13,7 +13,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Boolean, Float, ForeignKey, Integer, String, Text, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+    false,
+    text,
+    true,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 
@@ -74,6 +87,22 @@ class Job(Base):
     # Counters and histograms behind the job's Prometheus series (service/metrics.py), kept
     # here so a restarted API continues them instead of resetting them.
     stats: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    # Scheduling (service/scheduling/): what the scheduler needs, kept on the row so a restarted
+    # API rebuilds the queue from the store alone.
+    priority: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    # Whether the scheduler may stop it for another job: scheduling.preemptible and a checkpoint
+    # it resumes from (service/scheduling/demand.py).
+    preemptible: Mapped[bool] = mapped_column(Boolean, default=True, server_default=true())
+    demand: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # demand.Demand, as JSON
+    queued_at: Mapped[float | None] = mapped_column(Float, nullable=True)  # the current wait began
+    waited_s: Mapped[float] = mapped_column(Float, default=0.0, server_default=text("0"))  # earlier waits
+    queue_position: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    waiting_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    placement: Mapped[dict[str, int] | None] = mapped_column(JSON, nullable=True)  # ranks per node
+    backfilled_for: Mapped[str | None] = mapped_column(String(96), nullable=True)
+    yields_to: Mapped[str | None] = mapped_column(String(96), nullable=True)  # requeued behind this job
+    preempt_requested_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    preempt_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
     version: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
 
     __mapper_args__ = {"version_id_col": version}
@@ -142,3 +171,19 @@ class Export(Base):
     created_at: Mapped[float] = mapped_column(Float)
     submitted_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
+class TenantQuota(Base):
+    """A tenant's limits (null: unlimited), set by an admin: what may run at once, how many jobs
+    may wait, and what its jobs may ask of the scheduler."""
+
+    __tablename__ = "tenant_quotas"
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    ranks: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    gpus: Mapped[float | None] = mapped_column(Float, nullable=True)
+    cpus: Mapped[float | None] = mapped_column(Float, nullable=True)
+    queued: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    max_priority: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    allow_non_preemptible: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    updated_at: Mapped[float] = mapped_column(Float)

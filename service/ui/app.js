@@ -96,12 +96,14 @@ function progress(job) {
 async function showJobs(filter) {
   const query = new URLSearchParams({ limit: "100" });
   if (filter) query.set("state", filter);
-  const page = await api(`/v1/jobs?${query}`);
+  const [page, queue] = await Promise.all([api(`/v1/jobs?${query}`), api("/v1/queue?limit=1")]);
+  const c = queue.cluster;
+  const cluster = c ? `cluster: ${c.nodes} nodes, CPUs ${c.allocated_cpus}/${c.cpus}, GPUs ${c.allocated_gpus}/${c.gpus} allocated` : "";
   const options = ["", ...STATES].map((s) => `<option value="${s}" ${s === filter ? "selected" : ""}>${s || "all states"}</option>`).join("");
   const rows = page.jobs.map((j) => `
     <tr class="job-row" data-id="${esc(j.id)}">
       <td>${esc(j.name)}<div class="muted">${esc(j.id)}</div></td>
-      <td>${stateBadge(j.state)}</td>
+      <td>${stateBadge(j.state)}${j.waiting_reason ? `<div class="muted">${j.queue_position ? "#" + j.queue_position + ": " : ""}${esc(j.waiting_reason)}</div>` : ""}</td>
       <td>${j.ranks ?? ""} <span class="muted">${esc(j.layout || "")}</span></td>
       <td>${progress(j)}</td>
       <td class="num">${formatNumber(j.loss)}</td>
@@ -114,6 +116,7 @@ async function showJobs(filter) {
     <div class="toolbar"><h1>Jobs</h1>
       <select id="state-filter">${options}</select>
       <span class="muted">${page.jobs.length} shown${page.next_cursor ? " (newest 100)" : ""}; refreshes every ${REFRESH_MS / 1000} s</span>
+      <span class="muted" id="cluster-use">${esc(cluster)}</span>
     </div>
     <table id="jobs-table">
       <thead><tr><th>Name</th><th>State</th><th>Ranks / layout</th><th>Iteration</th><th>Loss</th><th>Tokens/s</th><th>MFU</th><th>Started</th><th>Duration</th></tr></thead>

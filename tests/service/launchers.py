@@ -1,6 +1,8 @@
 """Launcher test doubles.
 
-FakeLauncher: in memory, every answer set by the test (statuses, reachability, failures).
+FakeLauncher: in memory, every answer set by the test (statuses, reachability, failures, and the
+cluster's capacity: `nodes`, None by default, so the reconciler launches in order as without a
+scheduler).
 ProcessLauncher: runs each submission as a detached local process (tests/service/detached.py)
 whose state lives in files, so its jobs outlive the API instance that launched them, like Ray
 jobs: the API-restart tests use it.
@@ -33,6 +35,7 @@ class FakeLauncher(Launcher):
         self.messages: dict[str, str] = {}
         self.tails = 0
         self.break_tail_after: int | None = None  # the next log stream breaks after this many lines
+        self.nodes: list | None = None  # capacity(): None = unknown (no scheduling)
 
     def _check(self) -> None:
         if not self.up:
@@ -99,6 +102,10 @@ class FakeLauncher(Launcher):
 
     def reachable(self):
         return self.up
+
+    def capacity(self):
+        self._check()
+        return None if self.nodes is None else list(self.nodes)
 
     def describe(self):
         return "fake Ray"

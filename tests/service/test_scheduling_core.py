@@ -104,6 +104,14 @@ def test_an_elastic_job_shrinks_before_anything_is_stopped_and_the_fewest_are_to
     assert sum(d.resize[0].placement.values()) == 2
 
 
+def test_without_shrinking_a_whole_job_is_stopped_instead():
+    """Policy(shrink=False), the service's setting until the workers resize on request."""
+    elastic = running(job("elastic", 4, min_ranks=2, max_ranks=4, size_step=2), a=4)
+    other = running(job("other", 4), b=4)
+    d = decide(TWO_NODES, [elastic, other], [job("high", 2, priority=2)], {}, now=0, policy=Policy(shrink=False))
+    assert not d.resize and [p.job_id for p in d.preempt] == ["elastic"]  # the lowest priority, then the id
+
+
 def test_elastic_jobs_grow_into_free_room_when_nothing_waits():
     elastic = running(job("e", 2, min_ranks=2, max_ranks=8, size_step=2), a=2)
     d = decide(TWO_NODES, [elastic], [], {}, now=0)

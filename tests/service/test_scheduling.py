@@ -1,0 +1,301 @@
+"""The scheduler wired into the service, with a fake launcher that reports a capacity: gang
+admission never over capacity, priority and fair-share order, backfill and its reclaim,
+preemption as a graceful stop then requeue and relaunch, quotas (wait with a reason, 403/422/429
+at submission), GET /v1/queue, the job record's queue fields, metrics, the CLI, an API restart."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+from typer.testing import CliRunner
+
+from elastron.cli import app as cli_app
+from service.launcher import LauncherUnavailable, LaunchStatus
+from service.scheduling.core import Node
+from tests.service.conftest import ApiServer
+from tests.service.launchers import FakeLauncher
+from tests.waiting import wait_for
+
+# Two nodes of 2 CPUs: 4 one-CPU ranks at most.
+NODES = [Node("n1", cpus=2, gpus=0), Node("n2", cpus=2, gpus=0)]
+
+
+def spec(name: str, ranks: int = 1, priority: int = 0, interval: int | None = 2, **scheduling) -> dict:
+    body = {
+        "name": name,
+        "training": {"train_iters": 8, "global_batch_size": 8},
+        "resources": {"ranks": ranks, "device": "cpu"},
+        "scheduling": {"priority": priority, **scheduling},
+    }
+    if interval:
+        body["checkpoint"] = {"interval": interval}
+    return body
+
+
+def submit(env, body: dict, who: str = "alice") -> str:
+    with env.client(who) as c:
+        r = c.post("/v1/jobs", json=body)
+    assert r.status_code == 201, r.text
+    return r.json()["id"]
+
+
+@pytest.fixture
+def fake() -> FakeLauncher:
+    launcher = FakeLauncher()
+    launcher.nodes = list(NODES)
+    return launcher
+
+
+def scheduled(env) -> None:
+    """Wait until the reconciler has read the capacity (it then refuses what could never fit)."""
+    wait_for(lambda: env.server.ctx.reconciler.capacity is not None, what="the first scheduling pass")
+
+
+def events(env, job_id: str, kind: str) -> list[dict]:
+    with env.client("admin") as c:
+        return [e for e in c.get(f"/v1/jobs/{job_id}/events").json()["events"] if e["kind"] == kind]
+
+
+def admitted_ranks(env, job_ids) -> int:
+    return sum(e["data"]["ranks"] for j in job_ids for e in events(env, j, "admitted")[-1:])
+
+
+def sid_of(env, job_id: str) -> str:
+    return env.job(job_id, "admin")["submission_id"]
+
+
+def test_order_gang_admission_backfill_reclaim_and_relaunch(start_env, fake):
+    fake.up = False  # everything is queued before the first pass
+    env = start_env(fake)
+    a = submit(env, spec("big", ranks=4))
+    b = submit(env, spec("urgent", ranks=2, priority=5))
+    c = submit(env, spec("small", ranks=2))
+    d = submit(env, spec("bobs", ranks=1), who="bob")
+    fake.up = True
+    # Priority first (b); then fair share at equal priority: bob holds nothing, alice b's 2 CPUs,
+    # so d goes before alice's a and c; a (4 ranks) does not fit in the 1 CPU left and reserves.
+    env.wait_state(b, "starting")
+    env.wait_state(d, "starting")
+    job_a = wait_for(lambda: (j := env.job(a))["queue_position"] == 1 and j, what="a first in the queue")
+    assert job_a["state"] == "queued" and job_a["waiting_reason"].startswith("needs 4 ranks x (1 CPU, 0 GPU), 1 free")
+    job_c = env.job(c)
+    assert job_c["queue_position"] == 2 and "behind 1 job(s) of priority >= 0" in job_c["waiting_reason"]
+    assert admitted_ranks(env, [b, d]) == 3
+    (adm,) = events(env, b, "admitted")
+    assert sum(adm["data"]["placement"].values()) == 2 and len(adm["data"]["placement"]) == 1  # gang, one node
+
+    with env.client() as cl:
+        queue = cl.get("/v1/queue").json()
+    assert [j["id"] for j in queue["jobs"]] == [a, c] and [j["position"] for j in queue["jobs"]] == [1, 2]
+    assert queue["cluster"] == {**queue["cluster"], "nodes": 2, "cpus": 4.0, "allocated_cpus": 3.0}
+    with env.client("bob") as cl:
+        assert cl.get("/v1/queue").json()["jobs"] == []  # a tenant sees its own
+    with env.client("admin") as cl:
+        assert [j["id"] for j in cl.get("/v1/queue").json()["jobs"]] == [a, c]
+
+    # b ends: 3 CPUs free, still not 4 for a; c starts as backfill a may take back.
+    fake.set_status(sid_of(env, b), LaunchStatus.SUCCEEDED)
+    env.wait_state(c, "starting")
+    (adm_c,) = events(env, c, "admitted")
+    assert adm_c["data"]["backfilled_for"] == a
+    assert env.job(a)["state"] == "queued"
+    # d ends: a's 4 ranks fit only without c: c is preempted (a graceful stop), requeued behind a.
+    fake.set_status(sid_of(env, d), LaunchStatus.SUCCEEDED)
+    first_c = sid_of(env, c)
+    env.wait_state(a, "starting")
+    assert first_c in fake.stopped
+    requeued = env.job(c, "admin")
+    assert requeued["state"] == "queued" and requeued["attempt"] == 1
+    (pre,) = events(env, c, "preempted")
+    assert pre["data"]["submission_id"] == first_c
+    assert [e["data"]["to"] for e in events(env, c, "state")][-1] == "queued"
+    assert admitted_ranks(env, [a]) == 4
+    # a ends: c is launched again (same job: it resumes from its newest checkpoint).
+    fake.set_status(sid_of(env, a), LaunchStatus.SUCCEEDED)
+    again = env.wait_state(c, "starting")
+    assert again["attempt"] == 2 and again["submission_id"] == f"elastron-{c}-2"
+    assert fake.env_of(c)["ELASTRON_JOB_ID"] == c
+
+
+def test_a_higher_priority_job_preempts_only_preemptible_lower_ones(start_env, fake):
+    env = start_env(fake)
+    scheduled(env)
+    keep = submit(env, spec("no-ckpt", ranks=2, interval=None))  # saves no checkpoint: never preempted
+    low = submit(env, spec("low", ranks=2))
+    env.wait_state(keep, "starting")
+    env.wait_state(low, "starting")
+    high = submit(env, spec("high", ranks=2, priority=10))
+    env.wait_state(low, "queued")  # stopped, back in the queue
+    env.wait_state(high, "starting")
+    assert env.job(keep)["state"] == "starting" and sid_of(env, keep) not in fake.stopped
+    (stop,) = events(env, low, "preempting")
+    assert stop["data"]["for_job"] == high and "priority 10 > 0" in stop["message"]
+    # Another urgent one finds nothing it may preempt: it waits, saying so.
+    more = submit(env, spec("high2", ranks=2, priority=10))
+    reason = wait_for(lambda: env.job(more)["waiting_reason"], what="a waiting reason")
+    assert reason == "needs 2 ranks x (1 CPU, 0 GPU), 0 free" and env.job(more)["queue_position"] == 1
+    assert "behind 1 job(s) of priority >= 0" in env.job(low)["waiting_reason"]
+    text = httpx.get(f"{env.server.url}/metrics").text
+    assert 'elastron_preemptions_total{priority="0",tenant="alice"} 1.0' in text
+    assert 'elastron_queue_jobs{tenant="alice",priority="0"} 1.0' in text
+    assert 'elastron_cluster_capacity{resource="cpu"} 4.0' in text
+    assert 'elastron_cluster_allocated{resource="cpu"} 4.0' in text
+    assert 'elastron_queue_wait_seconds_count{priority="10",tenant="alice"} 1.0' in text
+
+
+def test_quotas_wait_with_a_reason_and_refuse_what_never_fits(start_env, fake):
+    env = start_env(fake)
+    scheduled(env)
+    with env.client() as c:
+        assert c.put("/v1/tenants/alice/quota", json={"cpus": 2}).status_code == 403  # admins only
+    with env.client("admin") as c:
+        r = c.put("/v1/tenants/alice/quota", json={"cpus": 2, "queued": 1, "max_priority": 5})
+        assert r.status_code == 200 and r.json()["cpus"] == 2 and r.json()["ranks"] is None
+    with env.client() as c:
+        assert c.get("/v1/tenants/alice/quota").json()["queued"] == 1
+        assert c.get("/v1/tenants/bob/quota").status_code == 404
+
+    first = submit(env, spec("q1", ranks=2))
+    env.wait_state(first, "starting")
+    second = submit(env, spec("q2", ranks=2))
+    reason = wait_for(lambda: env.job(second)["waiting_reason"], what="a quota reason")
+    assert reason == "tenant alice at its quota: 2/2 CPUs in use, the job needs 2"
+    assert env.job(second)["state"] == "queued"
+    with env.client() as c:
+        full = c.post("/v1/jobs", json=spec("q3"))
+        assert full.status_code == 429 and "1 jobs queued, its quota's limit is 1" in full.json()["detail"]
+    # Could never run: over the quota, or over the whole cluster (bob has no quota).
+    with env.client() as c:
+        r = c.post("/v1/jobs", json=spec("huge", ranks=4))
+        assert r.status_code == 422, r.text
+        (problem,) = r.json()["detail"]
+        assert problem["loc"] == ["body", "resources", "ranks"]
+        assert "tenant alice quota: 0/2 CPUs in use, the job needs 4" in problem["msg"]
+    with env.client("bob") as c:
+        r = c.post("/v1/jobs", json=spec("huge", ranks=8))
+    assert r.status_code == 422
+    assert "holds at most 4" in r.json()["detail"][0]["msg"] and "4 CPUs" in r.json()["detail"][0]["msg"]
+    # Who may ask for what.
+    with env.client() as c:
+        r = c.post("/v1/jobs", json=spec("pinned", preemptible=False))
+        assert r.status_code == 403 and "scheduling.preemptible" in r.json()["detail"]
+        r = c.post("/v1/jobs", json=spec("vip", priority=6))
+        assert r.status_code == 403 and "scheduling.priority: 6" in r.json()["detail"]
+    assert submit(env, spec("pinned", preemptible=False), who="admin")
+
+
+def test_cli_queue_and_set_quota(start_env, fake):
+    fake.up = False
+    env = start_env(fake)
+    runner = CliRunner()
+
+    def cli(*args: str, who: str = "alice"):
+        environ = {"ELASTRON_API_URL": env.server.url, "ELASTRON_API_TOKEN": env.tokens[who]}
+        return runner.invoke(cli_app, list(args), env=environ)
+
+    r = cli("tenants", "set-quota", "alice", "--gpus", "8", "--cpus", "3", "--ranks", "3", "--queued", "5", who="admin")
+    assert r.exit_code == 0, r.output
+    assert "tenant alice: ranks 3, GPUs 8, CPUs 3, queued jobs 5" in r.stdout
+    r = cli("tenants", "set-quota", "alice", "--cpus", "1")
+    assert r.exit_code == 1 and "needs an admin token" in r.stderr
+    assert "CPUs 3" in cli("tenants", "quota", "alice").stdout
+    first = submit(env, spec("one", ranks=2))
+    second = submit(env, spec("two", ranks=2))
+    r = cli("queue")
+    assert "capacity unknown" in r.stdout and first in r.stdout and second in r.stdout
+    fake.up = True
+    env.wait_state(first, "starting")
+    wait_for(lambda: env.job(second)["waiting_reason"], what="the second job's reason")
+    r = cli("queue")
+    assert "cluster: 2 nodes, CPUs 2/4 allocated" in r.stdout
+    assert first not in r.stdout and second in r.stdout and "at its quota: 2/3 ranks" in r.stdout
+    assert "queue        #1: tenant alice at its quota: 2/3 ranks" in cli("status", second).stdout
+
+
+class SlowToStop(FakeLauncher):
+    """While `slow`: a stop is asked for, but the job ends only when the test says so."""
+
+    slow = True
+
+    def stop(self, submission_id):
+        if not self.slow:
+            return super().stop(submission_id)
+        self.stopped.append(submission_id)
+        return True
+
+
+def test_api_restart_with_jobs_queued_running_and_being_preempted(start_env):
+    slow = SlowToStop()
+    slow.nodes = list(NODES)
+    env = start_env(slow)
+    scheduled(env)
+    low = submit(env, spec("low", ranks=4))
+    env.wait_state(low, "starting")
+    waiting = [submit(env, spec(f"w{i}", ranks=2, priority=i)) for i in range(3)]
+    # w2 outranks low: low is asked to stop; everyone waits for it, in order.
+    wait_for(lambda: all(env.job(j)["queue_position"] for j in waiting), what="queue positions")
+    wait_for(lambda: slow.stopped, what="the stop request")
+    before = {j: (env.job(j)["queue_position"], env.job(j)["waiting_reason"]) for j in waiting}
+    assert before[waiting[2]] == (1, "needs 2 ranks x (1 CPU, 0 GPU), 0 free; waiting for 1 job(s) to stop or shrink")
+    assert [before[j][0] for j in waiting] == [3, 2, 1]
+    env.server.stop()
+    env.server = ApiServer(env.settings, slow, env.server.port).start()
+    try:
+        wait_for(lambda: env.server.ctx.reconciler.capacity is not None, what="a pass of the new API")
+        after = {j: (env.job(j)["queue_position"], env.job(j)["waiting_reason"]) for j in waiting}
+        assert after == before and env.job(low)["state"] == "starting"
+        assert slow.submissions.keys() == {f"elastron-{low}-1"}  # nothing launched twice or over
+        slow.set_status(f"elastron-{low}-1", LaunchStatus.STOPPED)  # the stop lands after the restart
+        slow.slow = False
+        env.wait_state(waiting[2], "starting")
+        env.wait_state(waiting[1], "starting")
+        assert env.job(low)["state"] == "queued" and len(events(env, low, "preempted")) == 1
+        # low keeps its submission time: first at its priority, ahead of w0
+        wait_for(lambda: env.job(low)["queue_position"] == 1, what="low first in the queue again")
+        assert env.job(waiting[0])["queue_position"] == 2
+        for j in waiting[1:]:  # (if a pass sees only one end, w0 backfills, then yields to low)
+            slow.set_status(sid_of(env, j), LaunchStatus.SUCCEEDED)
+        env.wait_state(low, "starting")
+        assert env.job(low)["attempt"] == 2 and env.job(waiting[0])["state"] == "queued"
+    finally:
+        env.server.stop()
+
+
+def test_no_launch_while_the_capacity_cannot_be_read(start_env, fake):
+    blind = {"on": True}
+    read = fake.capacity
+
+    def capacity():
+        if blind["on"]:
+            raise LauncherUnavailable("the State API is down")
+        return read()
+
+    fake.capacity = capacity
+    env = start_env(fake)
+    job_id = submit(env, spec("patient", ranks=2))
+    wait_for(lambda: len(events(env, job_id, "state")) == 1 and env.server.ctx.reconciler.ray_checked_at, what="passes")
+    passes_seen = env.server.ctx.reconciler.ray_checked_at
+    wait_for(lambda: env.server.ctx.reconciler.ray_checked_at > passes_seen, what="another pass")
+    assert env.job(job_id)["state"] == "queued" and fake.submissions == {}
+    assert env.server.ctx.reconciler.ray_reachable  # Ray itself answers: /readyz stays ready
+    blind["on"] = False
+    env.wait_state(job_id, "starting")
+
+
+def test_one_scheduler_per_postgres_store(fresh_pg_db):
+    """API replicas sharing a store: the first to take the lease schedules, the others wait until
+    it goes (its connection closed: stopped or crashed)."""
+    from service.scheduling.lease import SchedulerLease
+    from service.store.db import make_engine
+
+    one, two = make_engine(fresh_pg_db), make_engine(fresh_pg_db)
+    try:
+        first, second = SchedulerLease(one), SchedulerLease(two)
+        assert first.held() and first.held()
+        assert not second.held()
+        first.release()
+        assert second.held() and not first.held()
+        second.release()
+    finally:
+        one.dispose()
+        two.dispose()
