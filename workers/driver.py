@@ -42,7 +42,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.jobspec import JobSpec, JobSpecError, contract, parse_job_text, resolve_job
-from engine.jobspec.layout import job_checkpoint_path, join_location, model_parallel_size
+from engine.jobspec.demand import CPUS_PER_RANK, rank_resources, run_sizes
+from engine.jobspec.layout import job_checkpoint_path, join_location
 from workers.policy import (
     EXIT_BAD_INPUT,
     EXIT_CANCELLED,
@@ -81,7 +82,7 @@ class WorkerRunOptions:
     quiet: bool = False
     flush_interval_s: float = 1.0  # telemetry batching
     resize_interval_s: float | None = None  # elastic: how often to check for room to grow (default 60 s)
-    cpus_per_rank: float = 1.0
+    cpus_per_rank: float = CPUS_PER_RANK
 
 
 @dataclass
@@ -137,24 +138,6 @@ def default_storage_path() -> str:
     return os.environ.get("ELASTRON_RAY_STORAGE") or str(Path("~/ray_results").expanduser())
 
 
-def valid_sizes(spec: JobSpec) -> list[int]:
-    """Rank counts this job can run on: multiples of TP x PP x CP in [min, max] that validate."""
-    r = spec.resources
-    lo = r.min_ranks if r.min_ranks is not None else r.ranks
-    hi = r.max_ranks if r.max_ranks is not None else r.ranks
-    job, mp = resolve_job(spec), model_parallel_size(spec.parallel)
-    sizes = []
-    for size in range(lo, hi + 1):
-        if size % mp:
-            continue
-        try:
-            job.with_ranks(size)
-        except JobSpecError:
-            continue
-        sizes.append(size)
-    return sizes
-
-
 def lost_nodes(node_ids: set[str], timeout_s: float = 1.0) -> set[str]:
     """Which of these Ray nodes are gone: marked dead, or still listed alive but with no raylet
     answering on its port (Ray notices a vanished node only after its heartbeats time out)."""
@@ -192,7 +175,7 @@ class JobDriver:
     def __init__(self, job_id: str, spec: JobSpec, options: WorkerRunOptions | None = None):
         self.job_id, self.spec = job_id, spec
         self.options = options or WorkerRunOptions()
-        self.sizes = valid_sizes(spec)
+        self.sizes = run_sizes(spec)
         if not self.sizes:
             raise JobInputError("no rank count between resources.min_ranks and max_ranks can run this job")
         self.spec_dict = prepare_spec(job_id, spec, self.options.storage_path)
@@ -217,8 +200,6 @@ class JobDriver:
     # -------------------------------------------------------------- the cluster
     def _per_rank(self) -> dict[str, float]:
         # The rule lives in engine/jobspec/demand.py: the service's scheduler counts the same.
-        from engine.jobspec.demand import rank_resources
-
         return rank_resources(self.use_gpu, self.options.cpus_per_rank)
 
     def room(self, blocked: set[str]) -> bool:

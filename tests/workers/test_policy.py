@@ -12,8 +12,9 @@ from pathlib import Path
 import pytest
 
 from engine.jobspec import JobSpecError, parse_job
+from engine.jobspec.demand import run_sizes
 from engine.rerun_state_machine import RerunExit
-from workers.driver import JobInputError, load_spec, prepare_spec, run_job, valid_sizes
+from workers.driver import JobInputError, load_spec, prepare_spec, run_job
 from workers.policy import EXIT_CANCELLED, EXIT_FAILED, Outcome, RestartPolicy, classify
 
 
@@ -179,8 +180,8 @@ def test_elastic_sizes_keep_the_layout_and_the_global_batch():
             "resources": {"ranks": 4, "min_ranks": 2, "max_ranks": 8},
         }
     )
-    assert valid_sizes(spec) == [2, 4, 8]  # 6 ranks = DP 3 does not split a batch of 8
-    assert valid_sizes(parse_job({"resources": {"ranks": 2}})) == [2]
+    assert run_sizes(spec) == [2, 4, 8]  # 6 ranks = DP 3 does not split a batch of 8
+    assert run_sizes(parse_job({"resources": {"ranks": 2}})) == [2]
 
 
 @pytest.mark.parametrize(
