@@ -50,9 +50,13 @@ class RankHooks:
       names: take an in-memory snapshot and keep it where a restarted rank finds it.
     - `on_event(event)`: every event this rank's engine records (rerun state machine,
       checkpointer), as the dict the event record holds, from whichever thread made it.
+    - `should_stop()`: asked on every rank before each step (give it to all ranks or none):
+      when any rank says yes, every rank saves a persistent checkpoint at the current step and
+      `train_rank` returns early (a scheduler's preemption: at most the step in flight is lost).
     """
 
     on_trainer: Callable[[Trainer], None] | None = None
     on_record: Callable[[dict], None] | None = None
     on_snapshot_due: Callable[[Trainer], None] | None = None
     on_event: Callable[[dict], None] | None = None
+    should_stop: Callable[[], bool] | None = None

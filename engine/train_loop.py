@@ -12,6 +12,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from engine import parallel_state as ps
@@ -124,7 +125,11 @@ def _train(
             )
         if is_logger and not quiet and trainer.iteration:
             print(f"[elastron] resumed at iteration {trainer.iteration}", flush=True)
+        saved_at = trainer.iteration  # a fresh start or the checkpoint it resumed from
         while trainer.iteration < spec.training.train_iters:
+            if hooks.should_stop is not None and _stop_agreed(trainer, hooks.should_stop()):
+                _save_and_stop(trainer, saved_at, quiet=quiet or not is_logger)
+                break
             m = trainer.train_step()
             if m is None:  # the rerun state machine skipped a bad batch
                 continue
@@ -133,7 +138,8 @@ def _train(
                 # A save can commit on rank 0 and then fail in its closing barrier (a peer died
                 # or froze after the shard gather): the record still goes out below, or the resume
                 # from that commit would never run, nor report, this step.
-                trainer.save_checkpoint_if_due()
+                if trainer.save_checkpoint_if_due():
+                    saved_at = trainer.iteration
                 # Before the record: when the record says a step is done, its snapshot is taken
                 # and only its push can be in flight (a failure re-runs at most that step).
                 if hooks.on_snapshot_due is not None and trainer.snapshot_due():
@@ -160,3 +166,28 @@ def _train(
             sink.close()
         ps.destroy_model_parallel()
     return records
+
+
+def _stop_agreed(trainer: Trainer, mine: bool) -> bool:
+    """Whether any rank was asked to stop: one tiny all-reduce before each step, so every rank
+    stops at the same step boundary."""
+    flag = torch.tensor([1.0 if mine else 0.0], device=trainer.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def _save_and_stop(trainer: Trainer, saved_at: int, quiet: bool) -> None:
+    """Stop asked for (a preemption): a persistent checkpoint of the current step, unless the
+    last step saved one already, committed before the loop returns; then the job resumes from
+    here with nothing lost."""
+    checkpointed = trainer.checkpointer is not None and trainer.spec.checkpoint.path is not None
+    if checkpointed and saved_at != trainer.iteration:
+        trainer.phase = "checkpoint-save"
+        trainer.checkpointer.save()
+    trainer.events.append("stopped_on_request", iteration=trainer.iteration, checkpointed=checkpointed)
+    if not quiet:
+        print(
+            f"[elastron] stopping at iteration {trainer.iteration} as asked"
+            + (" (checkpoint saved)" if checkpointed else " (no checkpoint.path: nothing saved)"),
+            flush=True,
+        )

@@ -22,8 +22,11 @@ finds the intent and asks Ray about that submission id: found -> the job is star
 (the call never reached Ray) -> the intent is dropped and the job is launched again with a
 fresh id and token. Ray calls run in a worker thread, never in a request.
 
-A preemption is a graceful stop like a cancel: recorded first (`preempt_requested_at`), then
-the launcher's `stop`; when the launcher confirms that the job ended, it goes back to `queued`
+A preemption is recorded first (`preempt_requested_at`); the job hears it in the answers to its
+telemetry and saves a checkpoint of its current step before it stops (nothing lost:
+engine/train_loop.py, RankHooks.should_stop); one still running after `preempt_grace_s` gets
+the launcher's graceful `stop`, as a cancel does. When the launcher confirms that the job
+ended (a job that stopped as asked ends "succeeded" short of train_iters), it goes back to `queued`
 (a `preempted` event) with a fresh submission to come, and resumes from its newest checkpoint
 (`checkpoint.resume: auto`; only such jobs are preemptible, service/scheduling/demand.py).
 """
@@ -230,7 +233,9 @@ class Reconciler:
             )
         cancel = job.cancel_requested_at is not None
         if job.preempt_requested_at is not None and not cancel and status not in _STILL_GOING:
-            if status != LaunchStatus.SUCCEEDED:
+            # A job that saved its current step and stopped as asked ends "succeeded" short of
+            # train_iters; one that really finished meanwhile is done.
+            if status != LaunchStatus.SUCCEEDED or (job.current_iteration or 0) < job.train_iters:
                 self._requeue(s, job, sid, status)
                 return
         if status in _STILL_GOING:
@@ -315,15 +320,19 @@ class Reconciler:
         resend_before = self.clock() - 30.0
         with self.sessions() as s:
             rows = s.execute(
-                select(Job.id, Job.submission_id, Job.stop_sent_at).where(
+                select(
+                    Job.id, Job.submission_id, Job.stop_sent_at, Job.cancel_requested_at, Job.preempt_requested_at
+                ).where(
                     Job.state.in_(_NON_FINAL),
                     or_(Job.cancel_requested_at.is_not(None), Job.preempt_requested_at.is_not(None)),
                     Job.submission_id.is_not(None),
                 )
             ).all()
-        for job_id, sid, sent_at in rows:
+        for job_id, sid, sent_at, cancel_at, preempt_at in rows:
             if sent_at is not None and sent_at > resend_before:
                 continue
+            if cancel_at is None and self.clock() < preempt_at + self.settings.preempt_grace_s:
+                continue  # asked to save its step and stop by itself first (telemetry answers)
             try:
                 stopped = self.launcher.stop(sid)
             except LauncherUnavailable as err:

@@ -421,3 +421,8 @@ class TelemetryAck(BaseModel):
     events_accepted: int
     events_duplicate: int
     state: JobState
+    stop: Literal["checkpoint"] | None = Field(
+        None,
+        description="'checkpoint': the scheduler preempts this job: save a checkpoint of the current "
+        "step and stop (the workers' RankHooks.should_stop).",
+    )

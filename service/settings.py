@@ -55,6 +55,13 @@ class Settings(BaseSettings):
     ray_timeout_s: float = Field(5.0, gt=0, description="Longest wait on one Ray Jobs API call.")
     reconcile_interval_s: float = Field(2.0, gt=0, description="How often non-final jobs are polled.")
     dispatch_batch: int = Field(16, ge=1, description="Queued jobs launched per reconcile pass.")
+    preempt_grace_s: float = Field(
+        120.0,
+        ge=0,
+        description="A job the scheduler preempts is first asked, in the answers to its telemetry, to "
+        "save its current step and stop (nothing lost); one still running after this long gets the "
+        "graceful stop signal (it loses the steps since its last checkpoint).",
+    )
     max_launch_attempts: int = Field(5, ge=1, description="Failed submissions before a job is failed.")
     scheduler_aging_s: float = Field(
         3600.0,

@@ -318,6 +318,9 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
                 on_record=on_record if rank == 0 else None,
                 on_snapshot_due=pusher.snapshot if pusher is not None else None,
                 on_event=sender.forward_event,
+                # Rank 0's sender hears the scheduler's "stop" in its batches' answers; every
+                # rank takes part in agreeing on it (the others answer False).
+                should_stop=sender.stop_requested.is_set,
             ),
             identity=identity,
         )

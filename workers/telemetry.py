@@ -143,6 +143,9 @@ class TelemetrySender:
         self.max_batch_bytes = max_batch_bytes
         self.timeout_s = timeout_s
         self.event_defaults = {"source": source, **(event_defaults or {})}
+        # Set when the control plane's answer to a batch says "stop": the scheduler preempts
+        # this job and wants a checkpoint of the current step first (RankHooks.should_stop).
+        self.stop_requested = threading.Event()
         self.spool_path = Path(spool_dir or default_spool_dir()) / job_id / f"{source}.jsonl"
         self._incarnation = uuid.uuid4().hex[:12]
         self._batches_made = 0
@@ -329,6 +332,14 @@ class TelemetrySender:
                     self.spool_path.unlink(missing_ok=True)
             self._persist()
 
+    def _read_ack(self, body: bytes) -> None:
+        try:
+            ack = json.loads(body or b"{}")
+        except ValueError:
+            return
+        if isinstance(ack, dict) and ack.get("stop") == "checkpoint":
+            self.stop_requested.set()
+
     def _post(self, batch: dict) -> str:
         body = json.dumps({**batch, "sent_at": time.time()}, default=str).encode()
         headers = {"Content-Type": "application/json"}
@@ -337,7 +348,7 @@ class TelemetrySender:
         request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                response.read()
+                self._read_ack(response.read())
             return "ok"
         except urllib.error.HTTPError as err:
             err.close()

@@ -69,6 +69,7 @@ def post_telemetry(job_id: JobId, body: TelemetryIn, ctx: Ctx, credentials: Cred
                 "given) or with an admin token; a user token may only read it",
             )
         result = ingest(session, job, records, events)
-        return TelemetryAck(**vars(result), state=JobState(job.state))
+        preempting = job.preempt_requested_at is not None and job.cancel_requested_at is None
+        return TelemetryAck(**vars(result), state=JobState(job.state), stop="checkpoint" if preempting else None)
 
     return in_transaction(ctx.sessions, apply)

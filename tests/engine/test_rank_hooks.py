@@ -69,3 +69,35 @@ def test_an_identity_that_names_another_rank_is_refused():
     assert spawn(_train_as, 1, (spec, 3), timeout_s=120) == [
         "train_rank: the launcher says rank 3 of 1, the process group 0 of 1"
     ]
+
+
+def _train_until_asked(spec: dict, stop_after: int | None) -> list[tuple[int, float]]:
+    """Rank 0 alone is asked to stop once `stop_after` steps are done (None: never)."""
+    import torch.distributed as dist
+
+    box: dict = {}
+    asked = stop_after is not None and dist.get_rank() == 0
+    hooks = RankHooks(
+        on_trainer=lambda t: box.setdefault("trainer", t),
+        should_stop=lambda: asked and box["trainer"].iteration >= stop_after,
+    )
+    records = train_rank(spec, quiet=True, hooks=hooks)
+    return [(r["iteration"], r["loss"]) for r in records]
+
+
+def test_a_stop_request_to_one_rank_saves_the_current_step_on_all_and_loses_nothing(tmp_path):
+    """Preemption's engine half: rank 0 alone is asked; both ranks stop at the same step (an
+    agreed flag), save it although no save is due, and the resumed run ends with the losses of
+    an uninterrupted one, bitwise."""
+    ckpt = {"path": str(tmp_path / "ckpt"), "interval": 100}  # no save due before the end
+    spec = job(2, training={"train_iters": 8}, checkpoint=ckpt)
+    first = spawn(_train_until_asked, 2, (spec, 3), timeout_s=240)[0]
+    assert [i for i, _ in first] == [1, 2, 3]
+    committed = sorted(p.parent.name for p in (tmp_path / "ckpt").rglob("manifest.json"))
+    assert committed == ["iter_0000003"], committed
+    rest = spawn(_train_until_asked, 2, (spec, None), timeout_s=240)[0]
+    assert [i for i, _ in rest] == [4, 5, 6, 7, 8]
+    reference = spawn(
+        _train_until_asked, 2, (job(2, training={"train_iters": 8}), None), timeout_s=240
+    )[0]
+    assert first + rest == reference

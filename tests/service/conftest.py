@@ -104,6 +104,9 @@ def make_settings(home: Path, database_url: str | None, port: int, **overrides) 
         reconcile_interval_s=0.1,
         ray_timeout_s=2.0,
         checkpoint_dir=str(home / "checkpoints"),
+        # Fake launchers run no workers that could hear a preemption and stop by themselves:
+        # the stop signal goes at once (tests/workers/test_ray_preemption.py covers the rest).
+        preempt_grace_s=0.0,
     )
     values.update(overrides)
     return Settings(**values)

@@ -299,3 +299,27 @@ def test_one_scheduler_per_postgres_store(fresh_pg_db):
     finally:
         one.dispose()
         two.dispose()
+
+
+def test_a_preempted_job_is_first_asked_to_save_its_step_and_stop(start_env, fake):
+    """With a grace period the job hears the preemption in its telemetry answers (no signal
+    yet); when it ends "succeeded" short of train_iters (it saved its step and stopped), it is
+    requeued, not finished; the urgent job then starts."""
+    env = start_env(fake, preempt_grace_s=3600.0)
+    scheduled(env)
+    low = submit(env, spec("low", ranks=4))
+    env.wait_state(low, "starting")
+    with env.client("admin") as admin:
+        ack = admin.post(f"/v1/internal/jobs/{low}/telemetry", json={"records": []}).json()
+        assert ack["stop"] is None
+        high = submit(env, spec("high", ranks=4, priority=10))
+        wait_for(lambda: events(env, low, "preempting"), what="the preemption")
+        record = {"iteration": 3, "loss": 1.0, "tokens": 8, "step_time_s": 0.1}
+        ack = admin.post(f"/v1/internal/jobs/{low}/telemetry", json={"records": [record]}).json()
+    assert ack["stop"] == "checkpoint"
+    assert sid_of(env, low) not in fake.stopped  # asked, not signalled
+    fake.set_status(sid_of(env, low), LaunchStatus.SUCCEEDED)  # it stopped by itself at step 3 of 8
+    env.wait_state(high, "starting")
+    (pre,) = events(env, low, "preempted")
+    assert pre["data"]["stopped_at_iteration"] == 3
+    assert env.job(low)["state"] == "queued"

@@ -27,6 +27,7 @@ class TelemetryServer:
         self.gate: threading.Event | None = None  # when set: hold every request until it is set
         self.max_body: int | None = None  # answer 413 to larger bodies
         self.refuse_key: str | None = None  # answer 422 to a batch with a record holding this key
+        self.ack: dict = {}  # the body of a 200 answer (the API's TelemetryAck, e.g. {"stop": "checkpoint"})
         self._lock = threading.Lock()
         self._server: ThreadingHTTPServer | None = None
 
@@ -64,13 +65,13 @@ class TelemetryServer:
                     return self._answer(400)
                 with outer._lock:
                     outer.batches.append(batch)
-                self._answer(200)
+                self._answer(200, json.dumps(outer.ack).encode())
 
-            def _answer(self, status: int):
+            def _answer(self, status: int, body: bytes = b"{}"):
                 self.send_response(status)
-                self.send_header("Content-Length", "2")
+                self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
-                self.wfile.write(b"{}")
+                self.wfile.write(body)
 
         self._server = ThreadingHTTPServer(("127.0.0.1", self.port), Handler)
         self._server.daemon_threads = True

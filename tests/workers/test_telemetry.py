@@ -195,3 +195,19 @@ def test_disabled_without_a_url(tmp_path, monkeypatch):
     s.record({"iteration": 1})
     assert s.event("x", a=1)["kind"] == "x"
     assert s.close(1) and not s.enabled and not any(tmp_path.iterdir())
+
+
+def test_a_stop_in_the_answer_is_heard(tmp_path):
+    """The scheduler's preemption reaches the ranks through the answers to their batches
+    (RankHooks.should_stop is the sender's stop_requested)."""
+    server = TelemetryServer().start()
+    try:
+        with sender(server, tmp_path) as s:
+            s.record({"iteration": 1, "loss": 1.0})
+            assert s.flush(30) and not s.stop_requested.is_set()
+            server.ack = {"records_accepted": 1, "stop": "checkpoint"}
+            s.record({"iteration": 2, "loss": 0.5})
+            assert s.flush(30)
+            assert s.stop_requested.is_set()
+    finally:
+        server.stop()
