@@ -1,9 +1,10 @@
 """The dashboards, recording rules and alerts against the real API, scraped by a real Prometheus.
 
-The control plane (`service.app.create_app`, with the service tests' fake Ray launcher) runs on a
-loopback port; four jobs go through it: one trains and reports telemetry in two batches (every
-field of the engine's metrics record, checkpoints, a restart and its recovery, two rerun diagnoses), one
-succeeds, one fails, one is cancelled. Prometheus scrapes /metrics every second with the API scrape settings of
+The control plane (`service.app.create_app`, with the service tests' fake Ray launcher reporting
+one 8-CPU node, so the scheduler runs) runs on a loopback port; four jobs go through it: one
+trains and reports telemetry in two batches (every field of the engine's metrics record,
+checkpoints, a restart and its recovery, two rerun diagnoses), one succeeds, one fails, one is
+cancelled; then an urgent job preempts a low-priority one (the scheduler's series). Prometheus scrapes /metrics every second with the API scrape settings of
 deploy/prometheus/prometheus.yml and evaluates deploy/prometheus/rules. Then:
 
 - the names on /metrics are exactly service/METRICS.md's, with its labels, and pass
@@ -41,6 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from engine.launcher import free_port
 from service.app import create_app  # noqa: E402
 from service.launcher import LaunchStatus  # noqa: E402
+from service.scheduling.core import Node  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.store.db import make_engine, make_sessionmaker  # noqa: E402
 from service.store.migrate import upgrade  # noqa: E402
@@ -110,8 +112,8 @@ class Api:
         self.server.should_exit = True
         self.thread.join(30)
 
-    def submit(self, name: str) -> str:
-        r = self.client.post("/v1/jobs", json={**JOB_SPEC, "name": name})
+    def submit(self, name: str, **sections: Any) -> str:
+        r = self.client.post("/v1/jobs", json={**JOB_SPEC, "name": name, **sections})
         assert r.status_code == 201, r.text
         return r.json()["id"]
 
@@ -196,6 +198,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, prometheus_bin: Path) -> Ite
     """The API with four jobs (trained / succeeded / failed / cancelled) and Prometheus scraping it."""
     workdir = tmp_path_factory.mktemp("scrape")
     api = Api(workdir / "home")
+    api.launcher.nodes = [Node("node-1", cpus=8, gpus=0)]  # 4 jobs x 2 ranks fill it
     prometheus = None
     try:
         trained, succeeded = api.submit("trained"), api.submit("succeeded")
@@ -250,6 +253,15 @@ def stack(tmp_path_factory: pytest.TempPathFactory, prometheus_bin: Path) -> Ite
         api.wait_state(failed, "failed")
         assert api.client.post(f"/v1/jobs/{cancelled}/cancel").status_code in (200, 202)
         api.wait_state(cancelled, "cancelled")
+        # 6 CPUs free: a low-priority job takes 4; an urgent one needing 4 preempts it and waits.
+        low = api.submit("low", resources={"ranks": 4}, checkpoint={"interval": 5})
+        api.wait_state(low, "starting")
+        urgent = api.submit("urgent", resources={"ranks": 4}, scheduling={"priority": 10})
+        wait_for(
+            lambda: any(e["kind"] == "preempting" for e in api.client.get(f"/v1/jobs/{low}/events").json()["events"]),
+            what="the preemption",
+        )
+        assert api.job(urgent)["state"] == "queued"
         # Wait until Prometheus has the second batch and has evaluated the rules on it.
         wait_for(
             lambda: prometheus.query(f'elastron_job:restarts:increase1h{{job="{trained}"}} > 0'),
