@@ -81,3 +81,23 @@ def test_a_sigkilled_driver_leaves_no_holder_and_no_snapshot_file(ray_cluster, t
         "the job's other actors to go",
         interval_s=0.5,
     )
+    _release_dead_runs_reservations()
+
+
+def _release_dead_runs_reservations() -> None:
+    """Ray Train's autoscaling coordinator (a detached actor) keeps a run's resource request for
+    180 s after its controller dies without cancelling it (AUTOSCALING_REQUESTS_EXPIRE_TIME_S in
+    ray/train/v2/_internal/execution/scaling_policy/autoscaling_coordinator_client.py): an
+    elastic job started meanwhile sees no room (test_ray_elastic.py, next on the shared cluster).
+    No other Ray Train run is alive now (the tests run one at a time), so cancel every Train
+    request, as the dead controller would have."""
+    import ray
+    from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+        get_or_create_autoscaling_coordinator,
+    )
+
+    coordinator = get_or_create_autoscaling_coordinator()
+    requesters = ray.get(coordinator.__ray_call__.remote(lambda self: list(self._ongoing_reqs)))
+    for requester in requesters:
+        if str(requester).startswith("train-"):
+            ray.get(coordinator.cancel_request.remote(requester_id=requester))
