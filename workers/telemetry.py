@@ -88,34 +88,6 @@ def telemetry_settings() -> dict[str, str]:
     return {k: os.environ[k] for k in TELEMETRY_ENV if os.environ.get(k)}
 
 
-class EventTail:
-    """Follows a JSON-lines file another writer appends to; yields only complete lines."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.offset = 0
-
-    def read_new(self) -> list[dict]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        end = data.rfind(b"\n")
-        if end < 0:
-            return []
-        self.offset += end + 1
-        out = []
-        for line in data[: end + 1].splitlines():
-            if line.strip():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    out.append({"kind": "unreadable_event", "line": line.decode(errors="replace")})
-        return out
-
-
 class TelemetrySender:
     """Batches records and events from one source and delivers them in the background.
 
@@ -151,7 +123,6 @@ class TelemetrySender:
         self._batches_made = 0
         self._records: collections.deque[dict] = collections.deque()
         self._events: collections.deque[dict] = collections.deque()
-        self._tails: list[EventTail] = []
         self._pending: collections.deque[dict] = collections.deque()
         self._spooled = 0  # how many of _pending (a prefix) are in the spool file
         self._retry_at = 0.0
@@ -205,11 +176,6 @@ class TelemetrySender:
         `RankHooks.on_event`), with this sender's defaults (`source`, ...) under its own fields."""
         if self.enabled:
             self._events.append({**self.event_defaults, **event})
-
-    def tail_events(self, path: str | Path) -> None:
-        """Also send every event appended to this JSON-lines file (the engine's event record)."""
-        if self.enabled:
-            self._tails.append(EventTail(path))
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> TelemetrySender:
@@ -280,9 +246,6 @@ class TelemetrySender:
         return out
 
     def _batch(self) -> dict | None:
-        for tail in self._tails:
-            for ev in tail.read_new():
-                self._events.append({**self.event_defaults, **ev})
         budget = [self.max_batch_bytes]
         events = self._take(self._events, budget)
         records = self._take(self._records, budget)

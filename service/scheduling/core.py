@@ -227,11 +227,7 @@ class _Cluster:
         left = ranks
         order = sorted(free, key=lambda n: (free[n][1], free[n][0], n))
         for n in order:
-            cpu, gpu = free[n]
-            k = int(cpu // shape.cpus) if shape.cpus > 0 else left
-            if shape.gpus > 0:
-                k = min(k, int(gpu // shape.gpus))
-            k = min(k, left)
+            k = min(_fit_on(shape, *free[n]), left)
             if k > 0:
                 out[n] = k
                 left -= k

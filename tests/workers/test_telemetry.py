@@ -1,7 +1,7 @@
 """The telemetry sender against a real HTTP server on loopback: batches in order, the bearer
 token, a control plane that goes down and comes back (spool file, resent in order, nothing
 lost), one that answers 503 for a while, a permanent 4xx, the spool picked up by the next
-process of the same source, and the engine's event file followed line by line."""
+process of the same source, and the control plane's answer asking the job to stop."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import threading
 from engine.launcher import free_port
 from tests.waiting import wait_for
 from tests.workers.telemetry_server import TelemetryServer
-from workers.telemetry import EventTail, TelemetrySender, telemetry_url
+from workers.telemetry import TelemetrySender, telemetry_url
 
 
 def sender(server: TelemetryServer, tmp_path, source="rank-0", **kw) -> TelemetrySender:
@@ -158,34 +158,6 @@ def test_record_never_waits_on_the_network(tmp_path):
         s.close(5)
     finally:
         server.gate.set()
-        server.stop()
-
-
-def test_event_tail_reads_complete_lines_only(tmp_path):
-    path = tmp_path / "events.jsonl"
-    tail = EventTail(path)
-    assert tail.read_new() == []  # not there yet
-    path.write_text('{"kind": "a"}\n{"kind": "b"')
-    assert [e["kind"] for e in tail.read_new()] == ["a"]
-    with open(path, "a") as f:
-        f.write(', "x": 1}\n{"kind": "c"}\n')
-    assert [e["kind"] for e in tail.read_new()] == ["b", "c"]
-    assert tail.read_new() == []
-
-
-def test_engine_events_are_followed_and_sent(tmp_path):
-    server = TelemetryServer().start()
-    events = tmp_path / "events.jsonl"
-    try:
-        s = sender(server, tmp_path, source="rank-1", event_defaults={"attempt": 2})
-        s.tail_events(events)
-        s.start()
-        events.write_text(json.dumps({"ts": 1.0, "kind": "diagnosis", "rank": 1}) + "\n")
-        assert s.flush(30)
-        (ev,) = server.events("job-1")
-        assert ev == {"ts": 1.0, "kind": "diagnosis", "rank": 1, "source": "rank-1", "attempt": 2}
-        s.close(5)
-    finally:
         server.stop()
 
 
