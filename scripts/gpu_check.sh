@@ -72,6 +72,8 @@ if [[ $MODE == gpu ]]; then
     # is the faster setting (docs/performance.md). fp8 is compared compiled: its eager casts cost
     # more than its GEMMs save.
     MFU_ARGS=(--sizes 1b,3b --compile --fp8 --fp8-compile --fp8-steps 50 --timeout 150)
+    # A shorter loan can name fewer runs, e.g. GPU_CHECK_MFU_ARGS="--sizes 1b,3b --compile-sizes 3b --compile".
+    [[ -n "${GPU_CHECK_MFU_ARGS:-}" ]] && read -r -a MFU_ARGS <<<"$GPU_CHECK_MFU_ARGS --timeout 150"
     LIMITS=(60 240 120 330)
 else
     PY="${PYTHON:-.venv/bin/python}"
