@@ -259,6 +259,13 @@ class SchedulerMetrics:
             ["tenant", "priority"],
             registry=registry,
         )
+        self.resizes = Counter(
+            "elastron_resizes",
+            "Elastic jobs the scheduler resized while they ran (a save, a stop and a launch at the new "
+            "size), by the job's tenant and priority and the direction.",
+            ["tenant", "priority", "direction"],
+            registry=registry,
+        )
         self.capacity = Gauge(
             "elastron_cluster_capacity",
             "CPUs and GPUs of the cluster's alive nodes (the scheduler's last read).",

@@ -48,7 +48,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.exports import export_command
 from service.launcher import Launcher, LauncherUnavailable, LaunchStatus, worker_env
 from service.metrics import SchedulerMetrics
-from service.scheduling.core import Admission, Node, Policy, decide
+from service.scheduling.core import Admission, Node, Policy, Resize, decide
 from service.scheduling.demand import Demand, launch_size, sized_spec, trim_placement
 from service.scheduling.lease import SchedulerLease
 from service.scheduling.state import read_inputs
@@ -109,9 +109,10 @@ class Reconciler:
         self.capacity: list[Node] | None = None
         self.capacity_at: float | None = None
         self.allocated: tuple[float, float] = (0.0, 0.0)  # CPUs, GPUs given to launched jobs
-        # Elastic jobs are admitted at a size in [min_ranks, ranks] but not resized while they
-        # run: the workers cannot resize on request yet.
-        self.policy = Policy(aging_s=settings.scheduler_aging_s, grow=False, shrink=False)
+        # Elastic jobs are admitted at a size in [min_ranks, ranks], shrunk to make room and grown
+        # back into free room: each resize is a save of the current step, a stop and a launch at
+        # the new size (`_record_resize`).
+        self.policy = Policy(aging_s=settings.scheduler_aging_s)
         self.lease = SchedulerLease(sessions.kw["bind"])
         self._demands: dict[str, Demand] = {}  # job id -> its demand (read_inputs' cache)
         self.ray_reachable: bool | None = None  # None: not checked yet
@@ -236,7 +237,7 @@ class Reconciler:
             # A job that saved its current step and stopped as asked ends "succeeded" short of
             # train_iters; one that really finished meanwhile is done.
             if status != LaunchStatus.SUCCEEDED or (job.current_iteration or 0) < job.train_iters:
-                self._requeue(s, job, sid, status)
+                (self._stopped_for_resize if job.resize_to else self._requeue)(s, job, sid, status)
                 return
         if status in _STILL_GOING:
             if job.state == JobState.QUEUED:
@@ -284,6 +285,39 @@ class Reconciler:
         job.placement = None
         job.backfilled_for = None
         job.queued_at = self.clock()
+
+    def _stopped_for_resize(self, s: Session, job: Job, sid: str, status: LaunchStatus) -> None:
+        """A resized job saved its step and stopped: queued for a moment, holding the room of its
+        new size (service/scheduling/state.py counts it as running), and launched at that size by
+        the next scheduling pass, ahead of every queued job (`_schedule`)."""
+        latest = (job.latest_checkpoint or {}).get("iteration")
+        old = sum((job.placement or {}).values()) or None
+        transition(s, job, JobState.QUEUED, f"{job.preempt_reason}; relaunching on {job.resize_to} ranks", submission_id=sid)
+        add_event(
+            s,
+            job,
+            "resized",
+            f"{sid} stopped ({status}): {job.preempt_reason}; relaunching on {job.resize_to} ranks from "
+            + (f"the checkpoint of iteration {latest}" if latest is not None else "its newest checkpoint"),
+            data={
+                "submission_id": sid,
+                "launcher_status": str(status),
+                "from_ranks": old,
+                "to_ranks": job.resize_to,
+                "placement": job.resize_placement,
+                "stopped_at_iteration": job.current_iteration,
+                "resume_iteration": latest,
+            },
+        )
+        edited = job_stats.editable(job.stats)
+        job_stats.count(edited, "resizes", "stopped")
+        job.stats = edited
+        job.submission_id = None
+        job.telemetry_token_hash = None
+        job.stop_sent_at = None
+        job.preempt_requested_at = None
+        job.placement = None
+        job.queue_position, job.waiting_reason = None, f"resizing: relaunching on {job.resize_to} ranks"
 
     def _missing(self, s: Session, job: Job, sid: str, cancel: bool) -> None:
         if job.state == JobState.QUEUED:
@@ -399,7 +433,13 @@ class Reconciler:
         now = self.clock()
         with self.sessions() as s:
             inputs = read_inputs(s, nodes, self._demands)
+        for job_id, (ranks, placement) in inputs.relaunch.items():  # resized: their room is held
+            if self._stopping.is_set():
+                return
+            if not self._launch(job_id, Admission(job_id, ranks, placement), inputs.demands[job_id], resized=True):
+                return
         decision = decide(nodes, inputs.running, inputs.queued, inputs.quotas, now, self.policy, inputs.stopping)
+        decision.resize = [z for z in decision.resize if self._may_resize(z, inputs, now)]
         alive = [n for n in nodes if n.alive]
         capacity = (sum(n.cpus for n in alive), sum(n.gpus for n in alive))
         held = [(r.ranks, r.job.shape) for r in inputs.running]
@@ -431,13 +471,47 @@ class Reconciler:
             if self.metrics is not None and p.job_id in inputs.priorities:
                 tenant, priority = inputs.priorities[p.job_id]
                 self.metrics.preemptions.labels(tenant, str(priority)).inc()
-        if decision.preempt:
+        for z in decision.resize:
+            if in_transaction(self.sessions, lambda s, z=z: self._record_resize(s, z)) and self.metrics is not None:
+                tenant, priority = inputs.priorities[z.job_id]
+                grew = z.ranks > sum(inputs.placements.get(z.job_id, {}).values())
+                self.metrics.resizes.labels(tenant, str(priority), "grow" if grew else "shrink").inc()
+        if decision.preempt or decision.resize:
             self._send_stops()
         for admission in decision.admit[: self.settings.dispatch_batch]:
             if self._stopping.is_set():
                 return
             if not self._launch(admission.job_id, admission, inputs.demands[admission.job_id]):
                 return
+
+    def _may_resize(self, z: Resize, inputs: Any, now: float) -> bool:
+        """Shrinks always go ahead (a job waits for their room); a grow costs the job a stop and a
+        restart, so it waits until the job has run `scheduler_grow_after_s` at its size."""
+        if z.ranks < sum(inputs.placements.get(z.job_id, {}).values()):
+            return True
+        return now - inputs.launched_at.get(z.job_id, now) >= self.settings.scheduler_grow_after_s
+
+    def _record_resize(self, s: Session, z: Resize) -> bool:
+        """Ask a running elastic job to save its step and stop, to be launched again at once at
+        its new size (a preemption's request, then `_stopped_for_resize`). A grow takes its new
+        room now, so nothing else is admitted into it while the job restarts."""
+        job = get_job(s, z.job_id)
+        if job is None or job.state in FINAL or job.submission_id is None or job.preempt_requested_at:
+            return False
+        old = dict(job.placement or {})
+        job.preempt_requested_at = self.clock()
+        job.preempt_reason = z.reason
+        job.resize_to, job.resize_placement = z.ranks, dict(z.placement)
+        job.placement = {n: max(old.get(n, 0), z.placement.get(n, 0)) for n in {*old, *z.placement}}
+        add_event(
+            s,
+            job,
+            "resizing",
+            f"{z.reason}: asking {job.submission_id} to save its step and stop, to go on with "
+            f"{z.ranks} ranks instead of {sum(old.values())}",
+            data={"from_ranks": sum(old.values()), "to_ranks": z.ranks, "placement": z.placement},
+        )
+        return True
 
     def _record_preemption(self, s: Session, job_id: str, reason: str, p: Any) -> None:
         job = get_job(s, job_id)
@@ -454,10 +528,13 @@ class Reconciler:
             data={"for_job": p.for_job, "reclaimed": p.reclaimed, "submission_id": job.submission_id},
         )
 
-    def _launch(self, job_id: str, admission: Admission | None = None, demand: Demand | None = None) -> bool:
+    def _launch(
+        self, job_id: str, admission: Admission | None = None, demand: Demand | None = None, resized: bool = False
+    ) -> bool:
         """Launch one job; False when the launcher became unavailable (stop dispatching). With an
         admission: at its size and placement, recorded in an `admitted` event (and its wait in
-        the wait-time histogram once the launcher has it)."""
+        the wait-time histogram once the launcher has it). `resized`: a resized job's relaunch,
+        which was not waiting in the queue (no admission, no wait counted)."""
         token = new_secret(JOB_PREFIX)
 
         def intent(s: Session) -> tuple[str, dict[str, Any], float | None, str, int] | None:
@@ -470,7 +547,12 @@ class Reconciler:
             job.submission_id, job.launched_at = sid, now
             job.telemetry_token_hash = hash_secret(token)
             spec, waited = job.spec, None
-            if admission is not None and demand is not None:
+            if resized and admission is not None and demand is not None:
+                size = launch_size(demand, admission.ranks)
+                job.placement = trim_placement(admission.placement, size)
+                job.resize_to = job.resize_placement = job.queue_position = job.waiting_reason = None
+                spec = sized_spec(job.spec, demand, size)
+            elif admission is not None and demand is not None:
                 size = launch_size(demand, admission.ranks)
                 placement = trim_placement(admission.placement, size)
                 waited = max(0.0, now - (job.queued_at if job.queued_at is not None else job.created_at))

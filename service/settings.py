@@ -62,6 +62,12 @@ class Settings(BaseSettings):
         "save its current step and stop (nothing lost); one still running after this long gets the "
         "graceful stop signal (it loses the steps since its last checkpoint).",
     )
+    scheduler_grow_after_s: float = Field(
+        300.0,
+        ge=0,
+        description="An elastic job admitted below its size grows into free room only after running this long "
+        "since its last launch: each resize is a save of its current step and a restart.",
+    )
     max_launch_attempts: int = Field(5, ge=1, description="Failed submissions before a job is failed.")
     scheduler_aging_s: float = Field(
         3600.0,

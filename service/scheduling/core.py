@@ -174,9 +174,7 @@ class Policy:
     backfill: bool = True
     preemption: bool = True
     grow: bool = True  # elastic jobs take free room up to max_ranks when nothing waits for it
-    # False: preemption stops whole jobs only, never shrinks an elastic one (the service until it
-    # can resize a running job on request).
-    shrink: bool = True
+    shrink: bool = True  # False: preemption stops whole jobs only, never shrinks an elastic one
 
 
 def _fit_on(shape: Shape, cpu: float, gpu: float) -> int:
@@ -543,12 +541,20 @@ def _make_room(
         resize(r, 0)
     if not room():
         return need + "; preempting every lower-priority job would not free enough", False
-    # The fewest: give back, last chosen first, whatever the job fits without.
+    # The fewest and cheapest: give back, last chosen first, whatever the job fits without; an
+    # elastic job stopped whole keeps the largest size the job still fits beside.
+    by_id = {r.job.id: r for r in candidates}
     for job_id in reversed(list(victims)):
         trial = {k: v for k, v in victims.items() if k != job_id}
         if fits(trial):
             victims = trial
-    by_id = {r.job.id: r for r in candidates}
+            continue
+        if victims[job_id] == 0 and policy.shrink:
+            r = by_id[job_id]
+            size = r.job.size_at_most(r.ranks - 1)
+            while size and not fits({**victims, job_id: size}):
+                size = r.job.size_at_most(size - 1)
+            victims[job_id] = size
     for job_id, size in victims.items():
         r = by_id[job_id]
         if size:
@@ -595,10 +601,11 @@ def _grow(
     decision: Decision,
 ) -> None:
     """Nothing waits for room: elastic jobs below their maximum grow into what is free, the
-    highest priority first."""
+    highest priority first. Only preemptible ones: a resize is a save of the current step, a
+    stop and a restart from that checkpoint, which a job that cannot resume would lose."""
     admitted = {a.job_id for a in decision.admit}
     for r in sorted(running, key=lambda r: (-r.job.priority, r.job.submitted_at)):
-        if r.job.id in stopping or r.job.id in admitted or r.ranks >= r.job.hi:
+        if r.job.id in stopping or r.job.id in admitted or r.ranks >= r.job.hi or not r.job.preemptible:
             continue
         tenant = usage.setdefault(r.job.tenant, _Usage())
         room = min(cluster.ranks_that_fit(r.job.shape), quota_room(quotas.get(r.job.tenant), tenant, r.job.shape))

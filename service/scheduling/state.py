@@ -33,6 +33,11 @@ class SchedulerInputs:
     shown: dict[str, tuple[int | None, str | None]] = field(default_factory=dict)
     priorities: dict[str, tuple[str, int]] = field(default_factory=dict)  # id -> (tenant, priority)
     queued_since: dict[str, float] = field(default_factory=dict)
+    # Resized jobs that stopped and wait to be launched again at once: id -> (ranks, placement).
+    # Their room is held (they count as running) and nothing else may take it.
+    relaunch: dict[str, tuple[int, dict[str, int]]] = field(default_factory=dict)
+    placements: dict[str, dict[str, int]] = field(default_factory=dict)  # running jobs' rooms
+    launched_at: dict[str, float] = field(default_factory=dict)  # running jobs' last launch
 
 
 def quota_of(row: TenantQuota) -> Quota:
@@ -41,6 +46,13 @@ def quota_of(row: TenantQuota) -> Quota:
 
 def read_quotas(session: Session) -> dict[str, Quota]:
     return {row.tenant: quota_of(row) for row in session.scalars(select(TenantQuota))}
+
+
+def _hold(free: dict[str, list[float]], job: CoreJob, placement: dict[str, int]) -> None:
+    for node, k in placement.items():
+        if node in free:
+            free[node][0] -= k * job.shape.cpus
+            free[node][1] -= k * job.shape.gpus
 
 
 def read_inputs(session: Session, nodes: list[Node], demands: dict[str, Demand] | None = None) -> SchedulerInputs:
@@ -66,6 +78,9 @@ def read_inputs(session: Session, nodes: list[Node], demands: dict[str, Demand] 
             Job.backfilled_for,
             Job.queue_position,
             Job.waiting_reason,
+            Job.resize_to,
+            Job.resize_placement,
+            Job.launched_at,
         )
         .where(Job.state.in_(_NON_FINAL))
         .order_by(Job.seq)
@@ -100,6 +115,13 @@ def read_inputs(session: Session, nodes: list[Node], demands: dict[str, Demand] 
             waiting_since=r.queued_at if r.queued_at is not None else r.created_at,
             yields_to=r.yields_to,
         )
+        if r.submission_id is None and r.resize_to and r.state == JobState.QUEUED and r.cancel_requested_at is None:
+            placement = {str(k): int(v) for k, v in (r.resize_placement or {}).items()}
+            out.relaunch[r.id] = (r.resize_to, placement)
+            out.stopping.add(r.id)
+            out.running.append(Running(job, placement))
+            _hold(free, job, placement)
+            continue
         if r.submission_id is None:
             if r.state == JobState.QUEUED and r.cancel_requested_at is None:
                 out.queued.append(job)
@@ -111,10 +133,10 @@ def read_inputs(session: Session, nodes: list[Node], demands: dict[str, Demand] 
         if r.placement:
             placement = {str(k): int(v) for k, v in r.placement.items()}
             out.running.append(Running(job, placement, r.backfilled_for))
-            for node, k in placement.items():
-                if node in free:
-                    free[node][0] -= k * job.shape.cpus
-                    free[node][1] -= k * job.shape.gpus
+            _hold(free, job, placement)
+            out.placements[r.id] = placement
+            if r.launched_at is not None:
+                out.launched_at[r.id] = r.launched_at
         else:
             unplaced.append((job, r.backfilled_for))
     # Launched before the scheduler counted them (capacity was unknown, or an older version):

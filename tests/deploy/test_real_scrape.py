@@ -253,14 +253,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory, prometheus_bin: Path) -> Ite
         api.wait_state(failed, "failed")
         assert api.client.post(f"/v1/jobs/{cancelled}/cancel").status_code in (200, 202)
         api.wait_state(cancelled, "cancelled")
-        # 6 CPUs free: a low-priority job takes 4; an urgent one needing 4 preempts it and waits.
-        low = api.submit("low", resources={"ranks": 4}, checkpoint={"interval": 5})
+        # 6 CPUs free: an elastic job takes 4, a low-priority job 2; an urgent one needing 4
+        # shrinks the elastic one to 2 and preempts the low one.
+        flex = api.submit("flex", resources={"ranks": 4, "min_ranks": 2}, checkpoint={"interval": 5})
+        api.wait_state(flex, "starting")
+        low = api.submit("low", resources={"ranks": 2}, checkpoint={"interval": 5})
         api.wait_state(low, "starting")
         urgent = api.submit("urgent", resources={"ranks": 4}, scheduling={"priority": 10})
-        wait_for(
-            lambda: any(e["kind"] == "preempting" for e in api.client.get(f"/v1/jobs/{low}/events").json()["events"]),
-            what="the preemption",
-        )
+        for job_id, kind in ((low, "preempting"), (flex, "resizing")):
+            wait_for(
+                lambda j=job_id, k=kind: any(e["kind"] == k for e in api.client.get(f"/v1/jobs/{j}/events").json()["events"]),
+                what=kind,
+            )
         assert api.job(urgent)["state"] == "queued"
         # Wait until Prometheus has the second batch and has evaluated the rules on it.
         wait_for(

@@ -323,3 +323,44 @@ def test_a_preempted_job_is_first_asked_to_save_its_step_and_stop(start_env, fak
     (pre,) = events(env, low, "preempted")
     assert pre["data"]["stopped_at_iteration"] == 3
     assert env.job(low)["state"] == "queued"
+
+
+def test_an_elastic_job_shrinks_for_an_urgent_one_and_grows_back(start_env, fake):
+    """A running elastic job is resized as a preemption is asked (save the step, stop), then
+    launched again at once at its new size and placement, holding that room meanwhile: 4 ranks ->
+    2 while an urgent job runs -> 4 again when it has ended (scheduler_grow_after_s=0 here)."""
+    import json
+
+    env = start_env(fake, scheduler_grow_after_s=0.0)
+    scheduled(env)
+    body = spec("flex", ranks=4)
+    body["resources"]["min_ranks"] = 2
+    flex = submit(env, body)
+    env.wait_state(flex, "starting")
+    first = sid_of(env, flex)
+    urgent = submit(env, spec("urgent", ranks=2, priority=10))
+    env.wait_state(urgent, "starting")
+    assert first in fake.stopped  # asked to stop (grace 0 here), not failed
+    shrunk = env.wait_state(flex, "starting")
+    assert shrunk["attempt"] == 2 and shrunk["submission_id"] == f"elastron-{flex}-2"
+    (resizing,) = events(env, flex, "resizing")
+    assert (resizing["data"]["from_ranks"], resizing["data"]["to_ranks"]) == (4, 2)
+    (resized,) = events(env, flex, "resized")
+    assert resized["data"]["to_ranks"] == 2 and resized["data"]["submission_id"] == first
+    assert json.loads(fake.env_of(flex)["ELASTRON_JOB_SPEC"])["resources"]["ranks"] == 2
+    assert not events(env, flex, "preempted") and len(events(env, flex, "admitted")) == 1
+    assert env.job(flex, "admin")["state"] == "starting"
+    assert admitted_ranks(env, [urgent]) == 2  # 2 + 2: never more than the 4 CPUs
+    text = httpx.get(f"{env.server.url}/metrics").text
+    assert 'elastron_resizes_total{direction="shrink",priority="0",tenant="alice"} 1.0' in text
+
+    fake.set_status(sid_of(env, urgent), LaunchStatus.SUCCEEDED)
+    env.wait_state(urgent, "succeeded")
+    wait_for(lambda: len(events(env, flex, "resized")) == 2, what="flex grown back")
+    grown = env.wait_state(flex, "starting")
+    assert grown["attempt"] == 3
+    assert json.loads(fake.env_of(flex)["ELASTRON_JOB_SPEC"])["resources"]["ranks"] == 4
+    assert [e["data"]["to_ranks"] for e in events(env, flex, "resizing")] == [2, 4]
+    assert 'elastron_resizes_total{direction="grow",priority="0",tenant="alice"} 1.0' in httpx.get(
+        f"{env.server.url}/metrics"
+    ).text

@@ -104,8 +104,21 @@ def test_an_elastic_job_shrinks_before_anything_is_stopped_and_the_fewest_are_to
     assert sum(d.resize[0].placement.values()) == 2
 
 
+def test_a_job_stopped_whole_and_shrunk_is_only_shrunk_when_that_is_enough():
+    """The stop pass takes the smallest victim first; once a bigger one is stopped too, the
+    smaller (elastic) one needs only to shrink: the cheapest set is a shrink and one stop."""
+    one = [Node("a", cpus=64, gpus=8)]
+    elastic = running(job("elastic", 2, min_ranks=1, max_ranks=2), a=2)
+    low = running(job("low", 4), a=4)
+    busy = running(job("busy", 2, priority=9), a=2)
+    d = decide(one, [elastic, low, busy], [job("high", 5, priority=5)], {}, now=0)
+    assert [(z.job_id, z.ranks) for z in d.resize] == [("elastic", 1)]
+    assert [p.job_id for p in d.preempt] == ["low"]
+    d = decide(one, [elastic, low, busy], [job("high", 5, priority=5)], {}, now=0, policy=Policy(shrink=False))
+    assert not d.resize and sorted(p.job_id for p in d.preempt) == ["elastic", "low"]
+
+
 def test_without_shrinking_a_whole_job_is_stopped_instead():
-    """Policy(shrink=False), the service's setting until the workers resize on request."""
     elastic = running(job("elastic", 4, min_ranks=2, max_ranks=4, size_step=2), a=4)
     other = running(job("other", 4), b=4)
     d = decide(TWO_NODES, [elastic, other], [job("high", 2, priority=2)], {}, now=0, policy=Policy(shrink=False))
