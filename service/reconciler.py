@@ -494,7 +494,8 @@ class Reconciler:
     def _record_resize(self, s: Session, z: Resize) -> bool:
         """Ask a running elastic job to save its step and stop, to be launched again at once at
         its new size (a preemption's request, then `_stopped_for_resize`). A grow takes its new
-        room now, so nothing else is admitted into it while the job restarts."""
+        room now (read_inputs counts the larger of both placements), so nothing else is admitted
+        into it while the job restarts."""
         job = get_job(s, z.job_id)
         if job is None or job.state in FINAL or job.submission_id is None or job.preempt_requested_at:
             return False
@@ -502,7 +503,6 @@ class Reconciler:
         job.preempt_requested_at = self.clock()
         job.preempt_reason = z.reason
         job.resize_to, job.resize_placement = z.ranks, dict(z.placement)
-        job.placement = {n: max(old.get(n, 0), z.placement.get(n, 0)) for n in {*old, *z.placement}}
         add_event(
             s,
             job,

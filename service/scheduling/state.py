@@ -132,9 +132,12 @@ def read_inputs(session: Session, nodes: list[Node], demands: dict[str, Demand] 
             out.stopping.add(r.id)
         if r.placement:
             placement = {str(k): int(v) for k, v in r.placement.items()}
+            out.placements[r.id] = dict(placement)
+            if r.resize_to and r.resize_placement:  # resizing: it holds the larger of both rooms
+                for node, k in r.resize_placement.items():
+                    placement[str(node)] = max(placement.get(str(node), 0), int(k))
             out.running.append(Running(job, placement, r.backfilled_for))
             _hold(free, job, placement)
-            out.placements[r.id] = placement
             if r.launched_at is not None:
                 out.launched_at[r.id] = r.launched_at
         else:
