@@ -25,6 +25,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from service.states import JobState
+from service.store import scheduler_stats
 from service.store import stats as job_stats
 from service.store.models import Job
 
@@ -107,16 +108,17 @@ class JobSeries:
                     Job.state, Job.tenant, Job.priority
                 )
             ).all()
+            scheduler = scheduler_stats.read(s)
         counts: dict[str, int] = {}
         queue = []
         for state, tenant, priority, n in groups:
             counts[state] = counts.get(state, 0) + n
             if state == JobState.QUEUED.value:
                 queue.append((tenant, priority, n))
-        return rows, counts, queue
+        return rows, counts, queue, scheduler
 
     def render(self) -> str:
-        rows, counts, queue = self._read()
+        rows, counts, queue, scheduler = self._read()
         jobs = _Family("elastron_jobs", "gauge", "Jobs in each state.")
         for state in JobState:
             jobs.add(f'state="{state.value}"', counts.get(state.value, 0))
@@ -234,38 +236,40 @@ class JobSeries:
             step,
             ckpt_save,
         )
-        return "".join(f.text() for f in families)
+        return "".join(f.text() for f in families) + _scheduler_text(scheduler)
+
+
+def _scheduler_text(stats: dict[str, Any]) -> str:
+    """The scheduler's series (service/store/scheduler_stats.py); labels in alphabetical order."""
+    wait = _Family(
+        "elastron_queue_wait_seconds", "histogram", "Time a job waited in the queue before it was admitted (each admission)."
+    )
+    for (tenant, priority), hist in scheduler_stats.labelled(stats.get("wait")):
+        wait.histogram(f'priority="{_label(priority)}",tenant="{_label(tenant)}"', hist, scheduler_stats.WAIT_BUCKETS)
+    preemptions = _Family(
+        "elastron_preemptions_total",
+        "counter",
+        "Jobs the scheduler stopped to make room for another, by the stopped job's tenant and priority.",
+    )
+    for (tenant, priority), n in scheduler_stats.labelled(stats.get("preemptions")):
+        preemptions.add(f'priority="{_label(priority)}",tenant="{_label(tenant)}"', n)
+    resizes = _Family(
+        "elastron_resizes_total",
+        "counter",
+        "Running elastic jobs the scheduler resized (a save, a stop, a launch at the new size), by direction.",
+    )
+    for (tenant, priority, direction), n in scheduler_stats.labelled(stats.get("resizes")):
+        resizes.add(f'direction="{_label(direction)}",priority="{_label(priority)}",tenant="{_label(tenant)}"', n)
+    return "".join(f.text() for f in (wait, preemptions, resizes) if f.lines)
 
 
 class SchedulerMetrics:
-    """What the reconciler's scheduling passes observe: waits at admission, preemptions, and the
-    cluster's capacity against what the scheduler has allocated (the last pass; absent until
-    the capacity is known). In the app's registry: they restart from zero with the API, which
-    Prometheus' rate() handles; the queue's length is read from the store (JobSeries)."""
-
-    WAIT_BUCKETS = (1.0, 10.0, 30.0, 60.0, 300.0, 900.0, 1800.0, 3600.0, 7200.0, 14400.0, 43200.0, 86400.0)
+    """The cluster's capacity against what the scheduler has allocated, as its last pass read and
+    counted them (absent until the capacity is known): gauges in the app's registry, set again by
+    every pass. The scheduler's counters and wait histogram are in the store (JobSeries renders
+    them); the queue's length is read from the store too."""
 
     def __init__(self, registry: CollectorRegistry):
-        self.wait = Histogram(
-            "elastron_queue_wait_seconds",
-            "Time a job waited in the queue before it was admitted (each admission).",
-            ["tenant", "priority"],
-            registry=registry,
-            buckets=self.WAIT_BUCKETS,
-        )
-        self.preemptions = Counter(
-            "elastron_preemptions",
-            "Jobs the scheduler stopped to make room for another, by the stopped job's tenant and priority.",
-            ["tenant", "priority"],
-            registry=registry,
-        )
-        self.resizes = Counter(
-            "elastron_resizes",
-            "Elastic jobs the scheduler resized while they ran (a save, a stop and a launch at the new "
-            "size), by the job's tenant and priority and the direction.",
-            ["tenant", "priority", "direction"],
-            registry=registry,
-        )
         self.capacity = Gauge(
             "elastron_cluster_capacity",
             "CPUs and GPUs of the cluster's alive nodes (the scheduler's last read).",

@@ -54,6 +54,7 @@ from service.scheduling.lease import SchedulerLease
 from service.scheduling.state import read_inputs
 from service.settings import Settings
 from service.states import FINAL, JobState
+from service.store import scheduler_stats
 from service.store import stats as job_stats
 from service.store.db import in_transaction
 from service.store.exports import FAILED, RUNNING, SUCCEEDED, UNFINISHED, finish_export
@@ -468,14 +469,8 @@ class Reconciler:
             in_transaction(self.sessions, lambda s: s.connection().execute(stmt, changed))
         for p in decision.preempt:
             in_transaction(self.sessions, lambda s, p=p: self._record_preemption(s, p.job_id, p.reason, p))
-            if self.metrics is not None and p.job_id in inputs.priorities:
-                tenant, priority = inputs.priorities[p.job_id]
-                self.metrics.preemptions.labels(tenant, str(priority)).inc()
         for z in decision.resize:
-            if in_transaction(self.sessions, lambda s, z=z: self._record_resize(s, z)) and self.metrics is not None:
-                tenant, priority = inputs.priorities[z.job_id]
-                grew = z.ranks > sum(inputs.placements.get(z.job_id, {}).values())
-                self.metrics.resizes.labels(tenant, str(priority), "grow" if grew else "shrink").inc()
+            in_transaction(self.sessions, lambda s, z=z: self._record_resize(s, z))
         if decision.preempt or decision.resize:
             self._send_stops()
         for admission in decision.admit[: self.settings.dispatch_batch]:
@@ -491,15 +486,18 @@ class Reconciler:
             return True
         return now - inputs.launched_at.get(z.job_id, now) >= self.settings.scheduler_grow_after_s
 
-    def _record_resize(self, s: Session, z: Resize) -> bool:
+    def _record_resize(self, s: Session, z: Resize) -> None:
         """Ask a running elastic job to save its step and stop, to be launched again at once at
         its new size (a preemption's request, then `_stopped_for_resize`). A grow takes its new
         room now (read_inputs counts the larger of both placements), so nothing else is admitted
         into it while the job restarts."""
         job = get_job(s, z.job_id)
         if job is None or job.state in FINAL or job.submission_id is None or job.preempt_requested_at:
-            return False
+            return
         old = dict(job.placement or {})
+        scheduler_stats.count(
+            s, "resizes", job.tenant, job.priority or 0, "grow" if z.ranks > sum(old.values()) else "shrink"
+        )
         job.preempt_requested_at = self.clock()
         job.preempt_reason = z.reason
         job.resize_to, job.resize_placement = z.ranks, dict(z.placement)
@@ -511,7 +509,6 @@ class Reconciler:
             f"{z.ranks} ranks instead of {sum(old.values())}",
             data={"from_ranks": sum(old.values()), "to_ranks": z.ranks, "placement": z.placement},
         )
-        return True
 
     def _record_preemption(self, s: Session, job_id: str, reason: str, p: Any) -> None:
         job = get_job(s, job_id)
@@ -520,6 +517,7 @@ class Reconciler:
         job.preempt_requested_at = self.clock()
         job.preempt_reason = reason
         job.yields_to = p.for_job if p.reclaimed else None
+        scheduler_stats.count(s, "preemptions", job.tenant, job.priority or 0)
         add_event(
             s,
             job,
@@ -532,12 +530,13 @@ class Reconciler:
         self, job_id: str, admission: Admission | None = None, demand: Demand | None = None, resized: bool = False
     ) -> bool:
         """Launch one job; False when the launcher became unavailable (stop dispatching). With an
-        admission: at its size and placement, recorded in an `admitted` event (and its wait in
-        the wait-time histogram once the launcher has it). `resized`: a resized job's relaunch,
-        which was not waiting in the queue (no admission, no wait counted)."""
+        admission: at its size and placement, recorded in an `admitted` event and its wait in the
+        wait-time histogram (service/store/scheduler_stats.py), in the same transaction.
+        `resized`: a resized job's relaunch, which was not waiting in the queue (no admission, no
+        wait counted)."""
         token = new_secret(JOB_PREFIX)
 
-        def intent(s: Session) -> tuple[str, dict[str, Any], float | None, str, int] | None:
+        def intent(s: Session) -> tuple[str, dict[str, Any]] | None:
             job = get_job(s, job_id)
             if job is None or job.state != JobState.QUEUED or job.submission_id or job.cancel_requested_at:
                 return None
@@ -546,7 +545,7 @@ class Reconciler:
             sid = f"elastron-{job.id}-{job.attempt}"
             job.submission_id, job.launched_at = sid, now
             job.telemetry_token_hash = hash_secret(token)
-            spec, waited = job.spec, None
+            spec = job.spec
             if resized and admission is not None and demand is not None:
                 size = launch_size(demand, admission.ranks)
                 job.placement = trim_placement(admission.placement, size)
@@ -557,6 +556,7 @@ class Reconciler:
                 placement = trim_placement(admission.placement, size)
                 waited = max(0.0, now - (job.queued_at if job.queued_at is not None else job.created_at))
                 job.waited_s = (job.waited_s or 0.0) + waited
+                scheduler_stats.observe_wait(s, job.tenant, job.priority or 0, waited)
                 job.placement, job.backfilled_for = placement, admission.backfilled_for
                 job.queue_position = job.waiting_reason = job.yields_to = None
                 spec = sized_spec(job.spec, demand, size)
@@ -582,12 +582,12 @@ class Reconciler:
                 f"submitting to {self.launcher.describe()} as {sid}",
                 data={"submission_id": sid, "attempt": job.attempt},
             )
-            return sid, spec, waited, job.tenant, job.priority or 0
+            return sid, spec
 
         claimed = in_transaction(self.sessions, intent)
         if claimed is None:
             return True
-        sid, spec, waited, tenant, priority = claimed
+        sid, spec = claimed
         spec_json = json.dumps(spec, separators=(",", ":"))
         env = worker_env(job_id, spec_json, self.settings.api_url, token)
         try:
@@ -608,8 +608,6 @@ class Reconciler:
                 transition(s, job, JobState.STARTING, f"submitted as {sid}")
 
         in_transaction(self.sessions, started)
-        if waited is not None and self.metrics is not None:
-            self.metrics.wait.labels(tenant, str(priority)).observe(waited)
         return True
 
     def _launch_failed(self, s: Session, job_id: str, sid: str, err: Exception) -> None:

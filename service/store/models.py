@@ -191,3 +191,17 @@ class TenantQuota(Base):
     max_priority: Mapped[int | None] = mapped_column(Integer, nullable=True)
     allow_non_preemptible: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     updated_at: Mapped[float] = mapped_column(Float)
+
+
+class SchedulerStats(Base):
+    """The scheduler's counters and wait histogram (service/store/scheduler_stats.py), in one row
+    updated in the transaction that records what they count: a restarted API continues them and
+    every replica's /metrics reads the same numbers, whichever of them schedules."""
+
+    __tablename__ = "scheduler_stats"
+
+    key: Mapped[str] = mapped_column(String(32), primary_key=True)
+    stats: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    version: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
+
+    __mapper_args__ = {"version_id_col": version}

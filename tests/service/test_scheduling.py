@@ -238,12 +238,16 @@ def test_api_restart_with_jobs_queued_running_and_being_preempted(start_env):
     before = {j: (env.job(j)["queue_position"], env.job(j)["waiting_reason"]) for j in waiting}
     assert before[waiting[2]] == (1, "needs 2 ranks x (1 CPU, 0 GPU), 0 free; waiting for 1 job(s) to stop or shrink")
     assert [before[j][0] for j in waiting] == [3, 2, 1]
+    counters = ('elastron_preemptions_total{priority="0",tenant="alice"} 1.0', 'elastron_queue_wait_seconds_count{priority="0",tenant="alice"} 1.0')
+    assert all(c in httpx.get(f"{env.server.url}/metrics").text for c in counters)
     env.server.stop()
     env.server = ApiServer(env.settings, slow, env.server.port).start()
     try:
         wait_for(lambda: env.server.ctx.reconciler.capacity is not None, what="a pass of the new API")
         after = {j: (env.job(j)["queue_position"], env.job(j)["waiting_reason"]) for j in waiting}
         assert after == before and env.job(low)["state"] == "starting"
+        text = httpx.get(f"{env.server.url}/metrics").text
+        assert all(c in text for c in counters), "the scheduler's counters restarted from zero"
         assert slow.submissions.keys() == {f"elastron-{low}-1"}  # nothing launched twice or over
         slow.set_status(f"elastron-{low}-1", LaunchStatus.STOPPED)  # the stop lands after the restart
         slow.slow = False

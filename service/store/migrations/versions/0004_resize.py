@@ -1,4 +1,5 @@
-"""Resizing running elastic jobs: the size and placement a job is relaunched at.
+"""Resizing running elastic jobs (the size and placement a job is relaunched at), and the
+scheduler's counters kept in the store.
 
 Revision ID: 0004_resize
 Revises: 0003_scheduling
@@ -20,9 +21,16 @@ def upgrade() -> None:
     with op.batch_alter_table("jobs") as batch:
         batch.add_column(sa.Column("resize_to", sa.Integer(), nullable=True))
         batch.add_column(sa.Column("resize_placement", sa.JSON(), nullable=True))
+    op.create_table(
+        "scheduler_stats",
+        sa.Column("key", sa.String(32), primary_key=True),
+        sa.Column("stats", sa.JSON(), nullable=False),
+        sa.Column("version", sa.Integer(), nullable=False),
+    )
 
 
 def downgrade() -> None:
+    op.drop_table("scheduler_stats")
     with op.batch_alter_table("jobs") as batch:
         batch.drop_column("resize_placement")
         batch.drop_column("resize_to")
