@@ -260,7 +260,7 @@ def _scheduler_text(stats: dict[str, Any]) -> str:
     )
     for (tenant, priority, direction), n in scheduler_stats.labelled(stats.get("resizes")):
         resizes.add(f'direction="{_label(direction)}",priority="{_label(priority)}",tenant="{_label(tenant)}"', n)
-    return "".join(f.text() for f in (wait, preemptions, resizes) if f.lines)
+    return "".join(f.text() for f in (wait, preemptions, resizes))
 
 
 class SchedulerMetrics:

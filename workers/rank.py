@@ -187,12 +187,12 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     sender.start()
     if rank == 0:
         sender.event(
-            "ranks_started",
+            contract.EVENT_RANKS_STARTED,
             group=group,
             world_size=world,
             data_parallel_size=dp,
             nodes=sorted({r["node_id"] for r in everyone}),
-            ranks=everyone,
+            **{contract.RANKS: everyone},
         )
 
     def on_timeout(message: str) -> None:

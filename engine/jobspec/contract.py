@@ -34,6 +34,13 @@ EVENT_RESTART = "restart"
 EVENT_CAUSE = "cause"
 
 
+# A worker group's start (sent by rank 0): RANKS lists each rank with the Ray node it runs on,
+# from which the scheduler counts where the job really is (Ray may place it otherwise than the
+# scheduler's placement said, and an elastic group shrinks onto the nodes that are left).
+EVENT_RANKS_STARTED = "ranks_started"
+RANKS = "ranks"
+
+
 def telemetry_url(api_url: str, job_id: str) -> str:
     return api_url.rstrip("/") + TELEMETRY_PATH.format(job_id=job_id)
 

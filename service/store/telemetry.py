@@ -141,6 +141,23 @@ def _apply_events(session: Session, job: Job, events: list[dict], stats: dict, r
             job_stats.count(stats, "reruns", str(event["diagnosis"]))
         elif kind in ("checkpoint_saved", "checkpoint_failed"):
             _apply_checkpoint(session, job, kind, event, iteration, ts, stats)
+        elif kind == contract.EVENT_RANKS_STARTED and job.state not in FINAL:
+            placed = ranks_per_node(event.get(contract.RANKS))
+            if placed:  # the scheduler counts where Ray put the ranks, not where it meant them to go
+                job.placement = placed
+
+
+def ranks_per_node(ranks: Any) -> dict[str, int] | None:
+    """{node id: ranks} from a ranks_started event's rank list (None when it is malformed)."""
+    if not isinstance(ranks, list) or not ranks:
+        return None
+    out: dict[str, int] = {}
+    for r in ranks:
+        node = r.get("node_id") if isinstance(r, dict) else None
+        if not isinstance(node, str) or not node:
+            return None
+        out[node] = out.get(node, 0) + 1
+    return out
 
 
 def _apply_checkpoint(

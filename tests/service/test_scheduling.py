@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from sqlalchemy import select
 from typer.testing import CliRunner
 
 from elastron.cli import app as cli_app
 from service.launcher import LauncherUnavailable, LaunchStatus
 from service.scheduling.core import Node
+from service.store.models import Job
 from tests.service.conftest import ApiServer
 from tests.service.launchers import FakeLauncher
 from tests.waiting import wait_for
@@ -368,3 +370,24 @@ def test_an_elastic_job_shrinks_for_an_urgent_one_and_grows_back(start_env, fake
     assert 'elastron_resizes_total{direction="grow",priority="0",tenant="alice"} 1.0' in httpx.get(
         f"{env.server.url}/metrics"
     ).text
+
+
+def test_the_scheduler_counts_where_ray_put_the_ranks(start_env, fake):
+    """The admission says where a job should go; its ranks_started event says where Ray put it,
+    and from then on the scheduler counts that (a rank group Ray placed elsewhere, or an
+    elastic group shrunk onto the nodes left)."""
+    env = start_env(fake)
+    scheduled(env)
+    a = submit(env, spec("a", ranks=2))
+    env.wait_state(a, "starting")
+    ((meant, k),) = events(env, a, "admitted")[0]["data"]["placement"].items()
+    other = next(n.id for n in NODES if n.id != meant)
+    ranks = [{"rank": i, "node_id": other, "pid": 100 + i} for i in range(2)]
+    with env.client("admin") as c:
+        r = c.post(f"/v1/internal/jobs/{a}/telemetry", json={"events": [{"kind": "ranks_started", "id": "g1", "ranks": ranks}]})
+    assert r.status_code == 200, r.text
+    with env.server.ctx.sessions() as s:
+        assert s.scalars(select(Job.placement).where(Job.id == a)).one() == {other: 2}
+    b = submit(env, spec("b", ranks=2))
+    env.wait_state(b, "starting")
+    assert events(env, b, "admitted")[0]["data"]["placement"] == {meant: 2}  # the room Ray left
