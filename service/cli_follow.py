@@ -1,5 +1,5 @@
 """Following a job from the terminal: its driver log streamed above a progress bar (iteration /
-train_iters, loss, tokens/s, ETA from recent step times) fed by the metrics endpoint, and the
+train_iters, loss, tokens/s, the API's ETA) fed by the metrics endpoint, and the
 end-of-run summary of `elastron demo`."""
 
 from __future__ import annotations
@@ -29,11 +29,10 @@ def fmt(value: Any, spec: str = ".4f") -> str:
     return format(value, spec) if isinstance(value, int | float) else "-"
 
 
-def _eta(records: list[dict[str, Any]], done: int, total: int) -> str:
-    steps = [r["step_time_s"] for r in records[-20:] if isinstance(r.get("step_time_s"), int | float)]
-    if not steps or done >= total:
+def eta(seconds: Any) -> str:
+    """The API's `eta_s` as H:MM:SS ('-' when it has none)."""
+    if not isinstance(seconds, int | float):
         return "-"
-    seconds = (total - done) * sum(steps) / len(steps)
     return time.strftime("%H:%M:%S", time.gmtime(seconds)) if seconds < 86400 else f"{seconds / 3600:.0f} h"
 
 
@@ -88,7 +87,7 @@ def follow(client: ApiClient, job_id: str) -> dict[str, Any]:
                 completed=done,
                 loss=fmt(last.get("loss")),
                 tps=fmt(last.get("tokens_per_s"), ".0f"),
-                eta=_eta(records, done, job["train_iters"]),
+                eta=eta(job.get("eta_s")),
                 state=job["state"],
             )
             if job["state"] in FINAL:

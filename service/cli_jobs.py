@@ -232,11 +232,15 @@ def jobs(
     if not page["jobs"]:
         typer.echo("no jobs")
         return
-    typer.echo(f"{'ID':<40} {'STATE':<11} {'PROGRESS':>13} {'RESTARTS':>8}  CREATED")
+    from service.cli_follow import eta
+
+    typer.echo(f"{'ID':<40} {'STATE':<11} {'PROGRESS':>13} {'%':>4} {'ETA':>8} {'RESTARTS':>8}  CREATED")
     for j in page["jobs"]:
         progress = f"{j['iteration'] or 0}/{j['train_iters']}"
+        pct = f"{100 * j['progress']:.0f}" if j.get("progress") is not None else "-"
         typer.echo(
-            f"{j['id']:<40} {j['state']:<11} {progress:>13} {j['restarts']:>8}  {j['created_at'][:19]}"
+            f"{j['id']:<40} {j['state']:<11} {progress:>13} {pct:>4} {eta(j.get('eta_s')):>8} "
+            f"{j['restarts']:>8}  {j['created_at'][:19]}"
         )
     if page["next_cursor"]:
         typer.echo(f"(more: --limit {limit * 2})")
@@ -291,8 +295,12 @@ def status(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
     if job.get("waiting_reason"):
         position = f"#{job['queue_position']}: " if job.get("queue_position") else ""
         typer.echo(f"  queue        {position}{job['waiting_reason']}")
+    from service.cli_follow import eta
+
+    pct = f" ({100 * job['progress']:.0f}%)" if job.get("progress") is not None else ""
     typer.echo(
-        f"  progress     {job['iteration'] or 0}/{job['train_iters']} iterations, {job['restarts']} restarts"
+        f"  progress     {job['iteration'] or 0}/{job['train_iters']} iterations{pct}, ETA {eta(job.get('eta_s'))}, "
+        f"{job['restarts']} restarts ({job.get('restart_s') or 0:.0f} s restarting)"
     )
     if m:
         typer.echo(

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from engine.jobspec import ParallelSpec
 from engine.jobspec.layout import describe
+from service import progress
 from service.states import JobState
 from service.store.models import Checkpoint, Export, Job, JobEvent
 from service.store.telemetry import number
@@ -91,6 +92,15 @@ class JobSummary(BaseModel):
     waiting_reason: str | None = Field(
         None, description="While queued: why it waits, e.g. 'needs 4 ranks x (1 CPU, 1 GPU), 2 free'."
     )
+    progress: float | None = Field(
+        None, description="iteration / train_iters, 0..1; null before the first metrics record."
+    )
+    eta_s: float | None = Field(
+        None,
+        description="While running: seconds to train_iters at the mean of the last 20 step times "
+        "(checkpoint saves and restarts not included); null otherwise.",
+    )
+    restart_s: float = Field(0.0, description="Seconds the job has spent restarting its worker group so far.")
 
     @classmethod
     def from_row(cls, job: Job) -> JobSummary:
@@ -130,6 +140,7 @@ def _summary_fields(job: Job) -> dict[str, Any]:
         "priority": job.priority or 0,
         "queue_position": job.queue_position if job.state == JobState.QUEUED else None,
         "waiting_reason": job.waiting_reason if job.state == JobState.QUEUED else None,
+        **progress.fields(job.state, job.current_iteration, job.train_iters, job.stats),
     }
 
 

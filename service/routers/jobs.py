@@ -196,6 +196,7 @@ _SUMMARY_COLUMNS = (
     Job.priority,
     Job.queue_position,
     Job.waiting_reason,
+    Job.stats,  # progress, ETA, restart time (service/progress.py)
 )
 
 

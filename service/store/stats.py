@@ -7,7 +7,8 @@ Layout (every key optional):
   transitions {state: n}, tokens, skipped, energy_j, restarts {cause: n}, reruns {diagnosis: n},
   checkpoints {success|failure: n}, step {buckets: [...], sum, count} (step_time_s),
   ckpt_save {buckets, sum, count}, ckpt_bytes, timers {phase: [min, max]}, valid_loss,
-  recoveries {memory|replica|persistent: n}, steps_lost, recovery_s {phase: seconds} (the last)
+  recoveries {memory|replica|persistent: n}, steps_lost, recovery_s {phase: seconds} (the last),
+  recent_steps [s, ...], restart_s, restarting_since (service/progress.py)
 """
 
 from __future__ import annotations

@@ -25,6 +25,7 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
 from engine.jobspec import contract
+from service import progress
 from service.states import FINAL, JobState
 from service.store import stats as job_stats
 from service.store.jobs import add_event, transition
@@ -258,6 +259,7 @@ def _count_record(stats: dict, record: dict) -> None:
     step = number(record.get("step_time_s"))
     if step is not None:
         job_stats.observe(stats, "step", job_stats.STEP_BUCKETS, step)
+        progress.observe_step(stats, step)
     if isinstance(record.get("timers"), dict) and record["timers"]:
         stats["timers"] = record["timers"]
     valid = number(record.get("valid_loss"))

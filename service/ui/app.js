@@ -87,10 +87,17 @@ function duration(job) {
   return s >= 3600 ? `${Math.floor(s / 3600)}h ${Math.floor((s % 3600) / 60)}m` : s >= 60 ? `${Math.floor(s / 60)}m ${s % 60}s` : `${s}s`;
 }
 
+function seconds(s) {
+  if (s === null || s === undefined) return "–";
+  s = Math.round(s);
+  return s >= 3600 ? `${Math.floor(s / 3600)}h ${Math.floor((s % 3600) / 60)}m` : s >= 60 ? `${Math.floor(s / 60)}m ${s % 60}s` : `${s}s`;
+}
+
 function progress(job) {
   const done = job.iteration || 0;
-  const pct = Math.min(100, (100 * done) / Math.max(1, job.train_iters));
-  return `<span class="progress"><div style="width:${pct.toFixed(1)}%"></div></span>${done}/${job.train_iters}`;
+  const pct = 100 * (job.progress ?? 0);
+  const eta = job.eta_s === null || job.eta_s === undefined ? "" : ` <span class="muted eta">ETA ${seconds(job.eta_s)}</span>`;
+  return `<span class="progress"><div style="width:${pct.toFixed(1)}%"></div></span>${done}/${job.train_iters}${eta}`;
 }
 
 async function showJobs(filter) {
@@ -179,14 +186,16 @@ async function showJob(id) {
   const last = job.last_metrics || {};
   const facts = [
     ["Job id", job.id], ["Ranks / layout", `${job.ranks ?? ""} ${job.layout || ""}`],
-    ["Iteration", `${job.iteration ?? 0} / ${job.train_iters}`], ["Loss", formatNumber(num(last.loss))],
+    ["Iteration", `${job.iteration ?? 0} / ${job.train_iters}`],
+    ["Progress", `${(100 * (job.progress ?? 0)).toFixed(1)}%`], ["ETA", seconds(job.eta_s)],
+    ["Loss", formatNumber(num(last.loss))],
     ["Tokens/s", num(last.tokens_per_s) === null ? "–" : Math.round(last.tokens_per_s).toLocaleString()],
     ["MFU", num(last.mfu) === null ? "–" : (100 * last.mfu).toFixed(1) + "%"],
-    ["Restarts", job.restarts], ["Started", job.started_at ? new Date(job.started_at).toLocaleString() : "–"],
+    ["Restarts", job.restarts], ["Time restarting", seconds(job.restart_s)], ["Started", job.started_at ? new Date(job.started_at).toLocaleString() : "–"],
     ["Duration", duration(job) || "–"],
   ];
   if (job.failure_cause) facts.push(["Failure cause", job.failure_cause]);
-  document.getElementById("facts").innerHTML = facts.map(([k, v]) => `<div><span>${esc(k)}</span>${esc(v)}</div>`).join("");
+  document.getElementById("facts").innerHTML = facts.map(([k, v]) => `<div data-fact="${esc(k)}"><span>${esc(k)}</span>${esc(v)}</div>`).join("");
   drawCharts(metrics.records);
   document.getElementById("events").innerHTML = events.events.map((e) => `
     <li><b>${esc(e.kind)}</b> <span class="muted">${e.time ? new Date(e.time).toLocaleTimeString() : ""}${e.iteration !== null ? " · iteration " + e.iteration : ""}</span><br>${esc(e.message || "")}</li>`).join("") || '<li class="muted">none yet</li>';
