@@ -1,6 +1,6 @@
 // elastron's web UI: the same /v1 API and bearer token as every other client. The token lives
 // in this tab's sessionStorage only. Views are chosen by the URL's hash: #/ (jobs), #/jobs/<id>
-// (one job, refreshed while it runs), #/submit. When a view has drawn its data it sets
+// (one job, refreshed while it runs), #/queue (waiting jobs and the cluster's use), #/submit. When a view has drawn its data it sets
 // window.elastronReady (ms since navigation start): the browser tests read it.
 "use strict";
 
@@ -133,6 +133,41 @@ async function showJobs(filter) {
   view.querySelectorAll("tr.job-row").forEach((tr) => tr.addEventListener("click", () => { location.hash = `#/jobs/${tr.dataset.id}`; }));
   ready();
   refreshLater(() => showJobs(filter).catch(showError));
+}
+
+// -- queue --------------------------------------------------------------------------------------
+function usageBar(label, used, total, id) {
+  const pct = total > 0 ? Math.min(100, (100 * used) / total) : 0;
+  return `<div class="usage" id="${id}" data-used="${used}" data-total="${total}"><span>${esc(label)}</span>
+    <span class="progress wide"><div style="width:${pct.toFixed(1)}%"></div></span>${formatNumber(used)} / ${formatNumber(total)} allocated (${pct.toFixed(0)}%)</div>`;
+}
+
+async function showQueue() {
+  const queue = await api("/v1/queue?limit=500");
+  const c = queue.cluster;
+  const use = c
+    ? `<div class="facts" id="cluster">${usageBar("CPUs", c.allocated_cpus, c.cpus, "use-cpus")}${usageBar("GPUs", c.allocated_gpus, c.gpus, "use-gpus")}
+       <div><span>Alive nodes</span>${c.nodes}</div><div><span>Read</span>${c.read_at ? new Date(c.read_at).toLocaleTimeString() : "–"}</div></div>`
+    : '<p class="muted" id="cluster">Cluster capacity unknown: the scheduler has not read it yet (is Ray reachable?).</p>';
+  const rows = queue.jobs.map((j) => `
+    <tr class="job-row queue-row" data-id="${esc(j.id)}">
+      <td class="num">${j.position ?? "–"}</td>
+      <td>${esc(j.name)}<div class="muted">${esc(j.id)}</div></td>
+      <td>${esc(j.tenant)}</td><td class="num">${j.priority}</td><td class="num">${j.ranks ?? ""}</td>
+      <td class="reason">${esc(j.waiting_reason || "not scheduled yet")}</td>
+      <td>${seconds(j.waited_s)}</td>
+    </tr>`).join("");
+  view.innerHTML = `
+    <div class="toolbar"><h1>Queue</h1><span class="muted">${queue.jobs.length} waiting, in the scheduler's order; refreshes every ${REFRESH_MS / 1000} s</span></div>
+    <h2>Cluster use</h2>${use}
+    <h2>Waiting jobs</h2>
+    <table id="queue-table">
+      <thead><tr><th>#</th><th>Name</th><th>Tenant</th><th>Priority</th><th>Ranks</th><th>Why it waits</th><th>Waited</th></tr></thead>
+      <tbody>${rows || '<tr><td colspan="7" class="muted">No job is waiting.</td></tr>'}</tbody>
+    </table>`;
+  view.querySelectorAll("tr.queue-row").forEach((tr) => tr.addEventListener("click", () => { location.hash = `#/jobs/${tr.dataset.id}`; }));
+  ready();
+  refreshLater(() => showQueue().catch(showError));
 }
 
 // -- one job ------------------------------------------------------------------------------------
@@ -289,6 +324,7 @@ function route() {
   if (job) return showJob(decodeURIComponent(job[1])).catch(showError);
   view.dataset.job = "";
   if (hash.startsWith("#/submit")) return showSubmit();
+  if (hash.startsWith("#/queue")) return showQueue().catch(showError);
   const state = new URLSearchParams(hash.split("?")[1] || "").get("state") || "";
   return showJobs(state).catch(showError);
 }
