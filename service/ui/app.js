@@ -1,6 +1,6 @@
 // elastron's web UI: the same /v1 API and bearer token as every other client. The token lives
 // in this tab's sessionStorage only. Views are chosen by the URL's hash: #/ (jobs), #/jobs/<id>
-// (one job, refreshed while it runs), #/queue (waiting jobs and the cluster's use), #/submit. When a view has drawn its data it sets
+// (one job, refreshed while it runs), #/compare?jobs=a,b,c[&x=iteration|tokens|time], #/queue (waiting jobs and the cluster's use), #/submit. When a view has drawn its data it sets
 // window.elastronReady (ms since navigation start): the browser tests read it.
 "use strict";
 
@@ -11,6 +11,7 @@ const REFRESH_MS = 3000;
 const view = document.getElementById("view");
 let timer = null;
 let config = {};
+const selected = new Set(); // job ids ticked in the list, for Compare
 
 const esc = (s) => String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
 const token = () => sessionStorage.getItem(TOKEN_KEY);
@@ -109,6 +110,7 @@ async function showJobs(filter) {
   const options = ["", ...STATES].map((s) => `<option value="${s}" ${s === filter ? "selected" : ""}>${s || "all states"}</option>`).join("");
   const rows = page.jobs.map((j) => `
     <tr class="job-row" data-id="${esc(j.id)}">
+      <td class="pick"><input type="checkbox" class="pick-job" value="${esc(j.id)}" ${selected.has(j.id) ? "checked" : ""} aria-label="select for compare"></td>
       <td>${esc(j.name)}<div class="muted">${esc(j.id)}</div></td>
       <td>${stateBadge(j.state)}${j.waiting_reason ? `<div class="muted">${j.queue_position ? "#" + j.queue_position + ": " : ""}${esc(j.waiting_reason)}</div>` : ""}</td>
       <td>${j.ranks ?? ""} <span class="muted">${esc(j.layout || "")}</span></td>
@@ -123,14 +125,25 @@ async function showJobs(filter) {
     <div class="toolbar"><h1>Jobs</h1>
       <select id="state-filter">${options}</select>
       <span class="muted">${page.jobs.length} shown${page.next_cursor ? " (newest 100)" : ""}; refreshes every ${REFRESH_MS / 1000} s</span>
+      <button id="compare" type="button">Compare selected</button>
       <span class="muted" id="cluster-use">${esc(cluster)}</span>
     </div>
     <table id="jobs-table">
-      <thead><tr><th>Name</th><th>State</th><th>Ranks / layout</th><th>Iteration</th><th>Loss</th><th>Tokens/s</th><th>MFU</th><th>Started</th><th>Duration</th></tr></thead>
-      <tbody>${rows || '<tr><td colspan="9" class="muted">No jobs yet: submit one.</td></tr>'}</tbody>
+      <thead><tr><th></th><th>Name</th><th>State</th><th>Ranks / layout</th><th>Iteration</th><th>Loss</th><th>Tokens/s</th><th>MFU</th><th>Started</th><th>Duration</th></tr></thead>
+      <tbody>${rows || '<tr><td colspan="10" class="muted">No jobs yet: submit one.</td></tr>'}</tbody>
     </table>`;
   document.getElementById("state-filter").addEventListener("change", (e) => { location.hash = e.target.value ? `#/?state=${e.target.value}` : "#/"; });
-  view.querySelectorAll("tr.job-row").forEach((tr) => tr.addEventListener("click", () => { location.hash = `#/jobs/${tr.dataset.id}`; }));
+  view.querySelectorAll("tr.job-row").forEach((tr) => tr.addEventListener("click", (e) => {
+    if (!e.target.closest("td.pick")) location.hash = `#/jobs/${tr.dataset.id}`;
+  }));
+  const compare = document.getElementById("compare");
+  const count = () => { compare.disabled = selected.size < 2; compare.textContent = `Compare selected (${selected.size})`; };
+  view.querySelectorAll("input.pick-job").forEach((box) => box.addEventListener("change", () => {
+    box.checked ? selected.add(box.value) : selected.delete(box.value);
+    count();
+  }));
+  compare.addEventListener("click", () => { location.hash = `#/compare?jobs=${[...selected].map(encodeURIComponent).join(",")}`; });
+  count();
   ready();
   refreshLater(() => showJobs(filter).catch(showError));
 }
@@ -168,6 +181,87 @@ async function showQueue() {
   view.querySelectorAll("tr.queue-row").forEach((tr) => tr.addEventListener("click", () => { location.hash = `#/jobs/${tr.dataset.id}`; }));
   ready();
   refreshLater(() => showQueue().catch(showError));
+}
+
+// -- compare ------------------------------------------------------------------------------------
+// Several jobs' curves on shared axes, one colour per job on every chart, and the spec fields
+// that differ. Each job's records come downsampled by the server, as for one job's page.
+const COMPARE = [
+  ["loss", "Loss (train: line, valid: dots)", (r) => num(r.loss), (r) => num(r.valid_loss)],
+  ["throughput", "Tokens/s", (r) => num(r.tokens_per_s)],
+  ["mfu", "MFU", (r) => num(r.mfu)],
+  ["step", "Step time (s)", (r) => num(r.step_time_s)],
+  ["lr", "Learning rate", (r) => num(r.lr)],
+];
+const AXES = {
+  iteration: ["iteration", (r) => r.iteration, String],
+  tokens: ["tokens consumed", (r, job) => {
+    const seq = job.spec && job.spec.model && job.spec.model.seq_length;
+    return typeof r.consumed_samples === "number" && seq ? r.consumed_samples * seq : r.iteration * (num(r.tokens) ?? 0);
+  }, formatNumber],
+  time: ["wall time", (r, job, first) => (typeof r.ts === "number" && typeof first.ts === "number" ? r.ts - first.ts : null), seconds],
+};
+
+function flatten(value, prefix = "", out = {}) {
+  if (value && typeof value === "object" && !Array.isArray(value)) {
+    for (const [k, v] of Object.entries(value)) flatten(v, prefix ? `${prefix}.${k}` : k, out);
+  } else if (prefix) {
+    out[prefix] = JSON.stringify(value);
+  }
+  return out;
+}
+
+function specDiff(jobs) {
+  const flat = jobs.map((j) => flatten(j.spec || {}));
+  const fields = [...new Set(flat.flatMap((f) => Object.keys(f)))].sort();
+  return fields.filter((f) => new Set(flat.map((x) => (f in x ? x[f] : "(unset)"))).size > 1)
+    .map((f) => [f, flat.map((x) => (f in x ? JSON.parse(x[f]) : undefined))]);
+}
+
+async function showCompare(ids, axis) {
+  axis = AXES[axis] ? axis : "iteration";
+  const runs = await Promise.all(ids.map(async (id, k) => {
+    const [job, metrics] = await Promise.all([
+      api(`/v1/jobs/${encodeURIComponent(id)}`),
+      api(`/v1/jobs/${encodeURIComponent(id)}/metrics?max_points=500`),
+    ]);
+    return { job, records: metrics.records, color: COLORS[k % COLORS.length] };
+  }));
+  const query = (a) => `#/compare?jobs=${ids.map(encodeURIComponent).join(",")}&x=${a}`;
+  if (!document.getElementById("compare-page") || view.dataset.compare !== ids.join(",")) {
+    view.dataset.compare = ids.join(",");
+    view.innerHTML = `
+      <div id="compare-page">
+        <div class="toolbar"><h1>Compare ${ids.length} jobs</h1>
+          <label>x axis <select id="axis">${Object.entries(AXES).map(([k, [label]]) => `<option value="${k}">${label}</option>`).join("")}</select></label></div>
+        <div class="legend" id="legend"></div>
+        <div class="charts">${COMPARE.map(([cid, title]) => `<div class="chart"><h3>${esc(title)}</h3><canvas id="cmp-${cid}"></canvas></div>`).join("")}</div>
+        <h2>Spec fields that differ</h2>
+        <table id="diff"><thead></thead><tbody></tbody></table>
+      </div>`;
+    document.getElementById("axis").addEventListener("change", (e) => { location.hash = query(e.target.value); });
+  }
+  document.getElementById("axis").value = axis;
+  document.getElementById("legend").innerHTML = runs.map((r) => `
+    <a class="legend-item" href="#/jobs/${esc(r.job.id)}" data-id="${esc(r.job.id)}" data-color="${r.color}"><i style="background:${r.color}"></i>${esc(r.job.name)} <span class="muted">${esc(r.job.id)} · ${esc(r.job.state)}</span></a>`).join("");
+  const [, x, xFormat] = AXES[axis];
+  for (const [cid, , y, dots] of COMPARE) {
+    const series = [];
+    for (const r of runs) {
+      const first = r.records[0] || {};
+      const at = (rec) => x(rec, r.job, first);
+      series.push({ label: r.job.name, color: r.color, points: r.records.map((rec) => [at(rec), y(rec)]).filter((p) => p[0] !== null) });
+      if (dots) series.push({ label: `${r.job.name} valid`, color: r.color, dots: true, points: r.records.map((rec) => [at(rec), dots(rec)]).filter((p) => p[0] !== null) });
+    }
+    drawChart(document.getElementById(`cmp-${cid}`), { series, xFormat, noLabels: true, empty: axis === "time" ? "no timestamps in these records" : undefined });
+  }
+  const diff = specDiff(runs.map((r) => r.job));
+  document.querySelector("#diff thead").innerHTML = `<tr><th>Field</th>${runs.map((r) => `<th><i class="swatch" style="background:${r.color}"></i>${esc(r.job.name)}</th>`).join("")}</tr>`;
+  document.querySelector("#diff tbody").innerHTML = diff.map(([field, values]) => `
+    <tr data-field="${esc(field)}"><td>${esc(field)}</td>${values.map((v) => `<td>${v === undefined ? '<span class="muted">unset</span>' : esc(JSON.stringify(v))}</td>`).join("")}</tr>`).join("")
+    || `<tr><td colspan="${runs.length + 1}" class="muted">The specs are the same.</td></tr>`;
+  ready();
+  if (runs.some((r) => !FINAL.includes(r.job.state))) refreshLater(() => showCompare(ids, axis).catch(showError));
 }
 
 // -- one job ------------------------------------------------------------------------------------
@@ -323,6 +417,13 @@ function route() {
   const job = hash.match(/^#\/jobs\/([^/?]+)/);
   if (job) return showJob(decodeURIComponent(job[1])).catch(showError);
   view.dataset.job = "";
+  if (hash.startsWith("#/compare")) {
+    const params = new URLSearchParams(hash.split("?")[1] || "");
+    const ids = (params.get("jobs") || "").split(",").map((s) => s.trim()).filter(Boolean);
+    if (!ids.length) { view.innerHTML = '<p class="error">Compare needs jobs: #/compare?jobs=a,b (or tick jobs in the list).</p>'; return ready(); }
+    return showCompare(ids, params.get("x")).catch(showError);
+  }
+  view.dataset.compare = "";
   if (hash.startsWith("#/submit")) return showSubmit();
   if (hash.startsWith("#/queue")) return showQueue().catch(showError);
   const state = new URLSearchParams(hash.split("?")[1] || "").get("state") || "";
