@@ -335,12 +335,21 @@ async function showJob(id) {
   if (!FINAL.includes(job.state)) refreshLater(() => showJob(id).then(() => loadLog(id)).catch(showError));
 }
 
+// Terminal control codes (Ray colours its prefixes): CSI sequences (colours, cursor moves), OSC
+// sequences (titles, links), lone escapes and carriage returns (progress bars redraw with them).
+const stripAnsi = (text) => text
+  .replace(/\x1b\[[0-9;?]*[ -\/]*[@-~]/g, "")
+  .replace(/\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)/g, "")
+  .replace(/\x1b[@-Z\\-_]?/g, "")
+  .replace(/\r(?!\n)/g, "\n")
+  .replace(/\r/g, "");
+
 async function loadLog(id) {
   const pre = document.getElementById("log");
   if (!pre) return;
   try {
     const text = await api(`/v1/jobs/${encodeURIComponent(id)}/logs`);
-    const lines = String(text || "").replace(/\x1b\[[0-9;]*m/g, "").split("\n"); // no terminal colours
+    const lines = stripAnsi(String(text || "")).split("\n");
     pre.textContent = lines.slice(-60).join("\n") || "(empty: the job has not started on Ray yet)";
   } catch (err) {
     pre.textContent = `log unavailable: ${err.message}`;
