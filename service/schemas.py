@@ -153,9 +153,19 @@ class JobOut(JobSummary):
     cancel_requested_at: datetime | None
     submission_id: str | None = Field(description="The Ray job's submission id of the current attempt.")
     attempt: int
+    rank_step_s: list[float] | None = Field(
+        None, description="Each rank's forward-backward seconds in the last logged step (rank order)."
+    )
+    rank_slowness: list[float] | None = Field(
+        None, description="Each rank's time over the median rank's, averaged over about the last 10 logged steps."
+    )
+    stragglers: list[int] = Field(
+        default_factory=list, description="Ranks slower than the median by more than 25 % (service/stragglers.py)."
+    )
 
     @classmethod
     def from_row(cls, job: Job) -> JobOut:
+        stats = job.stats or {}
         return cls(
             **_summary_fields(job),
             spec=job.spec,
@@ -166,6 +176,9 @@ class JobOut(JobSummary):
             cancel_requested_at=_time(job.cancel_requested_at),
             submission_id=job.submission_id,
             attempt=job.attempt,
+            rank_step_s=stats.get("rank_step_s"),
+            rank_slowness=stats.get("rank_slowness"),
+            stragglers=stats.get("stragglers") or [],
         )
 
 

@@ -283,6 +283,27 @@ function drawCharts(records) {
   }
 }
 
+// Each rank's own step time as a bar; a straggler (slower than the median rank by more than 25 %
+// over about the last 10 logged steps: service/stragglers.py) in red, with its ratio.
+function drawRanks(job) {
+  const box = document.getElementById("ranks");
+  const times = job.rank_step_s || [];
+  if (!times.length) {
+    box.innerHTML = '<p class="muted">No per-rank times yet (they come with the timers, every training.log_interval steps, for 2 to 512 ranks).</p>';
+    return;
+  }
+  const top = Math.max(...times) || 1;
+  const slow = new Set(job.stragglers || []);
+  const ratio = job.rank_slowness || [];
+  const flag = slow.size
+    ? `<p class="straggler-flag" id="straggler-flag">Straggler${slow.size > 1 ? "s" : ""}: ${[...slow].map((r) => `rank ${r} (${(ratio[r] ?? 0).toFixed(2)}x the median)`).join(", ")}</p>`
+    : '<p class="muted" id="straggler-flag">No straggler.</p>';
+  box.innerHTML = flag + times.map((t, r) => `
+    <div class="rank-bar${slow.has(r) ? " straggler" : ""}" data-rank="${r}" data-seconds="${t}">
+      <span class="rank-name">rank ${r}</span><span class="bar"><i style="width:${((100 * t) / top).toFixed(1)}%"></i></span>
+      <span class="num">${(1000 * t).toFixed(1)} ms${ratio[r] !== undefined ? ` · ${ratio[r].toFixed(2)}x` : ""}</span></div>`).join("");
+}
+
 async function showJob(id) {
   const [job, metrics, events, checkpoints] = await Promise.all([
     api(`/v1/jobs/${encodeURIComponent(id)}`),
@@ -297,6 +318,7 @@ async function showJob(id) {
         <div class="toolbar"><h1 id="job-title"></h1><span id="job-state"></span>
           <button id="cancel" class="danger" type="button">Cancel</button><span id="cancel-result" class="muted"></span></div>
         <div class="facts" id="facts"></div>
+        <h2>Per rank: forward-backward time of the last logged step</h2><div id="ranks" class="ranks"></div>
         <h2>Charts</h2>
         <div class="charts">${CHARTS.map(([cid, title]) => `<div class="chart"><h3>${esc(title)}</h3><canvas id="chart-${cid}"></canvas></div>`).join("")}</div>
         <div class="columns">
@@ -325,6 +347,7 @@ async function showJob(id) {
   ];
   if (job.failure_cause) facts.push(["Failure cause", job.failure_cause]);
   document.getElementById("facts").innerHTML = facts.map(([k, v]) => `<div data-fact="${esc(k)}"><span>${esc(k)}</span>${esc(v)}</div>`).join("");
+  drawRanks(job);
   drawCharts(metrics.records);
   document.getElementById("events").innerHTML = events.events.map((e) => `
     <li><b>${esc(e.kind)}</b> <span class="muted">${e.time ? new Date(e.time).toLocaleTimeString() : ""}${e.iteration !== null ? " · iteration " + e.iteration : ""}</span><br>${esc(e.message || "")}</li>`).join("") || '<li class="muted">none yet</li>';
