@@ -113,3 +113,21 @@ def test_the_spec_field():
         parse_job({"training": {"loggers": ["tensorboard", "tensorboard"]}})
     with pytest.raises(JobSpecError, match="training.loggers"):
         parse_job({"training": {"loggers": ["comet"]}})
+
+
+def test_a_restarted_rank_continues_the_same_mlflow_run(tmp_path, monkeypatch):
+    if _missing("mlflow"):
+        pytest.skip("mlflow is not installed (pip install 'elastron[mlflow]')")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("ELASTRON_TENSORBOARD_DIR", raising=False)
+    spec = {"name": "r", "training": {"train_iters": 4}, "checkpoint": {"path": str(tmp_path)}}
+    for steps in ([1, 2], [2, 3, 4]):  # the second attempt redoes step 2 after a restart
+        run = loggers.Loggers(spec, ["mlflow"], "job-r")
+        for step in steps:
+            run.log({"iteration": step, "loss": 1.0 / step})
+        run.close()
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
+    (found,) = client.search_runs([client.get_experiment_by_name("elastron").experiment_id])
+    assert sorted({m.step for m in client.get_metric_history(found.info.run_id, "train/loss")}) == [1, 2, 3, 4]

@@ -68,6 +68,8 @@ def test_three_jobs_compared_with_coloured_series_and_the_differing_fields(start
     lr_row = browser.find_element(By.CSS_SELECTOR, '#diff tr[data-field="optimizer.lr"]').text
     assert "0.0003" in lr_row and "0.001" in lr_row
 
+    ready_after(browser, f"#/compare?jobs={','.join(ids)}&x=tokens")  # tokens consumed
+    assert [s["points"] for s in drawn(browser, "lr")] == [30, 45, 500]
     ready_after(browser, f"#/compare?jobs={','.join(ids)}&x=time")  # wall time from the records' ts
     assert [s["points"] for s in drawn(browser, "step")] == [30, 45, 500]
     assert browser.find_element(By.ID, "axis").get_attribute("value") == "time"
