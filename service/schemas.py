@@ -103,8 +103,9 @@ class JobSummary(BaseModel):
     restart_s: float = Field(0.0, description="Seconds the job has spent restarting its worker group so far.")
 
     @classmethod
-    def from_row(cls, job: Job) -> JobSummary:
-        return cls(**_summary_fields(job))
+    def from_row(cls, job: Job, stats: dict[str, Any] | None = None) -> JobSummary:
+        """`stats`: the part of job.stats the list read (else the row's own column is read)."""
+        return cls(**_summary_fields(job, stats))
 
 
 def _layout(spec: dict[str, Any] | None) -> tuple[int | None, str | None]:
@@ -117,7 +118,7 @@ def _layout(spec: dict[str, Any] | None) -> tuple[int | None, str | None]:
     return ranks, describe(ranks, p)
 
 
-def _summary_fields(job: Job) -> dict[str, Any]:
+def _summary_fields(job: Job, stats: dict[str, Any] | None = None) -> dict[str, Any]:
     ranks, layout = _layout(job.spec)
     last = job.last_record or {}
     return {
@@ -140,7 +141,7 @@ def _summary_fields(job: Job) -> dict[str, Any]:
         "priority": job.priority or 0,
         "queue_position": job.queue_position if job.state == JobState.QUEUED else None,
         "waiting_reason": job.waiting_reason if job.state == JobState.QUEUED else None,
-        **progress.fields(job.state, job.current_iteration, job.train_iters, job.stats),
+        **progress.fields(job.state, job.current_iteration, job.train_iters, job.stats if stats is None else stats),
     }
 
 

@@ -97,3 +97,15 @@ def test_the_eta_on_the_page_is_close_to_the_real_remaining_time(start_env, tmp_
     print(f"\n[eta] shown {shown:.0f} s, real remaining {real:.1f} s (steps of {step_s} s)")
     assert abs(shown - real) <= ETA_MARGIN * real + 1.0, (shown, real)
     launcher.kill_all()
+
+
+def test_the_list_reads_progress_from_postgres_too(start_env, fresh_pg_db):
+    """The list reads only the needed keys of jobs.stats (JSON subscripts): SQLite and Postgres."""
+    env = start_env(database_url=fresh_pg_db)
+    with env.client() as c:
+        job_id = c.post("/v1/jobs", json={**TINY, "training": {"train_iters": 100}}).json()["id"]
+    env.wait_state(job_id, "starting")
+    post_records(env, job_id, records(25))
+    with env.client() as c:
+        listed = c.get("/v1/jobs").json()["jobs"][0]
+    assert (listed["progress"], listed["restart_s"]) == (0.25, 0.0) and listed["eta_s"] == pytest.approx(15.0)
