@@ -21,6 +21,12 @@ STEP_TIMERS = [
     "checkpoint-save",
 ]
 
+# Also reported per rank (the record's `timers_per_rank`, one value per rank in rank order): the
+# rank's own compute time in a step, where a slow rank stands out (its peers wait for it later,
+# in the gradient reduction, outside this timer). service/stragglers.py flags a straggler from it.
+PER_RANK_TIMERS = ["forward-backward"]
+PER_RANK_MAX = 512  # ranks: the telemetry's bound on a list (service/METRICS.md); beyond, min/max only
+
 
 @dataclass
 class StepMetrics:
@@ -36,6 +42,7 @@ class StepMetrics:
     loss_scale: float = 1.0
     skipped: bool = False
     timers: dict[str, list[float]] = field(default_factory=dict)
+    timers_per_rank: dict[str, list[float]] = field(default_factory=dict)
     rerun: dict[str, Any] = field(default_factory=dict)
     model_flops: float = 0.0
     mfu: float = 0.0

@@ -137,6 +137,9 @@ class Timers:
             raise ValueError(f"log_level must be one of {LEVELS}, got {log_level!r}")
         self.log_level = log_level
         self._timers: dict[str, Timer] = {}
+        # Each rank's seconds per name from the last `aggregate` (what min/max summarise): a
+        # straggler shows here by its rank, where min/max only show that one exists.
+        self.last_per_rank: dict[str, list[float]] = {}
 
     def __call__(self, name: str, log_level: int = 0) -> Timer | _NoopTimer:
         if log_level not in LEVELS:
@@ -191,8 +194,10 @@ class Timers:
             gathered = local.unsqueeze(0)
         gathered = gathered.cpu()
         out: dict[str, tuple[float, float]] = {}
+        self.last_per_rank = {}
         for i, name in enumerate(names):
             column = gathered[:, i]
+            self.last_per_rank[name] = [v / normalizer for v in column.tolist()]
             recorded = column[column > 0.0]
             if recorded.numel() == 0:
                 continue

@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from engine import parallel_state as ps
 from engine.jobspec import JobSpec, ResolvedJob, resolve_job
+from engine.loggers import open_loggers
+from engine.loggers import require as require_loggers
 from engine.rank_hooks import RankHooks, RankIdentity
 from engine.step_metrics import progress_line
 from engine.training import Trainer
@@ -95,6 +97,7 @@ def _train(
     hooks: RankHooks,
     identity: RankIdentity,
 ) -> list[dict]:
+    require_loggers(job.spec.training.loggers)
     trainer = Trainer(job, events_path=events_out, identity=identity, on_event=hooks.on_event)
     spec = trainer.spec
     is_logger = dist.get_rank() == 0
@@ -104,7 +107,10 @@ def _train(
         Path(metrics_out).parent.mkdir(parents=True, exist_ok=True)
         # A resumed job appends to the metrics it already wrote.
         sink = open(metrics_out, "a" if trainer.iteration else "w")  # noqa: SIM115 - closed below
+    loggers = None
     try:
+        if is_logger:  # TensorBoard / MLflow / W&B (training.loggers): rank 0 writes, like the records
+            loggers = open_loggers(spec.model_dump(mode="json"), identity.job_id)
         if hooks.on_trainer is not None:
             hooks.on_trainer(trainer)
         if is_logger and not quiet:
@@ -157,6 +163,8 @@ def _train(
                     if sink:
                         sink.write(json.dumps(rec) + "\n")
                         sink.flush()
+                    if loggers is not None:
+                        loggers.log(rec)
                     if not quiet and (m.iteration % spec.training.log_interval == 0 or m.valid_loss is not None):
                         print(progress_line(m, spec.training.train_iters), flush=True)
         if trainer.checkpointer is not None:
@@ -164,6 +172,8 @@ def _train(
     finally:
         if sink:
             sink.close()
+        if loggers is not None:
+            loggers.close()
         ps.destroy_model_parallel()
     return records
 

@@ -50,7 +50,7 @@ from engine.rerun_state_machine import (
     is_nan_or_inf,
 )
 from engine.step_batches import StepBatches
-from engine.step_metrics import STEP_TIMERS, StepMetrics
+from engine.step_metrics import PER_RANK_MAX, PER_RANK_TIMERS, STEP_TIMERS, StepMetrics
 from engine.tensor_parallel import model_parallel_manual_seed
 from engine.timers import Timers
 from engine.transformer.config import TransformerConfig
@@ -394,9 +394,11 @@ class Trainer:
         self.phase = "metrics"  # the energy and timer collectives
         lap = self.energy.lap()
         memory = device.memory_bytes()
-        timers = {}
+        timers, per_rank = {}, {}
         if self.iteration % self.spec.training.log_interval == 0:
             timers = {k: [lo, hi] for k, (lo, hi) in self.timers.aggregate(STEP_TIMERS).items()}
+            if dist.get_world_size() <= PER_RANK_MAX:
+                per_rank = {k: v for k, v in self.timers.last_per_rank.items() if k in PER_RANK_TIMERS and k in timers}
         return StepMetrics(
             iteration=self.iteration,
             loss=float(loss),
@@ -410,6 +412,7 @@ class Trainer:
             loss_scale=result.loss_scale,
             skipped=result.skipped,
             timers=timers,
+            timers_per_rank=per_rank,
             rerun=self.rerun.summary(),
             model_flops=flops,
             mfu=mfu(flops, elapsed, dist.get_world_size(), self.peak_flops_per_device),

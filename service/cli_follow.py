@@ -1,5 +1,5 @@
-"""Following a job from the terminal: its driver log streamed above a progress bar (iteration /
-train_iters, loss, tokens/s, ETA from recent step times) fed by the metrics endpoint, and the
+"""Following a job from the terminal: its driver log (the lines a person reads: service/log_lines.py) streamed above a progress bar (iteration /
+train_iters, loss, tokens/s, the API's ETA) fed by the metrics endpoint, and the
 end-of-run summary of `elastron demo`."""
 
 from __future__ import annotations
@@ -7,11 +7,13 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import typer
 
 from service.client import ApiClient, ApiError
+from service.log_lines import LineFilter
 
 FINAL = ("succeeded", "failed", "cancelled")
 
@@ -29,33 +31,69 @@ def fmt(value: Any, spec: str = ".4f") -> str:
     return format(value, spec) if isinstance(value, int | float) else "-"
 
 
-def _eta(records: list[dict[str, Any]], done: int, total: int) -> str:
-    steps = [r["step_time_s"] for r in records[-20:] if isinstance(r.get("step_time_s"), int | float)]
-    if not steps or done >= total:
+def eta(seconds: Any) -> str:
+    """The API's `eta_s` as H:MM:SS ('-' when it has none)."""
+    if not isinstance(seconds, int | float):
         return "-"
-    seconds = (total - done) * sum(steps) / len(steps)
     return time.strftime("%H:%M:%S", time.gmtime(seconds)) if seconds < 86400 else f"{seconds / 3600:.0f} h"
 
 
-def _stream_logs(client: ApiClient, job_id: str, console, stop: threading.Event) -> None:
+def _stream_logs(
+    client: ApiClient, job_id: str, console, stop: threading.Event, raw_log: Path | None, verbose: bool
+) -> None:
+    """Every chunk goes to `raw_log`; the console gets the lines a person reads (service/log_lines.py),
+    or everything with `verbose`."""
+    lines = LineFilter()
+
+    def show(text: str) -> None:
+        console.print(text, end="", markup=False, highlight=False, soft_wrap=True)
+
+    raw = raw_log.open("a", encoding="utf-8") if raw_log is not None else None
     try:
         for chunk in client.follow_logs(job_id):
+            if raw is not None:
+                raw.write(chunk)
+                raw.flush()
             if stop.is_set():
                 return
-            console.print(chunk, end="", markup=False, highlight=False, soft_wrap=True)
+            if verbose:
+                show(chunk)
+            else:
+                for line in lines.feed(chunk):
+                    show(line + "\n")
+        for line in [] if verbose else lines.flush():
+            show(line + "\n")
     except ApiError as err:
         if not stop.is_set():
             console.print(f"[elastron] logs unavailable: {err}", markup=False, style="yellow")
+    finally:
+        if raw is not None:
+            raw.close()
 
 
-def follow(client: ApiClient, job_id: str) -> dict[str, Any]:
-    """Stream the job's log above a progress bar fed by the metrics endpoint, until the job ends."""
+def follow(
+    client: ApiClient, job_id: str, log_dir: Path | None = None, verbose: bool = False
+) -> dict[str, Any]:
+    """Stream the job's log above a progress bar fed by the metrics endpoint, until the job ends.
+    Without `verbose` Ray's own lines and the raw event lines are left out of the terminal; the
+    whole log goes to `log_dir/<job id>.log` either way."""
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn
 
     job = api_call(client.job, job_id)
     console = Console(stderr=False)
     stop = threading.Event()
+    raw_log = None
+    if log_dir is not None:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        raw_log = log_dir / f"{job_id}.log"
+        if not verbose:
+            console.print(
+                f"[elastron] the full log (Ray's lines and events too): {raw_log}; --verbose prints it here",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
     columns = (
         TextColumn("{task.description}"),
         BarColumn(),
@@ -72,7 +110,9 @@ def follow(client: ApiClient, job_id: str) -> dict[str, Any]:
             job_id, total=job["train_iters"], loss="-", tps="-", eta="-", state=job["state"]
         )
         logs = threading.Thread(
-            target=_stream_logs, args=(client, job_id, progress.console, stop), daemon=True
+            target=_stream_logs,
+            args=(client, job_id, progress.console, stop, raw_log, verbose),
+            daemon=True,
         )
         logs.start()
         while True:
@@ -88,7 +128,7 @@ def follow(client: ApiClient, job_id: str) -> dict[str, Any]:
                 completed=done,
                 loss=fmt(last.get("loss")),
                 tps=fmt(last.get("tokens_per_s"), ".0f"),
-                eta=_eta(records, done, job["train_iters"]),
+                eta=eta(job.get("eta_s")),
                 state=job["state"],
             )
             if job["state"] in FINAL:

@@ -50,10 +50,19 @@ def _api(call, *args: Any, **kwargs: Any) -> Any:
     return api_call(call, *args, **kwargs)
 
 
-def _follow(client, job_id: str) -> dict[str, Any]:
+VerboseOption = Annotated[
+    bool,
+    typer.Option(
+        "--verbose", "-v", help="Print the whole driver log: Ray's own lines and the raw event lines too."
+    ),
+]
+
+
+def _follow(client, job_id: str, verbose: bool = False) -> dict[str, Any]:
+    """Follow a job; the whole log also goes to ELASTRON_HOME/logs/<job id>.log."""
     from service.cli_follow import follow
 
-    return follow(client, job_id)
+    return follow(client, job_id, log_dir=_settings().home / "logs", verbose=verbose)
 
 
 def _read_job_file(path: Path) -> dict[str, Any]:
@@ -203,6 +212,7 @@ def submit(
     follow: Annotated[
         bool, typer.Option("--follow", "-f", help="Then follow it like `elastron logs -f`.")
     ] = False,
+    verbose: VerboseOption = False,
 ) -> None:
     """Submit JOB to the API; prints the job id."""
     spec = _read_job_file(job)
@@ -210,7 +220,7 @@ def submit(
     created = _api(client.submit, spec, idempotency_key)
     typer.echo(created["id"])
     if follow:
-        final = _follow(client, created["id"])
+        final = _follow(client, created["id"], verbose)
         raise typer.Exit(0 if final["state"] == "succeeded" else 1)
 
 
@@ -232,11 +242,15 @@ def jobs(
     if not page["jobs"]:
         typer.echo("no jobs")
         return
-    typer.echo(f"{'ID':<40} {'STATE':<11} {'PROGRESS':>13} {'RESTARTS':>8}  CREATED")
+    from service.cli_follow import eta
+
+    typer.echo(f"{'ID':<40} {'STATE':<11} {'PROGRESS':>13} {'%':>4} {'ETA':>8} {'RESTARTS':>8}  CREATED")
     for j in page["jobs"]:
         progress = f"{j['iteration'] or 0}/{j['train_iters']}"
+        pct = f"{100 * j['progress']:.0f}" if j.get("progress") is not None else "-"
         typer.echo(
-            f"{j['id']:<40} {j['state']:<11} {progress:>13} {j['restarts']:>8}  {j['created_at'][:19]}"
+            f"{j['id']:<40} {j['state']:<11} {progress:>13} {pct:>4} {eta(j.get('eta_s')):>8} "
+            f"{j['restarts']:>8}  {j['created_at'][:19]}"
         )
     if page["next_cursor"]:
         typer.echo(f"(more: --limit {limit * 2})")
@@ -291,8 +305,12 @@ def status(job_id: Annotated[str, typer.Argument(help="Job id.")]) -> None:
     if job.get("waiting_reason"):
         position = f"#{job['queue_position']}: " if job.get("queue_position") else ""
         typer.echo(f"  queue        {position}{job['waiting_reason']}")
+    from service.cli_follow import eta
+
+    pct = f" ({100 * job['progress']:.0f}%)" if job.get("progress") is not None else ""
     typer.echo(
-        f"  progress     {job['iteration'] or 0}/{job['train_iters']} iterations, {job['restarts']} restarts"
+        f"  progress     {job['iteration'] or 0}/{job['train_iters']} iterations{pct}, ETA {eta(job.get('eta_s'))}, "
+        f"{job['restarts']} restarts ({job.get('restart_s') or 0:.0f} s restarting)"
     )
     if m:
         typer.echo(
@@ -321,13 +339,15 @@ def logs(
     follow: Annotated[
         bool, typer.Option("--follow", "-f", help="Stream the log with a progress bar until the job ends.")
     ] = False,
+    verbose: VerboseOption = False,
 ) -> None:
-    """The job's log (from Ray). With -f: follow it, with iteration / loss / tokens/s / ETA."""
+    """The job's log (from Ray). With -f: follow it, with iteration / loss / tokens/s / ETA, without
+    Ray's own lines (--verbose: with them; all of it goes to ELASTRON_HOME/logs/<job id>.log)."""
     client = _client()
     if not follow:
         typer.echo(_api(client.logs, job_id), nl=False)
         return
-    final = _follow(client, job_id)
+    final = _follow(client, job_id, verbose)
     raise typer.Exit(0 if final["state"] == "succeeded" else 1)
 
 
@@ -348,6 +368,7 @@ def cancel(
 @app.command()
 def demo(
     job: Annotated[Path, typer.Option(help="The job file to run.")] = DEMO_JOB,
+    verbose: VerboseOption = False,
 ) -> None:
     """`up`, submit a small Llama-style job (TP=2 on 2 CPU ranks), follow it, print a summary."""
     up()
@@ -355,7 +376,7 @@ def demo(
     client = _client()
     created = _api(client.submit, spec)
     typer.echo(f"submitted {job} as {created['id']}")
-    final = _follow(client, created["id"])
+    final = _follow(client, created["id"], verbose)
     records = _api(client.all_metrics, created["id"])
     from service.cli_follow import summary
 

@@ -161,6 +161,13 @@ class JobSeries:
         ckpt_bytes = _Family(
             "elastron_job_checkpoint_bytes", "gauge", "Size of the last committed checkpoint."
         )
+        rank_step = _Family(
+            "elastron_job_rank_step_seconds", "gauge", "Each rank's forward-backward time in the last logged step."
+        )
+        rank_slowness = _Family(
+            "elastron_job_rank_slowness_ratio", "gauge", "Each rank's time over the median rank's, averaged."
+        )
+        straggling = _Family("elastron_job_stragglers", "gauge", "Ranks flagged as stragglers now.")
         step = _Family("elastron_job_step_seconds", "histogram", "Step time.")
         ckpt_save = _Family(
             "elastron_job_checkpoint_save_seconds", "histogram", "Time a checkpoint save took."
@@ -207,6 +214,12 @@ class JobSeries:
                 checkpoints.add(f'{base},result="{result}"', (stats.get("checkpoints") or {}).get(result, 0))
             if _number(stats.get("ckpt_bytes")) is not None:
                 ckpt_bytes.add(base, stats["ckpt_bytes"])
+            for family, key in ((rank_step, "rank_step_s"), (rank_slowness, "rank_slowness")):
+                for rank, value in enumerate(stats.get(key) or []):
+                    if _number(value) is not None:
+                        family.add(f'{base},rank="{rank}"', value)
+            if stats.get("rank_slowness"):
+                straggling.add(base, len(stats.get("stragglers") or []))
             if stats.get("step"):  # histograms are absent until their first observation
                 step.histogram(base, stats["step"], job_stats.STEP_BUCKETS)
             if stats.get("ckpt_save"):
@@ -233,6 +246,9 @@ class JobSeries:
             recovery_s,
             checkpoints,
             ckpt_bytes,
+            rank_step,
+            rank_slowness,
+            straggling,
             step,
             ckpt_save,
         )

@@ -10,6 +10,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from engine.jobspec import ParallelSpec
 from engine.jobspec.layout import describe
+from service import progress
 from service.states import JobState
 from service.store.models import Checkpoint, Export, Job, JobEvent
 from service.store.telemetry import number
@@ -91,10 +92,20 @@ class JobSummary(BaseModel):
     waiting_reason: str | None = Field(
         None, description="While queued: why it waits, e.g. 'needs 4 ranks x (1 CPU, 1 GPU), 2 free'."
     )
+    progress: float | None = Field(
+        None, description="iteration / train_iters, 0..1; null before the first metrics record."
+    )
+    eta_s: float | None = Field(
+        None,
+        description="While running: seconds to train_iters at the mean of the last 20 step times "
+        "(checkpoint saves and restarts not included); null otherwise.",
+    )
+    restart_s: float = Field(0.0, description="Seconds the job has spent restarting its worker group so far.")
 
     @classmethod
-    def from_row(cls, job: Job) -> JobSummary:
-        return cls(**_summary_fields(job))
+    def from_row(cls, job: Job, stats: dict[str, Any] | None = None) -> JobSummary:
+        """`stats`: the part of job.stats the list read (else the row's own column is read)."""
+        return cls(**_summary_fields(job, stats))
 
 
 def _layout(spec: dict[str, Any] | None) -> tuple[int | None, str | None]:
@@ -107,7 +118,7 @@ def _layout(spec: dict[str, Any] | None) -> tuple[int | None, str | None]:
     return ranks, describe(ranks, p)
 
 
-def _summary_fields(job: Job) -> dict[str, Any]:
+def _summary_fields(job: Job, stats: dict[str, Any] | None = None) -> dict[str, Any]:
     ranks, layout = _layout(job.spec)
     last = job.last_record or {}
     return {
@@ -130,6 +141,7 @@ def _summary_fields(job: Job) -> dict[str, Any]:
         "priority": job.priority or 0,
         "queue_position": job.queue_position if job.state == JobState.QUEUED else None,
         "waiting_reason": job.waiting_reason if job.state == JobState.QUEUED else None,
+        **progress.fields(job.state, job.current_iteration, job.train_iters, job.stats if stats is None else stats),
     }
 
 
@@ -142,9 +154,19 @@ class JobOut(JobSummary):
     cancel_requested_at: datetime | None
     submission_id: str | None = Field(description="The Ray job's submission id of the current attempt.")
     attempt: int
+    rank_step_s: list[float] | None = Field(
+        None, description="Each rank's forward-backward seconds in the last logged step (rank order)."
+    )
+    rank_slowness: list[float] | None = Field(
+        None, description="Each rank's time over the median rank's, averaged over about the last 10 logged steps."
+    )
+    stragglers: list[int] = Field(
+        default_factory=list, description="Ranks slower than the median by more than 25 % (service/stragglers.py)."
+    )
 
     @classmethod
     def from_row(cls, job: Job) -> JobOut:
+        stats = job.stats or {}
         return cls(
             **_summary_fields(job),
             spec=job.spec,
@@ -155,6 +177,9 @@ class JobOut(JobSummary):
             cancel_requested_at=_time(job.cancel_requested_at),
             submission_id=job.submission_id,
             attempt=job.attempt,
+            rank_step_s=stats.get("rank_step_s"),
+            rank_slowness=stats.get("rank_slowness"),
+            stragglers=stats.get("stragglers") or [],
         )
 
 

@@ -49,9 +49,17 @@ class TrainingSpec(_Section):
     hysteresis: PositiveInt = Field(
         2, description="fp16: overflowing steps tolerated before lowering the scale."
     )
+    loggers: list[Literal["tensorboard", "mlflow", "wandb"]] = Field(
+        default_factory=list,
+        description="Also write each step's record to these tools, from rank 0 (engine/loggers.py; each "
+        "needs its extra: pip install 'elastron[tensorboard]', [mlflow], [wandb]; W&B runs offline "
+        "without WANDB_API_KEY).",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TrainingSpec:
+        if len(set(self.loggers)) != len(self.loggers):
+            raise ValueError(f"training.loggers names a tool twice ({self.loggers}): name each once")
         if self.fp8 and self.precision != "bf16":
             raise ValueError(
                 f"training.fp8 needs bf16 activations and weights around its float8 matmuls, not "

@@ -197,6 +197,9 @@ _SUMMARY_COLUMNS = (
     Job.queue_position,
     Job.waiting_reason,
 )
+# Of jobs.stats, only what progress, ETA and restart time need (service/progress.py): the whole
+# column holds histograms and per-rank lists, too much for a page of 500 jobs refreshed every 3 s.
+_PROGRESS_STATS = ("recent_steps", "restart_s", "restarting_since")
 
 
 @router.get("", response_model=JobList, responses=AUTH)
@@ -211,7 +214,10 @@ def list_jobs(
     ] = None,
 ) -> JobList:
     """The caller's jobs (an admin's: everyone's), newest first."""
-    query = select(Job).options(load_only(*_SUMMARY_COLUMNS)).order_by(Job.seq.desc()).limit(limit + 1)
+    stats = [Job.stats[key] for key in _PROGRESS_STATS]
+    query = (
+        select(Job, *stats).options(load_only(*_SUMMARY_COLUMNS)).order_by(Job.seq.desc()).limit(limit + 1)
+    )
     if not caller.admin:
         query = query.where(Job.tenant == caller.tenant)
     if tenant is not None:
@@ -220,11 +226,14 @@ def list_jobs(
         query = query.where(Job.state == state.value)
     if cursor is not None:
         query = query.where(Job.seq < int(cursor))
-    rows = session.scalars(query).all()
+    rows = session.execute(query).all()
     page = rows[:limit]
     return JobList(
-        jobs=[JobSummary.from_row(j) for j in page],
-        next_cursor=str(page[-1].seq) if len(rows) > limit else None,
+        jobs=[
+            JobSummary.from_row(j, {k: v for k, v in zip(_PROGRESS_STATS, values, strict=True) if v is not None})
+            for j, *values in page
+        ],
+        next_cursor=str(page[-1][0].seq) if len(rows) > limit else None,
     )
 
 

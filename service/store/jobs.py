@@ -15,6 +15,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from service import progress
 from service.states import FINAL, JobState, can_move
 from service.store import stats as job_stats
 from service.store.models import Job, JobEvent
@@ -73,6 +74,7 @@ def transition(
         return False
     add_event(session, job, "state", reason, data={"from": job.state, "to": str(to), **data})
     now = job.updated_at
+    before = job.state
     job.state = str(to)
     if to == JobState.RUNNING and job.started_at is None:
         job.started_at = now
@@ -80,9 +82,11 @@ def transition(
         job.finished_at = now
     if stats is not None:
         job_stats.count(stats, "transitions", str(to))
+        progress.on_transition(stats, before, str(to), now)
     else:
         edited = job_stats.editable(job.stats)
         job_stats.count(edited, "transitions", str(to))
+        progress.on_transition(edited, before, str(to), now)
         job.stats = edited
     return True
 

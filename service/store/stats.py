@@ -7,7 +7,9 @@ Layout (every key optional):
   transitions {state: n}, tokens, skipped, energy_j, restarts {cause: n}, reruns {diagnosis: n},
   checkpoints {success|failure: n}, step {buckets: [...], sum, count} (step_time_s),
   ckpt_save {buckets, sum, count}, ckpt_bytes, timers {phase: [min, max]}, valid_loss,
-  recoveries {memory|replica|persistent: n}, steps_lost, recovery_s {phase: seconds} (the last)
+  recoveries {memory|replica|persistent: n}, steps_lost, recovery_s {phase: seconds} (the last),
+  recent_steps [s, ...], restart_s, restarting_since (service/progress.py),
+  rank_step_s [s per rank], rank_slowness [ratio per rank], rank_steps, stragglers [rank, ...] (service/stragglers.py)
 """
 
 from __future__ import annotations

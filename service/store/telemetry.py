@@ -25,6 +25,7 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
 from engine.jobspec import contract
+from service import progress, stragglers
 from service.states import FINAL, JobState
 from service.store import stats as job_stats
 from service.store.jobs import add_event, transition
@@ -249,6 +250,8 @@ def _apply_records(
             result.records_accepted += 1
         applied.append((epoch, iteration, record))
         _count_record(stats, record)
+        for ev in stragglers.observe(stats, record):  # per-rank step time (service/stragglers.py)
+            add_event(session, job, ev["kind"], ev["message"], iteration=ev["iteration"], data=ev["data"])
     if inserts:
         session.execute(insert(JobMetric), inserts)
     if not applied:
@@ -275,6 +278,7 @@ def _count_record(stats: dict, record: dict) -> None:
     step = number(record.get("step_time_s"))
     if step is not None:
         job_stats.observe(stats, "step", job_stats.STEP_BUCKETS, step)
+        progress.observe_step(stats, step)
     if isinstance(record.get("timers"), dict) and record["timers"]:
         stats["timers"] = record["timers"]
     valid = number(record.get("valid_loss"))

@@ -1,6 +1,6 @@
 // elastron's web UI: the same /v1 API and bearer token as every other client. The token lives
 // in this tab's sessionStorage only. Views are chosen by the URL's hash: #/ (jobs), #/jobs/<id>
-// (one job, refreshed while it runs), #/submit. When a view has drawn its data it sets
+// (one job, refreshed while it runs), #/compare?jobs=a,b,c[&x=iteration|tokens|time], #/queue (waiting jobs and the cluster's use), #/submit. When a view has drawn its data it sets
 // window.elastronReady (ms since navigation start): the browser tests read it.
 "use strict";
 
@@ -11,6 +11,7 @@ const REFRESH_MS = 3000;
 const view = document.getElementById("view");
 let timer = null;
 let config = {};
+const selected = new Set(); // job ids ticked in the list, for Compare
 
 const esc = (s) => String(s ?? "").replace(/[&<>"']/g, (c) => ({ "&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;", "'": "&#39;" })[c]);
 const token = () => sessionStorage.getItem(TOKEN_KEY);
@@ -87,10 +88,17 @@ function duration(job) {
   return s >= 3600 ? `${Math.floor(s / 3600)}h ${Math.floor((s % 3600) / 60)}m` : s >= 60 ? `${Math.floor(s / 60)}m ${s % 60}s` : `${s}s`;
 }
 
+function seconds(s) {
+  if (s === null || s === undefined) return "–";
+  s = Math.round(s);
+  return s >= 3600 ? `${Math.floor(s / 3600)}h ${Math.floor((s % 3600) / 60)}m` : s >= 60 ? `${Math.floor(s / 60)}m ${s % 60}s` : `${s}s`;
+}
+
 function progress(job) {
   const done = job.iteration || 0;
-  const pct = Math.min(100, (100 * done) / Math.max(1, job.train_iters));
-  return `<span class="progress"><div style="width:${pct.toFixed(1)}%"></div></span>${done}/${job.train_iters}`;
+  const pct = 100 * (job.progress ?? 0);
+  const eta = job.eta_s === null || job.eta_s === undefined ? "" : ` <span class="muted eta">ETA ${seconds(job.eta_s)}</span>`;
+  return `<span class="progress"><div style="width:${pct.toFixed(1)}%"></div></span>${done}/${job.train_iters}${eta}`;
 }
 
 async function showJobs(filter) {
@@ -102,6 +110,7 @@ async function showJobs(filter) {
   const options = ["", ...STATES].map((s) => `<option value="${s}" ${s === filter ? "selected" : ""}>${s || "all states"}</option>`).join("");
   const rows = page.jobs.map((j) => `
     <tr class="job-row" data-id="${esc(j.id)}">
+      <td class="pick"><input type="checkbox" class="pick-job" value="${esc(j.id)}" ${selected.has(j.id) ? "checked" : ""} aria-label="select for compare"></td>
       <td>${esc(j.name)}<div class="muted">${esc(j.id)}</div></td>
       <td>${stateBadge(j.state)}${j.waiting_reason ? `<div class="muted">${j.queue_position ? "#" + j.queue_position + ": " : ""}${esc(j.waiting_reason)}</div>` : ""}</td>
       <td>${j.ranks ?? ""} <span class="muted">${esc(j.layout || "")}</span></td>
@@ -116,16 +125,143 @@ async function showJobs(filter) {
     <div class="toolbar"><h1>Jobs</h1>
       <select id="state-filter">${options}</select>
       <span class="muted">${page.jobs.length} shown${page.next_cursor ? " (newest 100)" : ""}; refreshes every ${REFRESH_MS / 1000} s</span>
+      <button id="compare" type="button">Compare selected</button>
       <span class="muted" id="cluster-use">${esc(cluster)}</span>
     </div>
     <table id="jobs-table">
-      <thead><tr><th>Name</th><th>State</th><th>Ranks / layout</th><th>Iteration</th><th>Loss</th><th>Tokens/s</th><th>MFU</th><th>Started</th><th>Duration</th></tr></thead>
-      <tbody>${rows || '<tr><td colspan="9" class="muted">No jobs yet: submit one.</td></tr>'}</tbody>
+      <thead><tr><th></th><th>Name</th><th>State</th><th>Ranks / layout</th><th>Iteration</th><th>Loss</th><th>Tokens/s</th><th>MFU</th><th>Started</th><th>Duration</th></tr></thead>
+      <tbody>${rows || '<tr><td colspan="10" class="muted">No jobs yet: submit one.</td></tr>'}</tbody>
     </table>`;
   document.getElementById("state-filter").addEventListener("change", (e) => { location.hash = e.target.value ? `#/?state=${e.target.value}` : "#/"; });
-  view.querySelectorAll("tr.job-row").forEach((tr) => tr.addEventListener("click", () => { location.hash = `#/jobs/${tr.dataset.id}`; }));
+  view.querySelectorAll("tr.job-row").forEach((tr) => tr.addEventListener("click", (e) => {
+    if (!e.target.closest("td.pick")) location.hash = `#/jobs/${tr.dataset.id}`;
+  }));
+  const compare = document.getElementById("compare");
+  const count = () => { compare.disabled = selected.size < 2; compare.textContent = `Compare selected (${selected.size})`; };
+  view.querySelectorAll("input.pick-job").forEach((box) => box.addEventListener("change", () => {
+    box.checked ? selected.add(box.value) : selected.delete(box.value);
+    count();
+  }));
+  compare.addEventListener("click", () => { location.hash = `#/compare?jobs=${[...selected].map(encodeURIComponent).join(",")}`; });
+  count();
   ready();
   refreshLater(() => showJobs(filter).catch(showError));
+}
+
+// -- queue --------------------------------------------------------------------------------------
+function usageBar(label, used, total, id) {
+  const pct = total > 0 ? Math.min(100, (100 * used) / total) : 0;
+  return `<div class="usage" id="${id}" data-used="${used}" data-total="${total}"><span>${esc(label)}</span>
+    <span class="progress wide"><div style="width:${pct.toFixed(1)}%"></div></span>${formatNumber(used)} / ${formatNumber(total)} allocated (${pct.toFixed(0)}%)</div>`;
+}
+
+async function showQueue() {
+  const queue = await api("/v1/queue?limit=500");
+  const c = queue.cluster;
+  const use = c
+    ? `<div class="facts" id="cluster">${usageBar("CPUs", c.allocated_cpus, c.cpus, "use-cpus")}${usageBar("GPUs", c.allocated_gpus, c.gpus, "use-gpus")}
+       <div><span>Alive nodes</span>${c.nodes}</div><div><span>Read</span>${c.read_at ? new Date(c.read_at).toLocaleTimeString() : "–"}</div></div>`
+    : '<p class="muted" id="cluster">Cluster capacity unknown: the scheduler has not read it yet (is Ray reachable?).</p>';
+  const rows = queue.jobs.map((j) => `
+    <tr class="job-row queue-row" data-id="${esc(j.id)}">
+      <td class="num">${j.position ?? "–"}</td>
+      <td>${esc(j.name)}<div class="muted">${esc(j.id)}</div></td>
+      <td>${esc(j.tenant)}</td><td class="num">${j.priority}</td><td class="num">${j.ranks ?? ""}</td>
+      <td class="reason">${esc(j.waiting_reason || "not scheduled yet")}</td>
+      <td>${seconds(j.waited_s)}</td>
+    </tr>`).join("");
+  view.innerHTML = `
+    <div class="toolbar"><h1>Queue</h1><span class="muted">${queue.jobs.length} waiting, in the scheduler's order; refreshes every ${REFRESH_MS / 1000} s</span></div>
+    <h2>Cluster use</h2>${use}
+    <h2>Waiting jobs</h2>
+    <table id="queue-table">
+      <thead><tr><th>#</th><th>Name</th><th>Tenant</th><th>Priority</th><th>Ranks</th><th>Why it waits</th><th>Waited</th></tr></thead>
+      <tbody>${rows || '<tr><td colspan="7" class="muted">No job is waiting.</td></tr>'}</tbody>
+    </table>`;
+  view.querySelectorAll("tr.queue-row").forEach((tr) => tr.addEventListener("click", () => { location.hash = `#/jobs/${tr.dataset.id}`; }));
+  ready();
+  refreshLater(() => showQueue().catch(showError));
+}
+
+// -- compare ------------------------------------------------------------------------------------
+// Several jobs' curves on shared axes, one colour per job on every chart, and the spec fields
+// that differ. Each job's records come downsampled by the server, as for one job's page.
+const COMPARE = [
+  ["loss", "Loss (train: line, valid: dots)", (r) => num(r.loss), (r) => num(r.valid_loss)],
+  ["throughput", "Tokens/s", (r) => num(r.tokens_per_s)],
+  ["mfu", "MFU", (r) => num(r.mfu)],
+  ["step", "Step time (s)", (r) => num(r.step_time_s)],
+  ["lr", "Learning rate", (r) => num(r.lr)],
+];
+const AXES = {
+  iteration: ["iteration", (r) => r.iteration, String],
+  tokens: ["tokens consumed", (r, job) => {
+    const seq = job.spec && job.spec.model && job.spec.model.seq_length;
+    return typeof r.consumed_samples === "number" && seq ? r.consumed_samples * seq : r.iteration * (num(r.tokens) ?? 0);
+  }, formatNumber],
+  time: ["wall time", (r, job, first) => (typeof r.ts === "number" && typeof first.ts === "number" ? r.ts - first.ts : null), seconds],
+};
+
+function flatten(value, prefix = "", out = {}) {
+  if (value && typeof value === "object" && !Array.isArray(value)) {
+    for (const [k, v] of Object.entries(value)) flatten(v, prefix ? `${prefix}.${k}` : k, out);
+  } else if (prefix) {
+    out[prefix] = JSON.stringify(value);
+  }
+  return out;
+}
+
+function specDiff(jobs) {
+  const flat = jobs.map((j) => flatten(j.spec || {}));
+  const fields = [...new Set(flat.flatMap((f) => Object.keys(f)))].sort();
+  return fields.filter((f) => new Set(flat.map((x) => (f in x ? x[f] : "(unset)"))).size > 1)
+    .map((f) => [f, flat.map((x) => (f in x ? JSON.parse(x[f]) : undefined))]);
+}
+
+async function showCompare(ids, axis) {
+  axis = AXES[axis] ? axis : "iteration";
+  const runs = await Promise.all(ids.map(async (id, k) => {
+    const [job, metrics] = await Promise.all([
+      api(`/v1/jobs/${encodeURIComponent(id)}`),
+      api(`/v1/jobs/${encodeURIComponent(id)}/metrics?max_points=500`),
+    ]);
+    return { job, records: metrics.records, color: COLORS[k % COLORS.length] };
+  }));
+  const query = (a) => `#/compare?jobs=${ids.map(encodeURIComponent).join(",")}&x=${a}`;
+  if (!document.getElementById("compare-page") || view.dataset.compare !== ids.join(",")) {
+    view.dataset.compare = ids.join(",");
+    view.innerHTML = `
+      <div id="compare-page">
+        <div class="toolbar"><h1>Compare ${ids.length} jobs</h1>
+          <label>x axis <select id="axis">${Object.entries(AXES).map(([k, [label]]) => `<option value="${k}">${label}</option>`).join("")}</select></label></div>
+        <div class="legend" id="legend"></div>
+        <div class="charts">${COMPARE.map(([cid, title]) => `<div class="chart"><h3>${esc(title)}</h3><canvas id="cmp-${cid}"></canvas></div>`).join("")}</div>
+        <h2>Spec fields that differ</h2>
+        <table id="diff"><thead></thead><tbody></tbody></table>
+      </div>`;
+    document.getElementById("axis").addEventListener("change", (e) => { location.hash = query(e.target.value); });
+  }
+  document.getElementById("axis").value = axis;
+  document.getElementById("legend").innerHTML = runs.map((r) => `
+    <a class="legend-item" href="#/jobs/${esc(r.job.id)}" data-id="${esc(r.job.id)}" data-color="${r.color}"><i style="background:${r.color}"></i>${esc(r.job.name)} <span class="muted">${esc(r.job.id)} · ${esc(r.job.state)}</span></a>`).join("");
+  const [, x, xFormat] = AXES[axis];
+  for (const [cid, , y, dots] of COMPARE) {
+    const series = [];
+    for (const r of runs) {
+      const first = r.records[0] || {};
+      const at = (rec) => x(rec, r.job, first);
+      series.push({ label: r.job.name, color: r.color, points: r.records.map((rec) => [at(rec), y(rec)]).filter((p) => p[0] !== null) });
+      if (dots) series.push({ label: `${r.job.name} valid`, color: r.color, dots: true, points: r.records.map((rec) => [at(rec), dots(rec)]).filter((p) => p[0] !== null) });
+    }
+    drawChart(document.getElementById(`cmp-${cid}`), { series, xFormat, noLabels: true, empty: axis === "time" ? "no timestamps in these records" : undefined });
+  }
+  const diff = specDiff(runs.map((r) => r.job));
+  document.querySelector("#diff thead").innerHTML = `<tr><th>Field</th>${runs.map((r) => `<th><i class="swatch" style="background:${r.color}"></i>${esc(r.job.name)}</th>`).join("")}</tr>`;
+  document.querySelector("#diff tbody").innerHTML = diff.map(([field, values]) => `
+    <tr data-field="${esc(field)}"><td>${esc(field)}</td>${values.map((v) => `<td>${v === undefined ? '<span class="muted">unset</span>' : esc(JSON.stringify(v))}</td>`).join("")}</tr>`).join("")
+    || `<tr><td colspan="${runs.length + 1}" class="muted">The specs are the same.</td></tr>`;
+  ready();
+  if (runs.some((r) => !FINAL.includes(r.job.state))) refreshLater(() => showCompare(ids, axis).catch(showError));
 }
 
 // -- one job ------------------------------------------------------------------------------------
@@ -147,6 +283,27 @@ function drawCharts(records) {
   }
 }
 
+// Each rank's own step time as a bar; a straggler (slower than the median rank by more than 25 %
+// over about the last 10 logged steps: service/stragglers.py) in red, with its ratio.
+function drawRanks(job) {
+  const box = document.getElementById("ranks");
+  const times = job.rank_step_s || [];
+  if (!times.length) {
+    box.innerHTML = '<p class="muted">No per-rank times yet (they come with the timers, every training.log_interval steps, for 2 to 512 ranks).</p>';
+    return;
+  }
+  const top = Math.max(...times) || 1;
+  const slow = new Set(job.stragglers || []);
+  const ratio = job.rank_slowness || [];
+  const flag = slow.size
+    ? `<p class="straggler-flag" id="straggler-flag">Straggler${slow.size > 1 ? "s" : ""}: ${[...slow].map((r) => `rank ${r} (${(ratio[r] ?? 0).toFixed(2)}x the median)`).join(", ")}</p>`
+    : '<p class="muted" id="straggler-flag">No straggler.</p>';
+  box.innerHTML = flag + times.map((t, r) => `
+    <div class="rank-bar${slow.has(r) ? " straggler" : ""}" data-rank="${r}" data-seconds="${t}">
+      <span class="rank-name">rank ${r}</span><span class="bar"><i style="width:${((100 * t) / top).toFixed(1)}%"></i></span>
+      <span class="num">${(1000 * t).toFixed(1)} ms${ratio[r] !== undefined ? ` · ${ratio[r].toFixed(2)}x` : ""}</span></div>`).join("");
+}
+
 async function showJob(id) {
   const [job, metrics, events, checkpoints] = await Promise.all([
     api(`/v1/jobs/${encodeURIComponent(id)}`),
@@ -161,6 +318,7 @@ async function showJob(id) {
         <div class="toolbar"><h1 id="job-title"></h1><span id="job-state"></span>
           <button id="cancel" class="danger" type="button">Cancel</button><span id="cancel-result" class="muted"></span></div>
         <div class="facts" id="facts"></div>
+        <h2>Per rank: forward-backward time of the last logged step</h2><div id="ranks" class="ranks"></div>
         <h2>Charts</h2>
         <div class="charts">${CHARTS.map(([cid, title]) => `<div class="chart"><h3>${esc(title)}</h3><canvas id="chart-${cid}"></canvas></div>`).join("")}</div>
         <div class="columns">
@@ -179,14 +337,17 @@ async function showJob(id) {
   const last = job.last_metrics || {};
   const facts = [
     ["Job id", job.id], ["Ranks / layout", `${job.ranks ?? ""} ${job.layout || ""}`],
-    ["Iteration", `${job.iteration ?? 0} / ${job.train_iters}`], ["Loss", formatNumber(num(last.loss))],
+    ["Iteration", `${job.iteration ?? 0} / ${job.train_iters}`],
+    ["Progress", `${(100 * (job.progress ?? 0)).toFixed(1)}%`], ["ETA", seconds(job.eta_s)],
+    ["Loss", formatNumber(num(last.loss))],
     ["Tokens/s", num(last.tokens_per_s) === null ? "–" : Math.round(last.tokens_per_s).toLocaleString()],
     ["MFU", num(last.mfu) === null ? "–" : (100 * last.mfu).toFixed(1) + "%"],
-    ["Restarts", job.restarts], ["Started", job.started_at ? new Date(job.started_at).toLocaleString() : "–"],
+    ["Restarts", job.restarts], ["Time restarting", seconds(job.restart_s)], ["Started", job.started_at ? new Date(job.started_at).toLocaleString() : "–"],
     ["Duration", duration(job) || "–"],
   ];
   if (job.failure_cause) facts.push(["Failure cause", job.failure_cause]);
-  document.getElementById("facts").innerHTML = facts.map(([k, v]) => `<div><span>${esc(k)}</span>${esc(v)}</div>`).join("");
+  document.getElementById("facts").innerHTML = facts.map(([k, v]) => `<div data-fact="${esc(k)}"><span>${esc(k)}</span>${esc(v)}</div>`).join("");
+  drawRanks(job);
   drawCharts(metrics.records);
   document.getElementById("events").innerHTML = events.events.map((e) => `
     <li><b>${esc(e.kind)}</b> <span class="muted">${e.time ? new Date(e.time).toLocaleTimeString() : ""}${e.iteration !== null ? " · iteration " + e.iteration : ""}</span><br>${esc(e.message || "")}</li>`).join("") || '<li class="muted">none yet</li>';
@@ -197,12 +358,21 @@ async function showJob(id) {
   if (!FINAL.includes(job.state)) refreshLater(() => showJob(id).then(() => loadLog(id)).catch(showError));
 }
 
+// Terminal control codes (Ray colours its prefixes): CSI sequences (colours, cursor moves), OSC
+// sequences (titles, links), lone escapes and carriage returns (progress bars redraw with them).
+const stripAnsi = (text) => text
+  .replace(/\x1b\[[0-9;?]*[ -\/]*[@-~]/g, "")
+  .replace(/\x1b\][^\x07\x1b]*(?:\x07|\x1b\\)/g, "")
+  .replace(/\x1b[@-Z\\-_]?/g, "")
+  .replace(/\r(?!\n)/g, "\n")
+  .replace(/\r/g, "");
+
 async function loadLog(id) {
   const pre = document.getElementById("log");
   if (!pre) return;
   try {
     const text = await api(`/v1/jobs/${encodeURIComponent(id)}/logs`);
-    const lines = String(text || "").replace(/\x1b\[[0-9;]*m/g, "").split("\n"); // no terminal colours
+    const lines = stripAnsi(String(text || "")).split("\n");
     pre.textContent = lines.slice(-60).join("\n") || "(empty: the job has not started on Ray yet)";
   } catch (err) {
     pre.textContent = `log unavailable: ${err.message}`;
@@ -279,7 +449,15 @@ function route() {
   const job = hash.match(/^#\/jobs\/([^/?]+)/);
   if (job) return showJob(decodeURIComponent(job[1])).catch(showError);
   view.dataset.job = "";
+  if (hash.startsWith("#/compare")) {
+    const params = new URLSearchParams(hash.split("?")[1] || "");
+    const ids = (params.get("jobs") || "").split(",").map((s) => s.trim()).filter(Boolean);
+    if (!ids.length) { view.innerHTML = '<p class="error">Compare needs jobs: #/compare?jobs=a,b (or tick jobs in the list).</p>'; return ready(); }
+    return showCompare(ids, params.get("x")).catch(showError);
+  }
+  view.dataset.compare = "";
   if (hash.startsWith("#/submit")) return showSubmit();
+  if (hash.startsWith("#/queue")) return showQueue().catch(showError);
   const state = new URLSearchParams(hash.split("?")[1] || "").get("state") || "";
   return showJobs(state).catch(showError);
 }

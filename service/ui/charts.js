@@ -1,9 +1,12 @@
 // A small line chart on a canvas: no library, nothing fetched from the internet. A chart is
 // series of [x, y] points (null y = gap) plus an optional band (a min/max area under a line).
-// The canvas keeps its point count in data-points, so a test can check what was drawn.
+// The canvas keeps its point count in data-points (the first series') and every series' label,
+// colour and point count in data-series (JSON), so a test can check what was drawn. A series may
+// name its colour (the compare view keeps one colour per job on every chart); spec.xFormat formats
+// the x axis' two labels.
 "use strict";
 
-const COLORS = ["#3559e0", "#e0703b", "#2f9e6b", "#9b51e0"];
+const COLORS = ["#3559e0", "#e0703b", "#2f9e6b", "#9b51e0", "#d6336c", "#0b8a9f", "#8a6d1f", "#495057"];
 
 function drawChart(canvas, spec) {
   const dpr = window.devicePixelRatio || 1;
@@ -15,6 +18,9 @@ function drawChart(canvas, spec) {
   ctx.clearRect(0, 0, width, height);
   const series = spec.series.filter((s) => s.points.some((p) => p[1] !== null));
   canvas.dataset.points = String(spec.series.length ? spec.series[0].points.filter((p) => p[1] !== null).length : 0);
+  canvas.dataset.series = JSON.stringify(spec.series.map((s, k) => ({
+    label: s.label, color: s.color || COLORS[k % COLORS.length], points: s.points.filter((p) => p[1] !== null).length,
+  })));
   const all = series.flatMap((s) => s.points.filter((p) => p[1] !== null));
   if (spec.band) all.push(...spec.band.filter((b) => b[1] !== null).flatMap((b) => [[b[0], b[1]], [b[0], b[2]]]));
   ctx.fillStyle = "#6b7385";
@@ -40,8 +46,9 @@ function drawChart(canvas, spec) {
     ctx.stroke();
     ctx.fillText(formatNumber(y), 4, sy(y) + 4);
   }
-  ctx.fillText(String(x0), left, height - 6);
-  const last = String(x1);
+  const xText = spec.xFormat || String;
+  ctx.fillText(xText(x0), left, height - 6);
+  const last = xText(x1);
   ctx.fillText(last, width - right - ctx.measureText(last).width, height - 6);
   if (spec.band) {
     const band = spec.band.filter((b) => b[1] !== null);
@@ -55,8 +62,8 @@ function drawChart(canvas, spec) {
     }
   }
   series.forEach((s, k) => {
-    ctx.strokeStyle = COLORS[k % COLORS.length];
-    ctx.fillStyle = COLORS[k % COLORS.length];
+    ctx.strokeStyle = s.color || COLORS[k % COLORS.length];
+    ctx.fillStyle = s.color || COLORS[k % COLORS.length];
     ctx.lineWidth = 1.6;
     ctx.beginPath();
     let pen = false;
@@ -67,7 +74,7 @@ function drawChart(canvas, spec) {
     }
     ctx.stroke();
     if (s.dots) s.points.forEach(([x, y]) => y !== null && ctx.fillRect(sx(x) - 2, sy(y) - 2, 4, 4));
-    ctx.fillText(s.label, left + 6 + k * 90, top + 10);
+    if (!spec.noLabels) ctx.fillText(s.label, left + 6 + k * 90, top + 10);
   });
 }
 

@@ -78,6 +78,7 @@ def record(iteration: int) -> dict[str, Any]:
         "valid_loss": 3.9 if iteration % 5 == 0 else None,
         "valid_ppl": None,
         "timers": {name: [0.01 * (i + 1), 0.012 * (i + 1)] for i, name in enumerate(TIMERS)},
+        "timers_per_rank": {"forward-backward": [0.04, 0.048]},
     }
 
 

@@ -4,7 +4,8 @@ It does what the real workers do towards the API: read ELASTRON_JOB_SPEC, post m
 (and a checkpoint event at the end) to ELASTRON_API_URL with ELASTRON_API_TOKEN, retrying while
 the API is away, and exit 0. Knobs (env): FAKE_WORKER_GATE=path: after FAKE_WORKER_PAUSE_AT
 iterations, wait until that file exists ("{job_id}" in it is replaced by the job id);
-FAKE_WORKER_EXIT=code: exit with it at the end.
+FAKE_WORKER_EXIT=code: exit with it at the end; FAKE_WORKER_STEP_S=seconds: each step takes
+that long (and reports it as step_time_s).
 SIGINT (a graceful stop) exits 130 at once.
 """
 
@@ -50,18 +51,20 @@ def main() -> int:
     iters = spec["training"]["train_iters"]
     gate = os.environ.get("FAKE_WORKER_GATE", "").replace("{job_id}", job_id)
     pause_at = int(os.environ.get("FAKE_WORKER_PAUSE_AT", "0"))
+    step_s = float(os.environ.get("FAKE_WORKER_STEP_S", "0"))
     print(f"fake worker for {job_id}: {iters} iterations", flush=True)
     for it in range(1, iters + 1):
         if gate and it == pause_at + 1:
             while not os.path.exists(gate):
                 time.sleep(0.05)
+        time.sleep(step_s)
         record = {
             "iteration": it,
             "loss": 4.0 / it,
             "lr": 1e-3,
             "grad_norm": 1.0,
             "tokens": 1024,
-            "step_time_s": 0.01,
+            "step_time_s": step_s or 0.01,
             "tokens_per_s": 102400.0,
             "energy_j": None,
             "skipped": False,
