@@ -261,29 +261,7 @@ class Reconciler:
         """A preempted job's stop is confirmed: back to the queue, to resume from its newest
         checkpoint with its next launch."""
         reason = job.preempt_reason or "preempted"
-        latest = (job.latest_checkpoint or {}).get("iteration")
-        transition(s, job, JobState.QUEUED, f"{reason}; back in the queue", submission_id=sid)
-        add_event(
-            s,
-            job,
-            "preempted",
-            f"{sid} stopped ({status}): {reason}; resumes from "
-            + (f"the checkpoint of iteration {latest}" if latest is not None else "its newest checkpoint"),
-            data={
-                "submission_id": sid,
-                "launcher_status": str(status),
-                "stopped_at_iteration": job.current_iteration,
-                "resume_iteration": latest,
-            },
-        )
-        edited = job_stats.editable(job.stats)
-        job_stats.count(edited, "preemptions", "stopped")
-        job.stats = edited
-        job.submission_id = None
-        job.telemetry_token_hash = None
-        job.stop_sent_at = None
-        job.preempt_requested_at = None
-        job.placement = None
+        self._stopped_as_asked(s, job, sid, status, "preempted", "preemptions", f"{reason}; back in the queue", {})
         job.backfilled_for = None
         job.queued_at = self.clock()
 
@@ -291,34 +269,41 @@ class Reconciler:
         """A resized job saved its step and stopped: queued for a moment, holding the room of its
         new size (service/scheduling/state.py counts it as running), and launched at that size by
         the next scheduling pass, ahead of every queued job (`_schedule`)."""
+        data = {
+            "from_ranks": sum((job.placement or {}).values()) or None,
+            "to_ranks": job.resize_to,
+            "placement": job.resize_placement,
+        }
+        what = f"{job.preempt_reason}; relaunching on {job.resize_to} ranks"
+        self._stopped_as_asked(s, job, sid, status, "resized", "resizes", what, data)
+        job.queue_position, job.waiting_reason = None, f"resizing: relaunching on {job.resize_to} ranks"
+
+    def _stopped_as_asked(
+        self, s: Session, job: Job, sid: str, status: LaunchStatus, kind: str, stat: str, what: str, data: dict
+    ) -> None:
+        """A job the scheduler asked to stop has ended: back to `queued` without a submission,
+        and an event (`kind`) saying which checkpoint it resumes from."""
         latest = (job.latest_checkpoint or {}).get("iteration")
-        old = sum((job.placement or {}).values()) or None
-        transition(s, job, JobState.QUEUED, f"{job.preempt_reason}; relaunching on {job.resize_to} ranks", submission_id=sid)
+        transition(s, job, JobState.QUEUED, what, submission_id=sid)
         add_event(
             s,
             job,
-            "resized",
-            f"{sid} stopped ({status}): {job.preempt_reason}; relaunching on {job.resize_to} ranks from "
+            kind,
+            f"{sid} stopped ({status}): {what}; resumes from "
             + (f"the checkpoint of iteration {latest}" if latest is not None else "its newest checkpoint"),
             data={
                 "submission_id": sid,
                 "launcher_status": str(status),
-                "from_ranks": old,
-                "to_ranks": job.resize_to,
-                "placement": job.resize_placement,
+                **data,
                 "stopped_at_iteration": job.current_iteration,
                 "resume_iteration": latest,
             },
         )
         edited = job_stats.editable(job.stats)
-        job_stats.count(edited, "resizes", "stopped")
+        job_stats.count(edited, stat, "stopped")
         job.stats = edited
-        job.submission_id = None
-        job.telemetry_token_hash = None
-        job.stop_sent_at = None
-        job.preempt_requested_at = None
+        job.submission_id = job.telemetry_token_hash = job.stop_sent_at = job.preempt_requested_at = None
         job.placement = None
-        job.queue_position, job.waiting_reason = None, f"resizing: relaunching on {job.resize_to} ranks"
 
     def _missing(self, s: Session, job: Job, sid: str, cancel: bool) -> None:
         if job.state == JobState.QUEUED:
