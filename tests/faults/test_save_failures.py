@@ -139,3 +139,48 @@ def test_errors_are_named_through_dcps_wrapper():
     wrapped = CheckpointException("write", {1: (full, "traceback")})
     assert describe(wrapped) == "rank 1: OSError: [Errno 28] No space left on device"
     assert no_space(wrapped) and not no_space(OSError(errno.EIO, "I/O error"))
+
+
+def _slow_saves(spec_dict: dict, faults: StorageFaults) -> dict:
+    """Rank function: async saves every iteration on storage slower than a step. Counts saves in
+    flight at once and the host buffers' memory across saves."""
+    import threading
+
+    import torch.distributed as dist
+
+    from engine import parallel_state as ps
+    from engine.checkpointing.checkpointer import Checkpointer
+    from engine.train_loop import train_rank
+
+    faults.install()
+    lock, state = threading.Lock(), {"now": 0, "most": 0, "buffers": set(), "saves": 0}
+    real = Checkpointer._save_with_retries
+
+    def counted(self, *args, **kwargs):
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+            state["saves"] += 1
+            state["buffers"].add(tuple(sorted((k, v.data_ptr()) for k, v in self._host_buffers.items())))
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            with lock:
+                state["now"] -= 1
+
+    Checkpointer._save_with_retries = counted
+    train_rank(spec_dict, quiet=True)
+    ps.destroy_model_parallel()
+    state.pop("now")
+    state["buffer_sets"] = len(state.pop("buffers"))
+    return state if dist.get_rank() == 0 else {}
+
+
+def test_a_save_slower_than_the_interval_is_waited_for_never_stacked(tmp_path):
+    """Each save takes longer than a step: the next save waits for it (every interval's
+    checkpoint commits), never two in flight, and the host copy is the same memory every time."""
+    root = tmp_path / "ckpt"
+    spec = _spec(root, interval=1, async_save=True, keep=10)
+    got = spawn(_slow_saves, 2, (spec, StorageFaults(iterations=tuple(range(1, 9)), delay_s=0.05)), timeout_s=240)[0]
+    assert got == {"most": 1, "saves": 8, "buffer_sets": 1}
+    assert sorted(leftovers(root)) == [f"iter_{i:07d}" for i in range(1, 9)]
