@@ -64,7 +64,7 @@ from engine.checkpointing.commit import (
     resolve_checkpoint,
 )
 from engine.checkpointing.restore import is_tensor, restore_parts
-from engine.checkpointing.save_failures import CheckpointStorageError, SaveFailures, describe
+from engine.checkpointing.save_failures import CheckpointStorageError, SaveFailures, describe, out_of_space
 from engine.checkpointing.stateful import SavedCheckpoint, Stateful
 from engine.checkpointing.storage import Storage
 
@@ -233,9 +233,9 @@ class Checkpointer:
         skipped (an event) or recorded in `_pending_error` to stop the job. Every rank sees the
         same outcome of every attempt, so every rank retries, skips or stops together."""
         policy = self.failures
-        retried = 0
+        retried, error = 0, None
         while True:
-            error = self._attempt(state, iteration, meta, group, retried)
+            error = self._attempt(state, iteration, meta, group, retried, make_room=out_of_space(error))
             if error is None:
                 policy.succeeded()
                 return
@@ -267,7 +267,9 @@ class Checkpointer:
                 iteration, retried, policy.consecutive, error,
             )
 
-    def _attempt(self, state: dict, iteration: int, meta: dict, group, retried: int) -> str | None:
+    def _attempt(
+        self, state: dict, iteration: int, meta: dict, group, retried: int, make_room: bool = False
+    ) -> str | None:
         """Write and commit one checkpoint; None when it is committed, else the storage error
         (the same string on every rank). A failed attempt leaves nothing of its iteration in
         storage: a half-written folder (a full disk, a quota, an upload cut off) is deleted, so
@@ -281,7 +283,7 @@ class Checkpointer:
         rank = dist.get_rank()
         # Debris of a crashed save of this iteration, or a committed one being redone after a
         # fall-back resume: clear it (manifest first, so a crash here is still safe).
-        error = self._agree(self._on_rank0(lambda: delete_iteration(self.storage, self.job_root, iteration)), group)
+        error = self._agree(self._on_rank0(lambda: self._prepare(iteration, make_room)), group)
         if error is not None:
             return error
         writer = raw_io.RawStorageWriter(self.storage, key, thread_count=WRITER_THREADS)
@@ -319,6 +321,19 @@ class Checkpointer:
             else:
                 self._delete_quietly(iteration)  # the manifest may be written, `latest` not
         return self._agree(committed, group)
+
+    def _prepare(self, iteration: int, make_room: bool) -> None:
+        """Rank 0, before an attempt: clear the iteration's folder; after a full disk or quota,
+        also make room by keeping one committed checkpoint fewer than checkpoint.keep until this
+        one commits (never fewer than one, never the one `latest` names): without it a full disk
+        fails every later save, since retention only frees space after a commit."""
+        delete_iteration(self.storage, self.job_root, iteration)
+        if make_room and self.spec.keep > 1:
+            log.warning(
+                "storage full: keeping %d committed checkpoint(s) instead of %d to make room for iteration %d",
+                self.spec.keep - 1, self.spec.keep, iteration,
+            )
+            apply_retention(self.storage, self.job_root, self.spec.keep - 1)
 
     def _clean_up(self, iteration: int, group) -> None:
         """After a failed shard write: rank 0 deletes what the attempt left (files other ranks or

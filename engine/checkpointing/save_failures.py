@@ -19,6 +19,7 @@ as before.
 from __future__ import annotations
 
 import errno
+import os
 from dataclasses import dataclass
 
 # Errors that mean the storage is full (a local disk, a quota): a retry rarely helps, but the next
@@ -71,6 +72,12 @@ def no_space(err: BaseException) -> bool:
                     return True
         err, seen = err.__cause__ or err.__context__, seen + 1
     return False
+
+
+def out_of_space(error: str | None) -> bool:
+    """Whether an agreed error line (`describe`) is a full disk or an exceeded quota. The line,
+    not the exception, is what every rank shares, and it carries the OS's own words for them."""
+    return error is not None and any(os.strerror(code) in error for code in NO_SPACE)
 
 
 @dataclass
