@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -99,9 +100,18 @@ class DirSnapshotStore:
                 p.unlink(missing_ok=True)
 
 
+_STRIKE = threading.Lock()
+
+
 def _strike(row: Row, work: Path) -> None:
-    """The fault itself: note when, then kill or stop this process."""
-    (work / "fault_at").write_text(json.dumps({"ts": time.time(), "row": row.name}))
+    """The fault itself: note when (once, atomically: several writer threads can get here at
+    once), then kill or stop this process."""
+    if not _STRIKE.acquire(blocking=False):
+        while True:  # another thread is striking this process
+            time.sleep(1)
+    tmp = work / ".fault_at"
+    tmp.write_text(json.dumps({"ts": time.time(), "row": row.name}))
+    os.replace(tmp, work / "fault_at")
     os.kill(os.getpid(), signal.SIGKILL if row.fault == "sigkill" else signal.SIGSTOP)
 
 

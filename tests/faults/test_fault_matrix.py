@@ -18,6 +18,7 @@ deselected by default (pyproject.toml). Run them all with:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -32,7 +33,7 @@ PROCESS_POINTS = ("forward", "grad_reduce", "async_upload", "commit", "snapshot_
 CHEAP = {("sigkill", "forward"), ("sigstop", "commit"), ("s3_503", "upload"), ("enospc", "save")}
 
 ROWS = (
-    [Row(f, w, at=4 if w in ("async_upload", "commit") else 5, slow=(f, w) not in CHEAP)
+    [Row(f, w, at={"async_upload": 4, "commit": 4, "snapshot_seal": 7}.get(w, 5), slow=(f, w) not in CHEAP)
      for f in ("sigkill", "sigstop") for w in PROCESS_POINTS]
     + [Row(f, "upload", at=4, slow=(f, "upload") not in CHEAP) for f in ("s3_500", "s3_503", "s3_slowdown", "s3_reset")]
     + [Row("enospc", "save", at=4, slow=False)]
@@ -75,8 +76,8 @@ def clean(tmp_path_factory):
 def _flavour(row: Row) -> dict:
     if row.where == "async_upload":
         return {"async_save": True}
-    if row.where == "snapshot_seal":
-        return {"local_interval": 1}
+    if row.where == "snapshot_seal":  # persistent at 4 and 8: the seal of 7 fails, 6 is in memory
+        return {"local_interval": 1, "interval": 4}
     return {}
 
 
@@ -96,6 +97,10 @@ def test_a_rank_killed_or_frozen(row: Row, tmp_path, clean):
     _report(row, run)
     assert run.fault_at is not None, f"{row.name}: the fault never struck"
     assert len(run.attempts) >= 2
+    if row.where == "snapshot_seal":  # the restart resumed from the snapshots the ranks still had
+        got = json.loads((tmp_path / "work" / f"recovered-{len(run.attempts) - 1}.json").read_text())
+        assert got["recovered_from"] == "memory" and got["iteration"] == row.at - 1, got
+        print(f"[fault matrix] {row.name}: recovered from memory at iteration {got['iteration']}")
     check_run(run, clean(**flavour), row.name)
     check_storage(open_storage(str(tmp_path / "ckpt")), "job", 8)
 
