@@ -27,8 +27,9 @@ ERRORS = {
 
 
 class FaultProxy:
-    def __init__(self, upstream: str, fault: str, match: str) -> None:
-        if fault not in (*ERRORS, "s3_reset"):
+    def __init__(self, upstream: str, fault: str | None, match: str) -> None:
+        """`fault` None: a plain proxy (a clean run's timings through the same hop)."""
+        if fault not in (*ERRORS, "s3_reset", None):
             raise ValueError(f"unknown S3 fault {fault!r}")
         self.upstream = urlsplit(upstream)
         self.fault, self.match = fault, match
@@ -101,7 +102,7 @@ class FaultProxy:
 
     def _take(self) -> bool:
         with self._lock:
-            if self.healed:
+            if self.healed or self.fault is None:
                 return False
             self.struck += 1
             return True
