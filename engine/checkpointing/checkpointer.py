@@ -261,7 +261,7 @@ class Checkpointer:
             )
         if stop is not None:
             self._pending_error = stop
-        else:
+        elif dist.get_rank() == 0:
             log.error(
                 "checkpoint save of iteration %d skipped after %d retries (%d in a row): %s; training goes on",
                 iteration, retried, policy.consecutive, error,
