@@ -84,8 +84,8 @@ def _flavour(row: Row) -> dict:
 def _report(row: Row, run) -> None:
     print(
         f"\n[fault matrix] {row.name}: {len(run.attempts)} attempt(s), "
-        f"time to recover {run.recover_s if run.recover_s is None else round(run.recover_s, 2)} s, "
-        f"whole run {run.seconds:.1f} s"
+        + ("no restart, " if run.recover_s is None else f"time to recover {run.recover_s:.2f} s, ")
+        + f"whole run {run.seconds:.1f} s"
     )
 
 
