@@ -132,6 +132,12 @@ def _train(
         if is_logger and not quiet and trainer.iteration:
             print(f"[elastron] resumed at iteration {trainer.iteration}", flush=True)
         saved_at = trainer.iteration  # a fresh start or the checkpoint it resumed from
+        out = _RecordOut(records, hooks, sink, loggers, quiet, spec.training) if is_logger else None
+        if out is not None and trainer.checkpointer is not None:
+            # A synchronous save hands the step's record on once its checkpoint is committed,
+            # before the save's closing collective, which a frozen peer can hold up for as long
+            # as it is frozen (and a watchdog kill then loses whatever had not gone out).
+            trainer.checkpointer.on_commit = out.committed
         while trainer.iteration < spec.training.train_iters:
             if hooks.should_stop is not None and _stop_agreed(trainer, hooks.should_stop()):
                 _save_and_stop(trainer, saved_at, quiet=quiet or not is_logger)
@@ -140,10 +146,12 @@ def _train(
             if m is None:  # the rerun state machine skipped a bad batch
                 continue
             trainer.evaluate_if_due(m)
+            if out is not None:
+                out.pending = m
             try:
-                # A save can commit on rank 0 and then fail in its closing barrier (a peer died
-                # or froze after the shard gather): the record still goes out below, or the resume
-                # from that commit would never run, nor report, this step.
+                # A save can commit on rank 0 and then fail in its closing collective (a peer died
+                # or froze after the shard gather): the record goes out at the commit (on_commit)
+                # or, at the latest, below; a resume from that commit never runs this step again.
                 if trainer.save_checkpoint_if_due():
                     saved_at = trainer.iteration
                 # Before the record: when the record says a step is done, its snapshot is taken
@@ -155,18 +163,8 @@ def _train(
                 # Even when the save or the snapshot fails (collectives: a peer died), the record
                 # goes out: a resume from the persistent checkpoint just committed never runs the
                 # step again.
-                if is_logger:
-                    rec = asdict(m)
-                    records.append(rec)
-                    if hooks.on_record is not None:
-                        hooks.on_record(rec)
-                    if sink:
-                        sink.write(json.dumps(rec) + "\n")
-                        sink.flush()
-                    if loggers is not None:
-                        loggers.log(rec)
-                    if not quiet and (m.iteration % spec.training.log_interval == 0 or m.valid_loss is not None):
-                        print(progress_line(m, spec.training.train_iters), flush=True)
+                if out is not None:
+                    out.send()
         if trainer.checkpointer is not None:
             trainer.checkpointer.wait()  # the last save is committed before the job reports done
     finally:
@@ -176,6 +174,36 @@ def _train(
             loggers.close()
         ps.destroy_model_parallel()
     return records
+
+
+class _RecordOut:
+    """Rank 0's records: each step's record handed on exactly once, at the end of its step or,
+    when its synchronous save commits, at the commit (`committed`)."""
+
+    def __init__(self, records: list[dict], hooks: RankHooks, sink, loggers, quiet: bool, training) -> None:
+        self.records, self.hooks, self.sink, self.loggers = records, hooks, sink, loggers
+        self.quiet, self.training = quiet, training
+        self.pending = None  # the StepMetrics of the step in progress, until it is handed on
+
+    def committed(self, iteration: int) -> None:
+        if self.pending is not None and self.pending.iteration == iteration:
+            self.send()
+
+    def send(self) -> None:
+        m, self.pending = self.pending, None
+        if m is None:
+            return
+        rec = asdict(m)
+        self.records.append(rec)
+        if self.hooks.on_record is not None:
+            self.hooks.on_record(rec)
+        if self.sink:
+            self.sink.write(json.dumps(rec) + "\n")
+            self.sink.flush()
+        if self.loggers is not None:  # TensorBoard / MLflow / W&B (training.loggers)
+            self.loggers.log(rec)
+        if not self.quiet and (m.iteration % self.training.log_interval == 0 or m.valid_loss is not None):
+            print(progress_line(m, self.training.train_iters), flush=True)
 
 
 def _stop_agreed(trainer: Trainer, mine: bool) -> bool:

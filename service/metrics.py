@@ -158,6 +158,9 @@ class JobSeries:
             "elastron_job_recovery_phase_seconds", "gauge", "Phases of the last restart's resume."
         )
         checkpoints = _Family("elastron_job_checkpoints_total", "counter", "Checkpoint saves.")
+        ckpt_retries = _Family(
+            "elastron_job_checkpoint_retries_total", "counter", "Checkpoint save attempts retried after a storage error."
+        )
         ckpt_bytes = _Family(
             "elastron_job_checkpoint_bytes", "gauge", "Size of the last committed checkpoint."
         )
@@ -212,6 +215,7 @@ class JobSeries:
                     recovery_s.add(f'{base},phase="{_label(phase)}"', value)
             for result in ("success", "failure"):
                 checkpoints.add(f'{base},result="{result}"', (stats.get("checkpoints") or {}).get(result, 0))
+            ckpt_retries.add(base, stats.get("ckpt_retries", 0))
             if _number(stats.get("ckpt_bytes")) is not None:
                 ckpt_bytes.add(base, stats["ckpt_bytes"])
             for family, key in ((rank_step, "rank_step_s"), (rank_slowness, "rank_slowness")):
@@ -245,6 +249,7 @@ class JobSeries:
             steps_lost,
             recovery_s,
             checkpoints,
+            ckpt_retries,
             ckpt_bytes,
             rank_step,
             rank_slowness,

@@ -298,7 +298,7 @@ class JobDriver:
             num_workers=(self.sizes[0], self.sizes[-1]) if elastic else self.sizes[0],
             use_gpu=self.use_gpu,
             resources_per_worker=self._per_rank(),
-            label_selector=({"ray.io/node-id": f"!in({','.join(sorted(blocked))})"} if blocked else None),
+            label_selector=self._placement(attempt, blocked, elastic),
             elastic_resize_monitor_interval_s=self.options.resize_interval_s
             or float(os.environ.get("ELASTRON_RESIZE_INTERVAL_S", 60.0)),
         )
@@ -335,6 +335,26 @@ class JobDriver:
             blocked_nodes=blocked,
             on_stop=self._on_stop,
         )
+
+    def _placement(self, attempt: int, blocked: set[str], elastic: bool):
+        """Label selectors of the attempt's workers: each rank back on its previous node where
+        that node is still usable (workers/placement.py), else just off the blocked nodes."""
+        from workers.placement import exclusion, sticky_selectors
+
+        if elastic or attempt == 0 or self.registry is None:
+            return exclusion(blocked)
+        import ray
+
+        try:
+            previous = ray.get(self.registry.last_group.remote(), timeout=10)
+            alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        except Exception:  # noqa: BLE001 - a GCS hiccup: place the group freely
+            return exclusion(blocked)
+        sticky = sticky_selectors(previous, attempt, self.sizes[0], alive, blocked)
+        if sticky is None:
+            return exclusion(blocked)
+        self.event("placement_sticky", attempt=attempt, nodes=[s.get("ray.io/node-id") for s in sticky])
+        return sticky
 
     def _attempt(self, attempt: int) -> tuple[Outcome, dict | None]:
         import ray

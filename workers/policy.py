@@ -7,6 +7,8 @@ failures Ray Train reports (`WorkerGroupError.worker_failures`: rank -> exceptio
 classified (`classify`) into one cause per rank, the likely root cause first:
 
 - `rerun`: the rank raised RerunExit (the engine's rerun state machine; exit code 16 or 17);
+- `storage`: the rank's checkpoints cannot be saved (CheckpointStorageError: the engine already
+  retried and skipped as `checkpoint.on_save_failure` says; a restart would only fail again);
 - `watchdog`: the rank's step watchdog killed it (it left its message with the job registry);
 - `died`: the rank's process or node died (SIGKILL, OOM, node removed) without a Python error;
 - `raised`: the rank raised an exception of its own;
@@ -22,6 +24,7 @@ and `RestartPolicy.decide` turns the outcome into a `Decision`:
 | exit 16 (a rejected result reproduced in place) | restart from the checkpoint it just saved, avoiding the nodes it ran on; fail with 16 when the cluster has no room elsewhere | no |
 | exit 17, persistent error | exclude the nodes of the attempt that exited 16 for the rest of the job, resume; fail with 17 when no room is left | no |
 | exit 17, correct result (skip_bad_batches false) or no diagnosis | fail with 17 and the diagnosis | |
+| checkpoint storage failing (CheckpointStorageError) | fail with exit 1 and the storage error: no crash loop | |
 | anything else (raise, kill, node lost, watchdog, ...) | restart from the newest committed checkpoint while the budget lasts, else fail with exit 1 and the per-rank causes | yes |
 
 A transient error never reaches the driver: the engine re-runs the step in place and goes on.
@@ -36,6 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.checkpointing.save_failures import CheckpointStorageError
 from engine.rerun_state_machine import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
@@ -69,13 +73,13 @@ DEATH_TYPES = {
     "WorkerHealthCheckTimeoutError",
     "OutOfMemoryError",
 }
-KIND_ORDER = {"rerun": 0, "watchdog": 1, "died": 2, "raised": 3, "peer": 4}
+KIND_ORDER = {"rerun": 0, "storage": 1, "watchdog": 2, "died": 3, "raised": 4, "peer": 5}
 
 
 @dataclass
 class RankCause:
     rank: int
-    kind: str  # rerun | watchdog | died | raised | peer
+    kind: str  # rerun | storage | watchdog | died | raised | peer
     message: str  # one line
     exit_code: int | None = None
     diagnosis: str | None = None
@@ -158,6 +162,8 @@ def classify(
         if isinstance(err, RerunExit):
             cause.kind, cause.exit_code, cause.diagnosis = "rerun", err.exit_code, err.diagnosis
             cause.message = f"RerunExit (exit {err.exit_code}): {err.message}"
+        elif isinstance(err, CheckpointStorageError) or type(err).__name__ == "CheckpointStorageError":
+            cause.kind, cause.message = "storage", _one_line(str(err), 1000)
         elif rank in watchdog:
             cause.kind, cause.message = "watchdog", watchdog[rank]
         elif _is_death(err):
@@ -249,6 +255,9 @@ class RestartPolicy:
             return self._resume_elsewhere(rerun, outcome)
         if rerun is not None and rerun.exit_code == EXIT_CODE_FAILED_ON_RESULT_VALIDATION:
             return self._validation_failed(rerun)
+        storage = next((c for c in outcome.causes if c.kind == "storage"), None)
+        if storage is not None:
+            return Decision("fail", EXIT_FAILED, storage.message)
         return self._failure(outcome)
 
     def _resume_elsewhere(self, rerun: RankCause, outcome: Outcome) -> Decision:

@@ -37,12 +37,13 @@ import re
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from engine import parallel_state as ps
 from engine.checkpointing import raw_io
@@ -52,6 +53,7 @@ from engine.checkpointing.commit import (
     CheckpointCorruptError,
     OpenCheckpoint,
     ShardCorruptError,
+    apply_retention,
     commit_checkpoint,
     committed_iterations,
     corrupt_error,
@@ -62,6 +64,7 @@ from engine.checkpointing.commit import (
     resolve_checkpoint,
 )
 from engine.checkpointing.restore import is_tensor, restore_parts
+from engine.checkpointing.save_failures import CheckpointStorageError, SaveFailures, describe, out_of_space
 from engine.checkpointing.stateful import SavedCheckpoint, Stateful
 from engine.checkpointing.storage import Storage
 
@@ -133,6 +136,12 @@ class Checkpointer:
         self._group = None
         self._host_buffers: dict = {}
         self._started = 0.0  # when the save in progress began (saves never overlap)
+        self.failures = SaveFailures(
+            spec.on_save_failure, spec.save_retries, spec.save_retry_backoff_s, spec.max_consecutive_failures
+        )
+        # Rank 0, synchronous saves: called with the iteration once its checkpoint is committed,
+        # before the save's closing collective (train_loop hands the step's record on there).
+        self.on_commit: Callable[[int], None] | None = None
         if self.spec.path:
             self.storage = open_storage(
                 self.spec.path, endpoint_url=self.spec.endpoint_url, region=self.spec.region
@@ -141,8 +150,17 @@ class Checkpointer:
     # ---------------------------------------------------------------- save
     def save(self) -> None:
         """Checkpoint the current iteration. With checkpoint.async_save the call returns once the
-        state is copied to host memory and the writing goes on in the background; either way a
-        previous save still in flight is finished first."""
+        state is copied to host memory and the writing goes on in the background.
+
+        At most one save is in flight: a previous one still writing is waited for first, never
+        skipped and never stacked. Waiting keeps every interval's checkpoint (the steps a crash
+        can cost stay bounded by `interval`) and one host copy of the state (`_host_buffers`,
+        reused), and it costs training time only when storage is slower than the interval (the
+        wait is inside the caller's checkpoint-save timer). Skipping would leave the newest
+        checkpoint ever further behind on slow storage, which is the case where a crash costs most.
+
+        A storage failure is retried and then skipped or fatal as `save_failures.py` says; only
+        `CheckpointStorageError` (the job must stop) leaves this method or `wait()`."""
         if self.storage is None:
             raise RuntimeError("checkpoint.path is not set: nowhere to save")
         self.wait()
@@ -150,11 +168,8 @@ class Checkpointer:
         state, meta = self._collect()
         iteration = meta["iteration"]
         if not self.spec.async_save:
-            try:
-                self._write(state, iteration, meta, group=None)
-            except Exception as err:
-                self._failed(iteration, err)
-                raise
+            self._save_with_retries(state, iteration, meta, group=None)
+            self._raise_pending()
             return
         if self._group is None:  # its own group: background collectives never meet training's
             self._group = dist.new_group(backend="gloo")
@@ -192,54 +207,173 @@ class Checkpointer:
         return self._pending is not None and self._pending.is_alive()
 
     def wait(self) -> None:
-        """Block until the save in flight (if any) is committed; re-raise its failure."""
+        """Block until the save in flight (if any) is committed or given up; raise what stops the
+        job (CheckpointStorageError, or a collective's failure in the background save)."""
         if self._pending is not None:
             self._pending.join()
             self._pending = None
+        self._raise_pending()
+
+    def _raise_pending(self) -> None:
         if self._pending_error is not None:
             err, self._pending_error = self._pending_error, None
+            if isinstance(err, CheckpointStorageError):
+                raise err
             raise RuntimeError("the background checkpoint save failed") from err
 
     def _write_in_background(self, state: dict, iteration: int, meta: dict) -> None:
         try:
-            self._write(state, iteration, meta, group=self._group)
+            self._save_with_retries(state, iteration, meta, group=self._group)
         except BaseException as err:  # noqa: BLE001 - handed to the training thread by wait()
             log.exception("background checkpoint save of iteration %d failed", iteration)
-            self._failed(iteration, err)
             self._pending_error = err
 
-    def _failed(self, iteration: int, err: BaseException) -> None:
-        self.events.append(
-            "checkpoint_failed", iteration=iteration, message=f"{type(err).__name__}: {err}"
-        )
+    def _save_with_retries(self, state: dict, iteration: int, meta: dict, group) -> None:
+        """One save, its storage failures retried with backoff; a save that still fails is
+        skipped (an event) or recorded in `_pending_error` to stop the job. Every rank sees the
+        same outcome of every attempt, so every rank retries, skips or stops together."""
+        policy = self.failures
+        retried, error = 0, None
+        while True:
+            error = self._attempt(state, iteration, meta, group, retried, make_room=out_of_space(error))
+            if error is None:
+                policy.succeeded()
+                return
+            if retried >= policy.retries:
+                break
+            retried += 1
+            delay = policy.delay(retried)
+            log.warning(
+                "checkpoint save of iteration %d failed (%s); retry %d of %d in %.1f s",
+                iteration, error, retried, policy.retries, delay,
+            )
+            time.sleep(delay)
+        stop = policy.failed(iteration, error)
+        if dist.get_rank() == 0:  # one event per save (every rank agreed on the outcome)
+            self.events.append(
+                "checkpoint_failed",
+                iteration=iteration,
+                message=error,
+                retries=retried,
+                consecutive=policy.consecutive,
+                skipped=stop is None,
+                seconds=time.perf_counter() - self._started,
+            )
+        if stop is not None:
+            self._pending_error = stop
+        elif dist.get_rank() == 0:
+            log.error(
+                "checkpoint save of iteration %d skipped after %d retries (%d in a row): %s; training goes on",
+                iteration, retried, policy.consecutive, error,
+            )
 
-    def _write(self, state: dict, iteration: int, meta: dict, group) -> None:
+    def _attempt(
+        self, state: dict, iteration: int, meta: dict, group, retried: int, make_room: bool = False
+    ) -> str | None:
+        """Write and commit one checkpoint; None when it is committed, else the storage error
+        (the same string on every rank). A failed attempt leaves nothing of its iteration in
+        storage: a half-written folder (a full disk, a quota, an upload cut off) is deleted, so
+        its space is given back and no partial checkpoint remains; `latest` is only ever written
+        after the manifest and replaced atomically, so it is never torn.
+
+        Each storage step's outcome is agreed on with a collective (`_agree`): DCP's own write
+        collective for the shards, a broadcast from rank 0 for its deletes and its commit. A
+        collective that fails raises: a dead peer is no storage failure, retrying cannot help."""
         key = iteration_key(self.job_root, iteration)
         rank = dist.get_rank()
-        if rank == 0:
-            # Debris of a crashed save of this iteration, or a committed one being redone after a
-            # fall-back resume: clear it (manifest first, so a crash here is still safe).
-            delete_iteration(self.storage, self.job_root, iteration)
-        dist.barrier(group=group)
+        # Debris of a crashed save of this iteration, or a committed one being redone after a
+        # fall-back resume: clear it (manifest first, so a crash here is still safe).
+        error = self._agree(self._on_rank0(lambda: self._prepare(iteration, make_room)), group)
+        if error is not None:
+            return error
         writer = raw_io.RawStorageWriter(self.storage, key, thread_count=WRITER_THREADS)
-        dcp.save(state, storage_writer=writer, process_group=group)
+        try:
+            dcp.save(state, storage_writer=writer, process_group=group)
+        except CheckpointException as err:  # DCP raises every rank's write failure on every rank
+            self._clean_up(iteration, group)
+            return describe(err)
         entries = writer.entries  # checksummed as written: nothing is read back
         if _FAULT_HOOK is not None:
             _FAULT_HOOK(iteration)
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, entries, group=group)
+        committed = None
         if rank == 0:
             files = [e for per_rank in gathered for e in per_rank]
-            commit_checkpoint(self.storage, self.job_root, iteration, files, meta, keep=self.spec.keep)
-            # The job's event record (and through the workers, the control plane) learns of it.
-            self.events.append(
-                "checkpoint_saved",
-                iteration=iteration,
-                seconds=time.perf_counter() - self._started,
-                bytes=sum(e.size for e in files),
-                uri=f"{self.spec.path.rstrip('/')}/{key}",
+            committed = self._on_rank0(
+                lambda: commit_checkpoint(self.storage, self.job_root, iteration, files, meta)
             )
+            if committed is None:
+                self._retain()
+                # The job's event record (and through the workers, the control plane) learns of it.
+                self.events.append(
+                    "checkpoint_saved",
+                    iteration=iteration,
+                    seconds=time.perf_counter() - self._started,
+                    bytes=sum(e.size for e in files),
+                    uri=f"{self.spec.path.rstrip('/')}/{key}",
+                    retries=retried,
+                )
+                if group is None and self.on_commit is not None:
+                    # Before the closing collective: a frozen peer must not keep this step's
+                    # record (its checkpoint is committed: a resume never runs it again).
+                    self.on_commit(iteration)
+            else:
+                self._delete_quietly(iteration)  # the manifest may be written, `latest` not
+        return self._agree(committed, group)
+
+    def _prepare(self, iteration: int, make_room: bool) -> None:
+        """Rank 0, before an attempt: clear the iteration's folder; after a full disk or quota,
+        also make room by keeping one committed checkpoint fewer than checkpoint.keep until this
+        one commits (never fewer than one, never the one `latest` names): without it a full disk
+        fails every later save, since retention only frees space after a commit."""
+        delete_iteration(self.storage, self.job_root, iteration)
+        if make_room and self.spec.keep > 1:
+            log.warning(
+                "storage full: keeping %d committed checkpoint(s) instead of %d to make room for iteration %d",
+                self.spec.keep - 1, self.spec.keep, iteration,
+            )
+            apply_retention(self.storage, self.job_root, self.spec.keep - 1)
+
+    def _clean_up(self, iteration: int, group) -> None:
+        """After a failed shard write: rank 0 deletes what the attempt left (files other ranks or
+        other streams had finished), once every rank's writing is over (DCP's failed collective
+        already says so), and every rank waits for it."""
+        if dist.get_rank() == 0:
+            self._delete_quietly(iteration)
         dist.barrier(group=group)
+
+    def _delete_quietly(self, iteration: int) -> None:
+        try:
+            delete_iteration(self.storage, self.job_root, iteration)
+        except Exception as err:  # noqa: BLE001 - the next attempt (or retention) deletes it again
+            log.warning("could not delete the failed save of iteration %d: %s", iteration, describe(err))
+
+    def _retain(self) -> None:
+        """Retention after a commit: a failure here costs space, never the committed checkpoint."""
+        try:
+            apply_retention(self.storage, self.job_root, self.spec.keep)
+        except Exception as err:  # noqa: BLE001 - retried after the next commit
+            log.warning("checkpoint retention in %s failed: %s", self.spec.path, describe(err))
+
+    @staticmethod
+    def _on_rank0(step) -> str | None:
+        """Run a storage step on rank 0: None if it worked, else its error (other ranks: None)."""
+        if dist.get_rank() != 0:
+            return None
+        try:
+            step()
+        except Exception as err:  # noqa: BLE001 - a storage failure, agreed on and retried
+            log.warning("checkpoint storage step failed: %s", describe(err))
+            return describe(err)
+        return None
+
+    @staticmethod
+    def _agree(error: str | None, group) -> str | None:
+        """Rank 0's outcome of a step, on every rank (the save's barrier)."""
+        box = [error]
+        dist.broadcast_object_list(box, src=0, group=group)
+        return box[0]
 
     # ---------------------------------------------------------------- resume
     def _open(self, uri: str) -> Storage:

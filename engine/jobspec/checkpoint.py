@@ -29,6 +29,29 @@ class CheckpointSpec(_Section):
         3, description="Committed checkpoints kept; older ones are deleted after a newer commits."
     )
     async_save: bool = Field(False, description="Write shards in the background while training continues.")
+    on_save_failure: Literal["continue", "fail"] = Field(
+        "continue",
+        description=(
+            "A save that still fails after its retries: continue = skip it (a checkpoint_failed event) and "
+            "try again at the next interval; fail = stop the job with the storage error."
+        ),
+    )
+    save_retries: int = Field(
+        3, ge=0, le=20, strict=True, description="Times a failed save is tried again before it counts as failed."
+    )
+    save_retry_backoff_s: float = Field(
+        2.0,
+        ge=0.0,
+        le=600.0,
+        description="Wait before the first retry; it doubles for each further one (2, 4, 8 s by default).",
+    )
+    max_consecutive_failures: PositiveInt = Field(
+        3,
+        description=(
+            "Failed saves in a row after which the job fails with the storage error (on_save_failure: continue), "
+            "so a job never trains for days without a checkpoint."
+        ),
+    )
     endpoint_url: str | None = Field(
         None, description="S3 endpoint (default: the boto3 chain, e.g. AWS_ENDPOINT_URL)."
     )

@@ -5,7 +5,7 @@ They live in the job row, updated in the same transaction as the telemetry that 
 
 Layout (every key optional):
   transitions {state: n}, tokens, skipped, energy_j, restarts {cause: n}, reruns {diagnosis: n},
-  checkpoints {success|failure: n}, step {buckets: [...], sum, count} (step_time_s),
+  checkpoints {success|failure: n}, ckpt_retries, step {buckets: [...], sum, count} (step_time_s),
   ckpt_save {buckets, sum, count}, ckpt_bytes, timers {phase: [min, max]}, valid_loss,
   recoveries {memory|replica|persistent: n}, steps_lost, recovery_s {phase: seconds} (the last),
   recent_steps [s, ...], restart_s, restarting_since (service/progress.py),

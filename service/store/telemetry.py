@@ -178,6 +178,9 @@ def _apply_checkpoint(
     )
     session.add(row)
     job_stats.count(stats, "checkpoints", row.result)
+    retries = number(event.get("retries"))
+    if retries is not None and retries > 0:  # storage errors the save got over (or gave up on)
+        job_stats.add(stats, "ckpt_retries", retries)
     if not ok:
         return
     if seconds is not None:

@@ -216,36 +216,49 @@ def test_a_failed_snapshot_does_not_cost_the_checkpointed_steps_record(tmp_path)
     assert spawn(_records_before_a_failed_snapshot, 1, (spec,), timeout_s=240)[0] == [1, 2, 3, 4]
 
 
-def _records_when_the_save_fails_after_its_commit(spec_dict: dict) -> tuple[list[int], list[int]]:
-    """Iteration 4's save commits on rank 0 and then fails, as when the closing barrier meets a
-    dead peer; returns what rank 0 recorded and the committed iterations."""
+def _records_when_the_save_fails_after_its_commit(spec_dict: dict) -> tuple[list[int], list[int], list[int]]:
+    """Iteration 4's save commits on rank 0 and then fails in its closing collective, as when it
+    meets a dead peer; returns what rank 0 recorded, what it had recorded when the closing
+    collective began, and the committed iterations."""
     from engine.checkpointing import checkpointer as checkpointer_module
     from engine.train_loop import train_rank
 
     recorded: list[int] = []
+    at_the_barrier: list[int] = []
+    committed_now: list[int] = []
     real_commit = checkpointer_module.commit_checkpoint
+    real_agree = checkpointer_module.Checkpointer._agree
 
-    def commit_then_fail(storage, root, iteration, *args, **kwargs):
+    def commit(storage, root, iteration, *args, **kwargs):
         real_commit(storage, root, iteration, *args, **kwargs)
-        if iteration == 4:
-            raise RuntimeError("the barrier after the commit: a peer died")
+        committed_now.append(iteration)
 
-    checkpointer_module.commit_checkpoint = commit_then_fail
+    def agree(error, group):
+        if committed_now == [4]:  # the closing collective of iteration 4's save
+            at_the_barrier.extend(recorded)
+            raise RuntimeError("the collective after the commit: a peer died")
+        return real_agree(error, group)
+
+    checkpointer_module.commit_checkpoint = commit
+    checkpointer_module.Checkpointer._agree = staticmethod(agree)
     try:
         with pytest.raises(RuntimeError, match="a peer died"):
             train_rank(spec_dict, quiet=True, on_record=lambda r: recorded.append(r["iteration"]))
     finally:
         checkpointer_module.commit_checkpoint = real_commit
+        checkpointer_module.Checkpointer._agree = staticmethod(real_agree)
         ps.destroy_model_parallel()
     root = Path(spec_dict["checkpoint"]["path"])
     committed = sorted(int(p.name.split("_")[1]) for p in root.rglob("iter_*") if (p / "manifest.json").exists())
-    return recorded, committed
+    return recorded, at_the_barrier, committed
 
 
 def test_a_save_that_fails_after_its_commit_still_hands_on_the_steps_record(tmp_path):
-    """The resume starts after iteration 4 (it is committed), so iteration 4's record must be out
-    even though save() raised (the old loop emitted it only after a save that returned)."""
+    """The resume starts after iteration 4 (it is committed), so iteration 4's record must be out,
+    and out before the save's closing collective: a frozen peer holds that collective for as long
+    as it is frozen, and a watchdog kill of this rank then would lose the record."""
     spec = job(1, training={"train_iters": 8}, checkpoint={"path": str(tmp_path), "interval": 4})
-    recorded, committed = spawn(_records_when_the_save_fails_after_its_commit, 1, (spec,), timeout_s=240)[0]
+    recorded, at_the_barrier, committed = spawn(_records_when_the_save_fails_after_its_commit, 1, (spec,), timeout_s=240)[0]
     assert committed == [4]
+    assert at_the_barrier == [1, 2, 3, 4]
     assert recorded == [1, 2, 3, 4]

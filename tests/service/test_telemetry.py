@@ -235,6 +235,7 @@ def test_metrics_endpoint_shows_the_jobs_series(env, running):
                 "seconds": 2.0,
                 "bytes": 5000,
                 "uri": "/c/iter_0000003",
+                "retries": 2,
                 "ts": 3.0,
             },
         ],
@@ -277,6 +278,7 @@ def test_metrics_endpoint_shows_the_jobs_series(env, running):
     assert one("elastron_job_recovery_phase_seconds", phase="group_start") == pytest.approx(1.5)
     assert one("elastron_job_checkpoints_total", result="success") == 1
     assert one("elastron_job_checkpoints_total", result="failure") == 0
+    assert one("elastron_job_checkpoint_retries_total") == 2  # a save that got over two storage errors
     assert one("elastron_job_phase_seconds", phase="forward", stat="max") == pytest.approx(0.12)
     assert one("elastron_job_phase_seconds", phase="optimizer", stat="min") == pytest.approx(0.01)
     assert 'elastron_jobs{state="running"} 1.0' in text

@@ -84,6 +84,24 @@ def test_failures_restart_within_the_budget_then_fail_with_the_cause():
     assert "max_restarts = 1" in second.reason and "rank 0" in second.reason and "bad data" in second.reason
 
 
+def test_checkpoint_storage_failing_fails_the_job_without_a_restart():
+    """Issue 34: the engine already retried and skipped; a restart would save, fail and restart
+    again (a crash loop). The reason names the storage error; peers' losses come after it."""
+    from engine.checkpointing.save_failures import CheckpointStorageError
+
+    p = policy(max_restarts=5)
+    err = CheckpointStorageError(
+        "3 checkpoint saves in a row failed: OSError: [Errno 28] No space left on device",
+        storage_error="OSError: [Errno 28] No space left on device",
+        failures=3,
+    )
+    causes = classify({0: err, 1: RuntimeError("Connection closed by peer")}, RANKS)
+    assert [c.kind for c in causes] == ["storage", "peer"]
+    decision = p.decide(Outcome(causes=causes))
+    assert decision.action == "fail" and decision.exit_code == EXIT_FAILED and p.restarts_used == 0
+    assert "No space left on device" in decision.reason
+
+
 def test_exit_16_resumes_away_from_its_nodes_without_charging_the_budget():
     p = policy(max_restarts=0)
     out = Outcome(causes=classify({0: RerunExit(16, "reproduced in place")}, RANKS), nodes={"a", "b"})

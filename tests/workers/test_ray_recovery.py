@@ -60,15 +60,14 @@ def _kill_rank_1_mid_run(telemetry, job_id: str, at: int, before_kill=None) -> d
 
 
 def _expected_source(telemetry, job_id: str) -> set[str]:
-    """`memory` when every rank restarted on the node it ran on; Ray Train may place the new
-    group's ranks on the nodes the other way round (its placement group picks the bundles'
-    nodes afresh), and then a rank whose replica on its new node lagged a step reads its newer
-    copy from the other node: `replica` is right too."""
+    """`memory`: sticky placement (workers/placement.py) restarts every rank on the node it ran
+    on, so each reads its own node's snapshot."""
     before, after = (
         {r["rank"]: r["node_id"] for r in e["ranks"]}
         for e in sorted(telemetry.events(job_id, "ranks_started"), key=lambda e: e["attempt"])[:2]
     )
-    return {"memory"} if before == after else {"memory", "replica"}
+    assert before == after, f"ranks moved between nodes on the restart: {before} -> {after}"
+    return {"memory"}
 
 
 def _check_final_losses(telemetry, job_id: str, reference: dict) -> None:
