@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.distributed.collectives import all_gather_into, reduce_scatter_into
+from engine.distributed.deferred_init import DeferredInit, materialize
 from engine.distributed.param_gather import ParamGatherer
 
 if TYPE_CHECKING:
@@ -252,7 +253,9 @@ class InPlace:
     by_unit = False
 
     def attach(self, dp: DataParallel, dtype: torch.dtype, device: torch.device) -> None:
-        pass
+        for p in dp._params:  # a model built on the meta device: each parameter gets its own tensor
+            if p.is_meta:
+                materialize(p, torch.empty(p.shape, dtype=p.dtype, device=device), dp.deferred)
 
     def view(self, bucket: Bucket, param: nn.Parameter, lo: int, hi: int, shard_offset: int) -> torch.Tensor:
         return param.detach().view(-1)[lo:hi]
@@ -282,7 +285,7 @@ class FlatBuffer(InPlace):
         self.buffer = torch.zeros(sum(b.numel for b in dp.buckets), dtype=dtype, device=device)
         for bucket in dp.buckets:
             bucket.param = self.buffer[bucket.offset : bucket.offset + bucket.numel]
-            _move_into(bucket, bucket.param)
+            _move_into(bucket, bucket.param, dp.deferred)
 
     @torch.no_grad()
     def after_step(self, dp: DataParallel) -> None:
@@ -301,21 +304,24 @@ class UnitShards(InPlace):
     """ZeRO-3 / FSDP: each bucket keeps a persistent shard (`bucket.param_shard`, what the
     optimizer updates) and a full buffer (`bucket.full`) its parameters are views of, freed
     between uses; param_gather.py gathers a layer's buckets around its forward and backward. The
-    buckets were planned by unit (bucket_plan.py), so a unit is gathered whole."""
+    buckets were planned by unit (bucket_plan.py), so a unit is gathered whole.
+
+    Attaching takes one bucket at a time: its full buffer is allocated, its parameters moved
+    (or, built on the meta device, materialised and initialised) into it, this rank's shard
+    cut out, and the buffer freed before the next bucket, so the model is never whole here."""
 
     by_unit = True
 
+    @torch.no_grad()
     def attach(self, dp: DataParallel, dtype: torch.dtype, device: torch.device) -> None:
         for bucket in dp.buckets:
             bucket.full = torch.zeros(bucket.numel, dtype=dtype, device=device)
-            _move_into(bucket, bucket.full)
+            _move_into(bucket, bucket.full, dp.deferred)
             lo, hi = bucket.shard_range()
             bucket.param_shard = bucket.full[lo:hi].clone()
+            bucket.full.untyped_storage().resize_(0)  # gathered around each use (param_gather.py)
         units, root, layers = dp.units
         self.gatherer = ParamGatherer(dp.module, units, root, layers)
-        for unit in [*units, root]:  # free_all frees gathered units only
-            for b in unit.buckets:
-                b.full.untyped_storage().resize_(0)
 
     def view(self, bucket: Bucket, param: nn.Parameter, lo: int, hi: int, shard_offset: int) -> torch.Tensor:
         return bucket.param_shard[shard_offset : shard_offset + hi - lo]
@@ -342,14 +348,12 @@ class UnitShards(InPlace):
         )
 
 
-@torch.no_grad()
-def _move_into(bucket: Bucket, home: torch.Tensor) -> None:
-    """Each parameter of `bucket` becomes a view of its segment of `home` (a bucket-sized tensor)."""
+def _move_into(bucket: Bucket, home: torch.Tensor, deferred: DeferredInit | None) -> None:
+    """Each parameter of `bucket` becomes a view of its segment of `home` (a bucket-sized
+    tensor): its values copied in, or drawn there when it was built on the meta device."""
     for p, seg in zip(bucket.params, bucket.plan.segments, strict=True):
         start = seg.offset - bucket.offset
-        view = home[start : start + seg.numel].view_as(p)
-        view.copy_(p.data)
-        p.data = view
+        materialize(p, home[start : start + seg.numel], deferred)
 
 
 @dataclass(frozen=True)
