@@ -23,6 +23,7 @@ buckets themselves (data_parallel.py) keep only what the plan gave them and thei
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -153,12 +154,17 @@ class StagedGrads:
     (`bucket.grad_shard`), so the optimizer reads this rank's 1/d straight from there. Always
     during backward: `overlap` does not apply, as holding a full gradient until the end is what
     this strategy avoids; the 1/dp of each microbatch's reduction adds up to the step's average.
-    Under ZeRO-3 a unit's gathered parameters are freed once all its buckets' rounds are out."""
+    Under ZeRO-3 a unit's gathered parameters are freed once all its buckets' rounds are out.
+    At most `ROUNDS_IN_FLIGHT` rounds (over all buckets) are in flight: the oldest is waited for
+    and added into its shard before another starts, so the staging held at once is a couple of
+    buckets, not the whole model's gradient (each staged round was kept until the step's end)."""
 
     sharded = True
+    ROUNDS_IN_FLIGHT = 2
 
     def __init__(self) -> None:
         self._rounds_done: dict[int, int] = {}  # per unit: buckets reduced this microbatch
+        self._outstanding: deque[Bucket] = deque()  # buckets with a round in flight, oldest first
 
     def buffer_numel(self, buckets: list[Bucket]) -> int:
         return sum(b.shard_numel for b in buckets)
@@ -174,6 +180,7 @@ class StagedGrads:
         for bucket in dp.buckets:
             bucket.grad, bucket.flight = None, _StagedFlight()
         self._rounds_done = {}
+        self._outstanding.clear()
 
     def on_ready(self, dp: DataParallel, param: nn.Parameter) -> None:
         """Copy this microbatch's grad into the bucket's staging buffer; once every param of the
@@ -194,7 +201,9 @@ class StagedGrads:
 
     def _launch_round(self, dp: DataParallel, bucket: Bucket) -> None:
         staged, bucket.grad, bucket.flight.round = bucket.grad, None, set()
-        self._drain(bucket)  # at most one round of a bucket in flight: bounded staging memory
+        if bucket.flight.inflight:  # at most one round of a bucket in flight
+            self._outstanding.remove(bucket)
+            self._drain(bucket)
         if dp.dp > 1:
             staged.mul_(1.0 / dp.dp)  # averaged over DP (see WholeGrads._launch)
         if bucket.world > 1:
@@ -203,6 +212,9 @@ class StagedGrads:
             bucket.flight.inflight.append((work, out, staged))
         else:
             bucket.flight.inflight.append((None, staged, None))
+        self._outstanding.append(bucket)
+        while len(self._outstanding) > self.ROUNDS_IN_FLIGHT:
+            self._drain(self._outstanding.popleft())
         unit, gatherer = bucket.unit, dp.gatherer
         if unit is not None and gatherer is not None:
             done = self._rounds_done.get(id(unit), 0) + 1
@@ -225,8 +237,8 @@ class StagedGrads:
         for bucket in dp.buckets:
             if bucket.grad is not None:
                 self._launch_round(dp, bucket)
-        for bucket in dp.buckets:
-            self._drain(bucket)
+        while self._outstanding:
+            self._drain(self._outstanding.popleft())
 
     def view(self, bucket: Bucket, param: nn.Parameter, lo: int, hi: int, shard_offset: int) -> torch.Tensor:
         return bucket.grad_shard[shard_offset : shard_offset + hi - lo]
