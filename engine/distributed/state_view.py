@@ -56,6 +56,11 @@ class CheckpointView:
 
     params_sharded: bool
     shards: tuple[ShardHolding, ...]
+    # ZeRO-3: the parameters kept as shards, and per flat range this rank owns of one of them
+    # (param, lo, hi, the view of its bucket's persistent shard holding it): what a checkpoint
+    # saves and loads in place, with no gather.
+    sharded_params: tuple[torch.Tensor, ...]
+    shard_segments: tuple[tuple[torch.Tensor, int, int, torch.Tensor], ...]
     _holdings: Mapping[int, ParamHolding]
     gather_whole: Callable[[], None]  # every parameter whole now (collective under ZeRO-3)
     scatter_loaded: Callable[[], None]  # whole values written into the parameters -> the shards
@@ -80,9 +85,15 @@ class CheckpointView:
             for p in bucket.params:
                 holdings[id(p)] = holding
         shards = tuple(ShardHolding(b.param_shard, b.replica_group) for b in dp.buckets) if dp.shard_params else ()
+        segments = ()
+        if dp.shard_params:
+            owned = zip(dp.param_shard_ranges(), dp.param_views(), strict=True)
+            segments = tuple((p, lo, hi, view) for (p, lo, hi), view in owned)
         return cls(
             params_sharded=dp.shard_params,
             shards=shards,
+            sharded_params=tuple(p for b in dp.buckets for p in b.params) if dp.shard_params else (),
+            shard_segments=segments,
             _holdings=holdings,
             gather_whole=dp.gather_all_params,
             scatter_loaded=dp.params_loaded,
