@@ -84,7 +84,24 @@ class FlatRanges(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.clone.default, torch.ops.aten.detach.default) and len(args) == 1:
+            this = args[0]
+            copy = func is torch.ops.aten.clone.default
+            return this.with_sources([(lo, hi, t.clone() if copy else t) for lo, hi, t in this.sources])
         raise TypeError(f"FlatRanges is a checkpoint entry only: {func} is not supported on it")
+
+    def local_values(self) -> torch.Tensor:
+        """This rank's pieces, flattened one after the other (for comparisons in tests)."""
+        flat = [t.reshape(-1) for _, t, _ in self.pieces]
+        return torch.cat(flat) if flat else torch.zeros(0, dtype=self.dtype)
+
+    def copy_from(self, other: FlatRanges) -> None:
+        """Copy `other`'s pieces (the same boxes) into this one's memory."""
+        if [o for o, _, _ in self.pieces] != [o for o, _, _ in other.pieces]:
+            raise ValueError("FlatRanges.copy_from needs the same boxes on both sides")
+        with torch.no_grad():
+            for (_, dst, _), (_, src, _) in zip(self.pieces, other.pieces, strict=True):
+                dst.copy_(src)
 
     def __repr__(self) -> str:  # the default repr would compute on the tensor
         return f"FlatRanges(shape={tuple(self.shape)}, dtype={self.dtype}, pieces={len(self.pieces)})"

@@ -143,9 +143,8 @@ class ModelState:
         for key, mine in self.state_dict().items():
             src = state_dict[key]
             if isinstance(mine, FlatRanges):
-                if src is not mine and isinstance(src, FlatRanges):
-                    for (_, dst, _), (_, value, _) in zip(mine.pieces, src.pieces, strict=True):
-                        dst.copy_(value)
+                if src is not mine:
+                    mine.copy_from(src)
                 continue
             dst, src = _local(mine), _local(src)
             if dst.data_ptr() != src.data_ptr():
@@ -226,9 +225,17 @@ class OptimizerState:
         """Hand the loaded segments to the optimizer; the weights (model part) are already in
         place, and masters that were not saved are taken from them."""
         loading, self._loading = self._loading, None
-        if loading is None:
-            raise RuntimeError("OptimizerState loads through load_target (restore.restore_parts)")
         opt = self.optimizer
+        if loading is None:  # not planned by load_target (a state_dict() of ours): copy it in
+            loading = {}
+
+            def tensor_of(i: int, name: str) -> torch.Tensor:
+                loading[(i, name)] = opt.segment_state(i, name)
+                return loading[(i, name)]
+
+            with_master = bool(state_dict.get("has_master")) and self._with_master()
+            for key, mine in self._entries(tensor_of, self._names(with_master)).items():
+                mine.copy_from(state_dict[key])
         step = state_dict["adam_step"]
         for i in range(len(opt.segments)):
             loaded = {name: loading[(i, name)] for name in opt.state_names(i) if name != "master"}

@@ -160,7 +160,7 @@ class StagedGrads:
     buckets, not the whole model's gradient (each staged round was kept until the step's end)."""
 
     sharded = True
-    ROUNDS_IN_FLIGHT = 2
+    ROUNDS_IN_FLIGHT = 1
 
     def __init__(self) -> None:
         self._rounds_done: dict[int, int] = {}  # per unit: buckets reduced this microbatch
