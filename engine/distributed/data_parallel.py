@@ -22,8 +22,12 @@ the reduced shards all-reduced over the latter. A tied embedding split across pi
 gets a bucket of its own so its shard ranges line up on the first and last stage.
 
 Checkpoints read this class only through `checkpoint_view()` (state_view.py): which ranks hold
-each parameter and its optimizer state alike, the persistent shards, and how to make parameters
-whole and scatter loaded values back.
+each parameter and its optimizer state alike, the persistent shards and this rank's flat range of
+each parameter in them, and how to refresh parameters after a load.
+
+A model built on the meta device (`deferred`, deferred_init.py) gets its parameters here, each
+materialised and initialised where the level keeps it, so it is never whole on a rank when the
+level shards parameters.
 
 Written here rather than with torch's DDP/FSDP2 because the buffer is shared with the optimizer
 (ZeRO-1 shards are views of it) and with pipeline schedules that call backward themselves; the

@@ -3,13 +3,14 @@
 
 A checkpoint needs three things of data parallelism:
 - per parameter, which ranks hold it alike (to write one copy, or keep a 1/n slice of it in a
-  snapshot), and over which ranks its optimizer state is split into disjoint ranges (to
-  assemble it to parameter shape by a sum) or held alike;
+  snapshot), and over which ranks its optimizer state is split into disjoint flat ranges or
+  held alike;
 - the tensors it keeps that are not the parameters: under ZeRO-3 each bucket's persistent
-  parameter shard, with the HSDP replicas that hold the same shard;
-- how to assemble: make every parameter whole before reading it (a collective under ZeRO-3),
-  put whole loaded values back into the shards, and bring parameters up to date after the
-  persistent values (shards, or the optimizer's masters) were replaced by a load.
+  parameter shard, with the HSDP replicas that hold the same shard, and the flat range of each
+  parameter this rank owns in them (what the persistent checkpoint saves and loads in place);
+- a way to bring parameters up to date after the persistent values (shards, or the optimizer's
+  masters) were replaced by a load; and, for tests and inspection, to make every parameter
+  whole (a collective under ZeRO-3) and put whole values back into the shards.
 """
 
 from __future__ import annotations
