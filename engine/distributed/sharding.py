@@ -156,8 +156,9 @@ class StagedGrads:
     this strategy avoids; the 1/dp of each microbatch's reduction adds up to the step's average.
     Under ZeRO-3 a unit's gathered parameters are freed once all its buckets' rounds are out.
     At most `ROUNDS_IN_FLIGHT` rounds (over all buckets) are in flight: the oldest is waited for
-    and added into its shard before another starts, so the staging held at once is a couple of
-    buckets, not the whole model's gradient (each staged round was kept until the step's end)."""
+    and added into its shard when another starts, so the staging held at once is the round in
+    flight and the bucket being staged, not the whole model's gradient (as when every round was
+    kept until the step's end); the round in flight still overlaps the next unit's backward."""
 
     sharded = True
     ROUNDS_IN_FLIGHT = 1
