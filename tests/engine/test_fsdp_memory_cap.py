@@ -100,7 +100,7 @@ def test_full_sharding_trains_saves_and_resumes_under_a_cap_unsharded_state_exce
         capped_train_until, 2, (_spec("optim_grads_params", tmp_path / "b", resume_from=resume), 3), timeout_s=240
     )[0]
     assert second["start"] == 2
-    assert second["losses"] == pytest.approx(first["losses"][2:], rel=1e-6)
+    assert second["losses"] == first["losses"][2:]  # bit for bit
 
 
 def test_the_cap_is_real_the_same_job_unsharded_runs_out_of_memory(tmp_path):
