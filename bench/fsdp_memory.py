@@ -154,13 +154,8 @@ def _torch(kind: str, shape: dict) -> dict:
         opt.zero_grad(set_to_none=True)
         times.append(time.perf_counter() - start)
     phases.end("step")
-    params = sum(p.numel() for p in _llama_param_counts(model))
+    params = sum(p.numel() for p in model.parameters())  # a DTensor counts its global size
     return {"peaks": phases.peaks, "step_s": times[-1], "params": params}
-
-
-def _llama_param_counts(model):
-    for p in model.parameters():
-        yield p.to_local() if hasattr(p, "to_local") else p
 
 
 def main() -> None:
