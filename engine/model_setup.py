@@ -8,6 +8,7 @@ choices of process groups for the gradient norm live here, beside the optimizer 
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from engine import parallel_state as ps
 from engine.compile import compile_layers
 from engine.distributed.data_parallel import DataParallel
+from engine.distributed.deferred_init import DeferredInit, buffers_to, materialize_rest, params_on_meta
 from engine.hf.importer import ImportReport, import_hf_weights
 from engine.jobspec import JobSpec
 from engine.models import GPTModel
@@ -24,7 +26,7 @@ from engine.optimizer.optimizer import TrainingOptimizer
 from engine.optimizer.scheduler import OptimizerParamScheduler
 from engine.pipeline_parallel import PipelineRunner, stage_layer_ranges, virtual_stages_of
 from engine.transformer.config import TransformerConfig
-from engine.transformer.initialization import initialize_weights
+from engine.transformer.initialization import global_names, initialize_param, initialize_weights
 
 
 @dataclass
@@ -41,10 +43,12 @@ class ModelAndOptimizer:
 
 
 def build_model_chunks(
-    spec: JobSpec, config: TransformerConfig, device: torch.device, initialize: bool = True
+    spec: JobSpec, config: TransformerConfig, device: torch.device, initialize: bool = True, deferred: bool = False
 ) -> tuple[list[GPTModel], list[int], int]:
     """This rank's model chunks: one per virtual pipeline stage it holds (one without PP), with
-    their global stage indices and the number of stages."""
+    their global stage indices and the number of stages. `deferred`: parameters stay on the meta
+    device (buffers are real, on `device`); data parallelism materialises and initialises them
+    where it keeps them (`deferred_init_of`), so the model is never whole on a rank."""
     p = spec.parallel
     vp = p.virtual_pipeline or 1
     num_stages = p.pipeline * vp
@@ -53,14 +57,19 @@ def build_model_chunks(
     chunks = []
     for idx in stage_indices:
         offset, count = ranges[idx]
-        chunk = GPTModel(
-            config,
-            pre_process=idx == 0,
-            post_process=idx == num_stages - 1,
-            layer_offset=offset,
-            num_layers=count,
-        ).to(device)
-        if initialize:
+        with params_on_meta() if deferred else nullcontext():
+            chunk = GPTModel(
+                config,
+                pre_process=idx == 0,
+                post_process=idx == num_stages - 1,
+                layer_offset=offset,
+                num_layers=count,
+            )
+        if deferred:
+            buffers_to(chunk, device)
+        else:
+            chunk.to(device)
+        if initialize and not deferred:
             initialize_weights(chunk, spec.training.seed)
         if spec.training.compile:
             compile_layers(chunk)
@@ -101,8 +110,18 @@ def expert_norm_group(spec: JobSpec, config: TransformerConfig) -> dist.ProcessG
     return ps.get_group("emp")
 
 
-def wrap_data_parallel(spec: JobSpec, config: TransformerConfig, chunks: list[GPTModel]) -> list[DataParallel]:
-    """Each chunk under the job's data-parallel sharding level."""
+def deferred_init_of(spec: JobSpec, chunk: GPTModel, device: torch.device) -> DeferredInit:
+    """How a chunk built on the meta device is filled: the layout-independent initialisation,
+    parameter by parameter, where data parallelism materialises each."""
+    names, seed = global_names(chunk), spec.training.seed
+    return DeferredInit(device, lambda p: initialize_param(p, names[id(p)], seed))
+
+
+def wrap_data_parallel(
+    spec: JobSpec, config: TransformerConfig, chunks: list[GPTModel], deferred: list[DeferredInit] | None = None
+) -> list[DataParallel]:
+    """Each chunk under the job's data-parallel sharding level (`deferred`: per chunk, how its
+    meta parameters are filled; the ones data parallelism does not hold are materialised here)."""
     p = spec.parallel
     grad_dtype = torch.float32 if p.grad_reduce_in_fp32 else config.params_dtype
     # Weights are replicated over context parallelism as well: gradients are averaged over
@@ -110,7 +129,8 @@ def wrap_data_parallel(spec: JobSpec, config: TransformerConfig, chunks: list[GP
     grad_group = ps.get_group("dp_cp") if p.context > 1 else ps.get_group("dp")
     # Hybrid sharding: shard within groups of data_parallel_shard_size, all-reduce across them.
     hybrid = ps.has_group("dp_shard")
-    return [
+    deferred = deferred or [None] * len(chunks)
+    wrapped = [
         DataParallel(
             chunk,
             grad_group,
@@ -121,9 +141,14 @@ def wrap_data_parallel(spec: JobSpec, config: TransformerConfig, chunks: list[GP
             expert_group=ps.get_group("edp") if config.moe else None,
             shard_group=ps.get_group("dp_shard") if hybrid else None,
             replica_group=ps.get_group("dp_replica") if hybrid else None,
+            deferred=init,
         )
-        for chunk in chunks
+        for chunk, init in zip(chunks, deferred, strict=True)
     ]
+    for chunk, init in zip(chunks, deferred, strict=True):
+        if init is not None:
+            materialize_rest(chunk, init)
+    return wrapped
 
 
 def build_model_and_optimizer(
@@ -133,7 +158,12 @@ def build_model_and_optimizer(
     copies them into its fp32 masters, and instead of a random init: the import writes every
     element, the vocabulary padding included)."""
     p, t = spec.parallel, spec.training
-    chunks, stage_indices, num_stages = build_model_chunks(spec, config, device, initialize=not import_hf)
+    # A fresh model is built on the meta device and initialised where data parallelism keeps
+    # it; an imported one is built whole (the importer writes whole parameters).
+    chunks, stage_indices, num_stages = build_model_chunks(
+        spec, config, device, initialize=not import_hf, deferred=not import_hf
+    )
+    deferred = None if import_hf else [deferred_init_of(spec, chunk, device) for chunk in chunks]
     hf_import = None
     if import_hf:
         uri = spec.model.init_from
@@ -145,7 +175,7 @@ def build_model_and_optimizer(
             # what the checkpoint has no weights for (MTP depths it lacks)
             initialize=lambda chunk, only: initialize_weights(chunk, t.seed, only=only),
         )
-    ddp_chunks = wrap_data_parallel(spec, config, chunks)
+    ddp_chunks = wrap_data_parallel(spec, config, chunks, deferred)
     grad_scaler = None
     if t.precision == "fp16":
         grad_scaler = DynamicGradScaler(

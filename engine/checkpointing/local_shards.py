@@ -1,12 +1,10 @@
 """This rank's model and optimizer state as it holds it, for in-memory snapshots of the same layout.
 
 The persistent checkpoint stores every tensor in global, parameter-shaped form so that another
-layout can load it (state.py): the optimizer's state assembled over its data-parallel group
-under the distributed optimizer (an all-reduce of the model per moment), sharded parameters
-gathered whole under ZeRO-3 (an all-gather of the model, and the whole model in memory at once).
-Once per checkpoint interval that is affordable; an in-memory snapshot is taken as often as every
-step and is only ever restored by the same rank of the same layout, so it keeps what the rank
-holds instead: no collective, nothing parameter-sized that the rank does not already have.
+layout can load it (state.py; each rank writes its own flat ranges as boxes of those tensors,
+flat_ranges.py). An in-memory snapshot is taken as often as every step and is only ever
+restored by the same rank of the same layout, so it keeps what the rank holds, keyed by the
+rank's own structure: no DCP planning, no collective, nothing the rank does not already have.
 
 - `ModelShards`: whole parameters where the rank holds them whole (the same on every data-parallel
   replica: `replica_group` says so, and a snapshot keeps a 1/n slice of them, memory.py); under

@@ -16,13 +16,12 @@ place in it:
   writes one replica.
 
 Optimizer state (fp32 master weights when they are copies, Adam's two moments) is stored with
-the parameter's own shape and sharding, whatever the data-parallel size. Under the distributed
-optimizer each DP rank owns arbitrary flat ranges of each parameter, which DCP cannot describe,
-so those ranges are assembled to parameter shape over the chunk's DP group before saving (a sum
-of disjoint pieces) and cut back to the new layout's ranges after loading. That costs one
-transient parameter-sized copy per state during a save; writing the flat ranges directly is the
-next step when checkpoint memory matters. Loading does not assemble anything: the optimizer
-part loads into fresh parameter-shaped buffers (`load_target`).
+the parameter's own shape and sharding, whatever the data-parallel size. Each rank writes and
+reads only its own flat ranges of each parameter (its optimizer segments; under
+optim_grads_params its persistent parameter shards too) as DCP boxes of the global tensor
+(flat_ranges.py): no parameter-shaped assembly, no whole-model gather, no collective beyond
+DCP's own planning, and the save and load hold nothing the rank does not hold anyway. Another
+layout reads the boxes it needs from the same global tensors.
 
 RNG states are per rank, keyed by the rank's place in the grid, and restored only on the
 layout that saved them.
@@ -40,6 +39,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from engine import device
 from engine import parallel_state as ps
+from engine.checkpointing.flat_ranges import FlatRanges, flat_range_entries
 from engine.checkpointing.stateful import SavedCheckpoint
 from engine.parallel_placement import placement_of
 from engine.tensor_parallel.random import load_rng_state_dict, model_parallel_manual_seed, rng_state_dict
@@ -76,6 +76,15 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+def _flat_pieces(key: str, param: nn.Parameter, ranges: list[tuple[int, int, torch.Tensor]]) -> dict:
+    """{key(#k): FlatRanges} for this rank's flat ranges (lo, hi, flat tensor) of `param`'s
+    local (TP) piece, in the global tensor's coordinates."""
+    tp_world = ps.get_tensor_model_parallel_world_size()
+    tp_rank = ps.get_tensor_model_parallel_rank() if tp_world > 1 else 0
+    dtype = ranges[0][2].dtype if ranges else torch.float32
+    return flat_range_entries(key, placement_of(param), param.shape, dtype, ranges, tp_rank, tp_world)
+
+
 def named_params(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
     """(global name, param) for every parameter of this rank's model chunks."""
     return [(model.global_param_name(name), p) for model in chunks for name, p in model.named_parameters()]
@@ -96,30 +105,34 @@ def named_buffers(chunks: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:
 class ModelState:
     """This rank's model chunks: every parameter and the buffers that must survive a restart.
 
-    Its state dict is views of the parameters themselves, so a save copies nothing (an async
-    save snapshots it) and a load lands straight in the parameters. When data parallelism keeps
-    parameters as shards (optim_grads_params), `ddp_chunks` gathers them whole first (a
-    collective; the next training step frees them again) and the state dict holds copies (one
-    transient model-sized copy per rank during a save, as for the optimizer state); a load
-    copies this rank's slices back into the shards: the checkpoint holds the same global
-    tensors at every sharding level."""
+    Its state dict is views of what the rank holds, so a save copies nothing (an async save
+    snapshots it) and a load lands in place: the parameters themselves, or, when data
+    parallelism keeps them as shards (optim_grads_params), this rank's flat ranges of each in
+    its buckets' persistent shards (FlatRanges: no gather, nothing parameter-sized). The
+    checkpoint holds the same global tensors at every sharding level."""
 
     def __init__(self, chunks: list[nn.Module], ddp_chunks: list[DataParallel] | None = None) -> None:
         self.chunks = chunks
         self.ddp_chunks = ddp_chunks or []
 
-    def state_dict(self) -> dict[str, Any]:
-        return self._tensors(copies=any(ddp.checkpoint_view().params_sharded for ddp in self.ddp_chunks))
-
-    def _tensors(self, copies: bool) -> dict[str, Any]:
-        """Views of the parameters, or copies of them: the storage of gathered sharded parameters
-        is freed by resizing it, which storage handed to the checkpoint's I/O (numpy views) forbids."""
+    def _in_shards(self) -> dict[int, list[tuple[int, int, torch.Tensor]]]:
+        """id(param) -> its (lo, hi, shard view) ranges on this rank, for sharded parameters."""
+        out: dict[int, list] = {}
         for ddp in self.ddp_chunks:
-            ddp.checkpoint_view().gather_whole()
+            for p, lo, hi, view in ddp.checkpoint_view().shard_segments:
+                out.setdefault(id(p), []).append((lo, hi, view))
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        in_shards = self._in_shards()
+        sharded = {id(p) for ddp in self.ddp_chunks for p in ddp.checkpoint_view().sharded_params}
         mesh = _tp_mesh()
         out: dict[str, Any] = {}
         for gname, p in named_params(self.chunks):
-            out.update(_pieces(gname, p.detach().clone() if copies else p.detach(), p, mesh))
+            if id(p) in sharded:
+                out.update(_flat_pieces(gname, p, in_shards.get(id(p), [])))
+            else:
+                out.update(_pieces(gname, p.detach(), p, mesh))
         for gname, buf in named_buffers(self.chunks):
             out[gname] = buf
         return out
@@ -127,141 +140,107 @@ class ModelState:
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         # What was loaded into state_dict()'s views is in place already; other tensors are copied in.
-        for key, mine in self._tensors(copies=False).items():
-            dst, src = _local(mine), _local(state_dict[key])
+        for key, mine in self.state_dict().items():
+            src = state_dict[key]
+            if isinstance(mine, FlatRanges):
+                if src is not mine:
+                    mine.copy_from(src)
+                continue
+            dst, src = _local(mine), _local(src)
             if dst.data_ptr() != src.data_ptr():
                 dst.copy_(src)
         for ddp in self.ddp_chunks:
-            ddp.checkpoint_view().scatter_loaded()
+            if ddp.checkpoint_view().params_sharded:
+                ddp.checkpoint_view().refresh()  # gathered copies are stale: the next use regathers
 
 
 class OptimizerState:
-    """AdamW's state for this rank's parameters, parameter-shaped, with `adam_step` and
-    `has_master` (whether the masters are copies, so saved) in the meta."""
+    """AdamW's state for this rank's parameters: per parameter and state, this rank's flat
+    segments as FlatRanges of the parameter-shaped global tensor; `adam_step` and `has_master`
+    (whether the masters are copies, so saved) in the meta."""
 
     def __init__(
         self, optimizer: TrainingOptimizer, chunks: list[nn.Module], ddp_chunks: list[DataParallel]
     ) -> None:
         self.optimizer, self.chunks, self.ddp_chunks = optimizer, chunks, ddp_chunks
-        self._loading: dict[str, torch.Tensor] | None = None  # load_target's buffers
+        self._loading: dict[tuple[int, str], torch.Tensor] | None = None  # load_target's tensors
 
-    def _named(self) -> list[tuple[str, nn.Parameter, DataParallel]]:
-        """(global name, param, owning DataParallel chunk) for every parameter on this rank."""
+    def _named(self) -> list[tuple[str, nn.Parameter]]:
+        """(global name, param) for every parameter data parallelism holds on this rank (this
+        rank may own no segment of a small one: its entry then has no pieces)."""
         return [
-            (gname, p, ddp)
+            (gname, p)
             for model, ddp in zip(self.chunks, self.ddp_chunks, strict=True)
             for gname, p in named_params([model])
+            if ddp.checkpoint_view().holding(p) is not None
         ]
 
     def _with_master(self) -> bool:
         return self.optimizer.has_master_copies()
 
-    @torch.no_grad()
-    def _by_param(self) -> dict[int, dict[str, torch.Tensor]]:
-        """id(param) -> {state name: parameter-shaped fp32 tensor}, assembled over DP for ZeRO-1."""
-        opt = self.optimizer
-        named = self._named()
-        segments = {id(p): [] for _, p, _ in named}
-        for i, (p, lo, hi) in enumerate(opt.segments):
-            segments[id(p)].append((i, lo, hi))
-        with_master = self._with_master()
-        out = {}
-        for _, p, ddp in named:
-            # The shards span the param's bucket group: DP (DP x CP under context parallelism, one
-            # shard group under HSDP), or the expert data-parallel group for MoE experts.
-            group = ddp.checkpoint_view().holding(p).state_group
-            sharded = group is not None
-            states = {}
-            for name in STATE_NAMES:
-                if name == "master" and not with_master:
-                    continue
-                segs = segments[id(p)]
-                if not sharded and len(segs) == 1 and segs[0][1:] == (0, p.numel()):
-                    i = segs[0][0]  # this rank holds the whole state: a view, no copy
-                    states[name] = opt.segment_state(i, name).view(p.shape)
-                    continue
-                # On the param's device: all-reduced, so NCCL on GPU.
-                flat = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
-                for i, lo, hi in segs:
-                    flat[lo:hi] = opt.segment_state(i, name)
-                if sharded:  # over one shard group: HSDP replicas hold the same pieces
-                    dist.all_reduce(flat, group=group)
-                states[name] = flat.view(p.shape)
-            out[id(p)] = states
+    def _entries(self, tensor_of, names) -> dict[str, Any]:
+        """{"<param>/<state>(#k)": FlatRanges} over `tensor_of(i, name)` for each segment i."""
+        by_param: dict[int, list[int]] = {}
+        for i, (p, _, _) in enumerate(self.optimizer.segments):
+            by_param.setdefault(id(p), []).append(i)
+        out: dict[str, Any] = {}
+        for gname, p in self._named():
+            segs = by_param.get(id(p), [])
+            for name in names:
+                ranges = [(*self.optimizer.segments[i][1:], tensor_of(i, name)) for i in segs]
+                out.update(_flat_pieces(f"{gname}/{name}", p, ranges))
         return out
 
+    def _names(self, with_master: bool) -> tuple[str, ...]:
+        return tuple(n for n in STATE_NAMES if n != "master" or with_master)
+
     def state_dict(self) -> dict[str, Any]:
-        """A collective under the distributed optimizer (the assembly over DP)."""
-        mesh = _tp_mesh()
-        out: dict[str, Any] = {}
-        states = self._by_param()
-        for gname, p, _ in self._named():
-            for name, tensor in states[id(p)].items():
-                out.update(_pieces(f"{gname}/{name}", tensor, p, mesh))
-        out["adam_step"] = self.optimizer.adam_step()
+        """The optimizer's own tensors, as this rank's flat ranges: nothing copied or assembled."""
+        opt = self.optimizer
+        out = self._entries(opt.segment_state, self._names(self._with_master()))
+        out["adam_step"] = opt.adam_step()
         out["has_master"] = self._with_master()
         return out
 
     def load_target(self, saved: SavedCheckpoint) -> dict[str, Any]:
-        """Fresh parameter-shaped buffers in this layout's sharding (masters only when both the
-        checkpoint and this job have them: otherwise they come from the loaded weights); strided
-        pieces are views of one buffer, so nothing is concatenated after the load."""
+        """The state tensors themselves, loaded in place: Adam's moments where it has them (a
+        trainer that has not stepped yet gets fresh segment-sized ones), the masters (only when
+        both the checkpoint and this job have them: otherwise they come from the loaded weights)."""
         with_master = bool(saved.meta["has_master"]) and self._with_master()
-        mesh = _tp_mesh()
-        target: dict[str, Any] = {}
-        buffers: dict[str, torch.Tensor] = {}
-        for gname, p, _ in self._named():
-            for name in STATE_NAMES:
-                if name != "master" or with_master:
-                    key = f"{gname}/{name}"
-                    # On the param's device: the optimizer keeps these as its state.
-                    buffers[key] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
-                    target.update(_pieces(key, buffers[key], p, mesh))
-        self._loading = buffers
+        opt = self.optimizer
+        loading: dict[tuple[int, str], torch.Tensor] = {}
+
+        def tensor_of(i: int, name: str) -> torch.Tensor:
+            loading[(i, name)] = opt.segment_state(i, name)
+            return loading[(i, name)]
+
+        target = self._entries(tensor_of, self._names(with_master))
+        self._loading = loading
         target["adam_step"] = None
         target["has_master"] = None
         return target
 
-    def _whole(self, state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
-        """Parameter-shaped local tensors from a state dict that did not come from load_target."""
-        out = {}
-        for gname, p, _ in self._named():
-            for name in STATE_NAMES:
-                key = f"{gname}/{name}"
-                if key in state_dict:
-                    out[key] = _local(state_dict[key])
-                elif f"{key}#0" in state_dict:
-                    placement = placement_of(p)
-                    pieces = [_local(state_dict[f"{key}#{k}"]) for k in range(placement.tp_stride)]
-                    out[key] = torch.cat(pieces, dim=placement.tp_dim)
-        return out
-
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Cut the loaded state to this layout's ranges; the weights (model part) are already in
-        the parameters, and masters that were not saved are taken from them."""
-        buffers, self._loading = self._loading, None
-        if buffers is None:
-            buffers = self._whole(state_dict)
+        """Hand the loaded segments to the optimizer; the weights (model part) are already in
+        place, and masters that were not saved are taken from them."""
+        loading, self._loading = self._loading, None
         opt = self.optimizer
+        if loading is None:  # not planned by load_target (a state_dict() of ours): copy it in
+            loading = {}
+
+            def tensor_of(i: int, name: str) -> torch.Tensor:
+                loading[(i, name)] = opt.segment_state(i, name)
+                return loading[(i, name)]
+
+            with_master = bool(state_dict.get("has_master")) and self._with_master()
+            for key, mine in self._entries(tensor_of, self._names(with_master)).items():
+                mine.copy_from(state_dict[key])
         step = state_dict["adam_step"]
-        full = {
-            id(p): {n: buffers[f"{gname}/{n}"] for n in STATE_NAMES if f"{gname}/{n}" in buffers}
-            for gname, p, _ in self._named()
-        }
-        for i, (p, lo, hi) in enumerate(opt.segments):
-            states = full[id(p)]
-            # A whole parameter keeps the loaded tensor; a slice is copied, or its view would pin
-            # the whole parameter-sized tensor in memory.
-            whole = (lo, hi) == (0, p.numel())
-            loaded = {
-                name: states[name].reshape(-1) if whole else states[name].reshape(-1)[lo:hi].clone()
-                for name in opt.state_names(i)
-                if name != "master"
-            }
-            if "master" in opt.state_names(i):  # a copy: loaded, or else taken from the weights
-                source = states["master"] if "master" in states else p.detach().float()
-                loaded["master"] = source.reshape(-1)[lo:hi]
+        for i in range(len(opt.segments)):
+            loaded = {name: loading[(i, name)] for name in opt.state_names(i) if name != "master"}
+            if "master" in opt.state_names(i):  # a copy: loaded in place, or else from the weights
+                loaded["master"] = loading.get((i, "master"), opt.segment_param(i).float())
             opt.load_segment_state(i, step, loaded)
         for ddp in self.ddp_chunks:
             ddp.checkpoint_view().refresh()
@@ -308,7 +287,20 @@ def snapshot(state: dict[str, object], buffers: dict[str, torch.Tensor]) -> dict
     several times faster than into fresh pages, and a save only starts after the previous one
     finished with them."""
     out: dict[str, object] = {}
+    copied: dict[tuple[int, int, int], torch.Tensor] = {}  # flat sources shared by strided keys
     for key, value in state.items():
+        if isinstance(value, FlatRanges):
+            sources = []
+            for j, (lo, hi, flat) in enumerate(value.sources):
+                ident = (flat.untyped_storage().data_ptr(), flat.storage_offset(), flat.numel())
+                if ident not in copied:
+                    host = buffers.get(f"{key}@{j}")
+                    if host is None or host.shape != flat.shape or host.dtype != flat.dtype:
+                        host = buffers[f"{key}@{j}"] = torch.empty(flat.shape, dtype=flat.dtype, device="cpu")
+                    copied[ident] = host.copy_(flat.detach())
+                sources.append((lo, hi, copied[ident]))
+            out[key] = value.with_sources(sources)
+            continue
         local = value.to_local() if isinstance(value, DTensor) else value
         host = buffers.get(key)
         if host is None or host.shape != local.shape or host.dtype != local.dtype:

@@ -22,8 +22,12 @@ the reduced shards all-reduced over the latter. A tied embedding split across pi
 gets a bucket of its own so its shard ranges line up on the first and last stage.
 
 Checkpoints read this class only through `checkpoint_view()` (state_view.py): which ranks hold
-each parameter and its optimizer state alike, the persistent shards, and how to make parameters
-whole and scatter loaded values back.
+each parameter and its optimizer state alike, the persistent shards and this rank's flat range of
+each parameter in them, and how to refresh parameters after a load.
+
+A model built on the meta device (`deferred`, deferred_init.py) gets its parameters here, each
+materialised and initialised where the level keeps it, so it is never whole on a rank when the
+level shards parameters.
 
 Written here rather than with torch's DDP/FSDP2 because the buffer is shared with the optimizer
 (ZeRO-1 shards are views of it) and with pipeline schedules that call backward themselves; the
@@ -39,6 +43,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.distributed.bucket_plan import ROOT_UNIT, BucketPlan, ParamSlot, Segment, plan_buckets
+from engine.distributed.deferred_init import DeferredInit
 from engine.distributed.param_gather import ParamGatherer, Unit
 from engine.distributed.sharding import LEVELS, SHARDING_LEVELS
 from engine.distributed.state_view import CheckpointView
@@ -107,8 +112,11 @@ class DataParallel(nn.Module):
         expert_group: dist.ProcessGroup | None = None,
         shard_group: dist.ProcessGroup | None = None,
         replica_group: dist.ProcessGroup | None = None,
+        deferred: DeferredInit | None = None,
     ):
-        """`sharding`: one of SHARDING_LEVELS (default "optim" when `shard`, else "none")."""
+        """`sharding`: one of SHARDING_LEVELS (default "optim" when `shard`, else "none").
+        `deferred`: the module was built with its parameters on the meta device
+        (deferred_init.py); each is materialised where this level keeps it, and filled there."""
         super().__init__()
         sharding = sharding or ("optim" if shard else "none")
         if sharding not in SHARDING_LEVELS:
@@ -155,12 +163,14 @@ class DataParallel(nn.Module):
                 bucket.unit = root if bucket.plan.unit == ROOT_UNIT else units[bucket.plan.unit]
                 bucket.unit.buckets.append(bucket)
             self.units = (units, root, layers)
-        device = params[0].device
+        self.deferred = deferred
+        device = deferred.device if deferred is not None else params[0].device
+        # Parameters first: built on the meta device, they get their storage here.
+        self.param_home = level.params()
+        self.param_home.attach(self, params[0].dtype, device)
         self.grad_sync = level.grads()
         self.grad_buffer = torch.zeros(self.grad_sync.buffer_numel(self.buckets), dtype=grad_dtype, device=device)
         self.grad_sync.attach(self, self.grad_buffer)
-        self.param_home = level.params()
-        self.param_home.attach(self, params[0].dtype, device)
         self.expected_backwards = 1
         self._view: CheckpointView | None = None
         self._hooks = [p.register_post_accumulate_grad_hook(self._on_grad_ready) for p in params]

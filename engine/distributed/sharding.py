@@ -23,6 +23,7 @@ buckets themselves (data_parallel.py) keep only what the plan gave them and thei
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from engine.distributed.collectives import all_gather_into, reduce_scatter_into
+from engine.distributed.deferred_init import DeferredInit, materialize
 from engine.distributed.param_gather import ParamGatherer
 
 if TYPE_CHECKING:
@@ -152,12 +154,18 @@ class StagedGrads:
     (`bucket.grad_shard`), so the optimizer reads this rank's 1/d straight from there. Always
     during backward: `overlap` does not apply, as holding a full gradient until the end is what
     this strategy avoids; the 1/dp of each microbatch's reduction adds up to the step's average.
-    Under ZeRO-3 a unit's gathered parameters are freed once all its buckets' rounds are out."""
+    Under ZeRO-3 a unit's gathered parameters are freed once all its buckets' rounds are out.
+    At most `ROUNDS_IN_FLIGHT` rounds (over all buckets) are in flight: the oldest is waited for
+    and added into its shard when another starts, so the staging held at once is the round in
+    flight and the bucket being staged, not the whole model's gradient (as when every round was
+    kept until the step's end); the round in flight still overlaps the next unit's backward."""
 
     sharded = True
+    ROUNDS_IN_FLIGHT = 1
 
     def __init__(self) -> None:
         self._rounds_done: dict[int, int] = {}  # per unit: buckets reduced this microbatch
+        self._outstanding: deque[Bucket] = deque()  # buckets with a round in flight, oldest first
 
     def buffer_numel(self, buckets: list[Bucket]) -> int:
         return sum(b.shard_numel for b in buckets)
@@ -173,6 +181,7 @@ class StagedGrads:
         for bucket in dp.buckets:
             bucket.grad, bucket.flight = None, _StagedFlight()
         self._rounds_done = {}
+        self._outstanding.clear()
 
     def on_ready(self, dp: DataParallel, param: nn.Parameter) -> None:
         """Copy this microbatch's grad into the bucket's staging buffer; once every param of the
@@ -193,7 +202,9 @@ class StagedGrads:
 
     def _launch_round(self, dp: DataParallel, bucket: Bucket) -> None:
         staged, bucket.grad, bucket.flight.round = bucket.grad, None, set()
-        self._drain(bucket)  # at most one round of a bucket in flight: bounded staging memory
+        if bucket.flight.inflight:  # at most one round of a bucket in flight
+            self._outstanding.remove(bucket)
+            self._drain(bucket)
         if dp.dp > 1:
             staged.mul_(1.0 / dp.dp)  # averaged over DP (see WholeGrads._launch)
         if bucket.world > 1:
@@ -202,6 +213,9 @@ class StagedGrads:
             bucket.flight.inflight.append((work, out, staged))
         else:
             bucket.flight.inflight.append((None, staged, None))
+        self._outstanding.append(bucket)
+        while len(self._outstanding) > self.ROUNDS_IN_FLIGHT:
+            self._drain(self._outstanding.popleft())
         unit, gatherer = bucket.unit, dp.gatherer
         if unit is not None and gatherer is not None:
             done = self._rounds_done.get(id(unit), 0) + 1
@@ -224,8 +238,8 @@ class StagedGrads:
         for bucket in dp.buckets:
             if bucket.grad is not None:
                 self._launch_round(dp, bucket)
-        for bucket in dp.buckets:
-            self._drain(bucket)
+        while self._outstanding:
+            self._drain(self._outstanding.popleft())
 
     def view(self, bucket: Bucket, param: nn.Parameter, lo: int, hi: int, shard_offset: int) -> torch.Tensor:
         return bucket.grad_shard[shard_offset : shard_offset + hi - lo]
@@ -252,7 +266,9 @@ class InPlace:
     by_unit = False
 
     def attach(self, dp: DataParallel, dtype: torch.dtype, device: torch.device) -> None:
-        pass
+        for p in dp._params:  # a model built on the meta device: each parameter gets its own tensor
+            if p.is_meta:
+                materialize(p, torch.empty(p.shape, dtype=p.dtype, device=device), dp.deferred)
 
     def view(self, bucket: Bucket, param: nn.Parameter, lo: int, hi: int, shard_offset: int) -> torch.Tensor:
         return param.detach().view(-1)[lo:hi]
@@ -282,7 +298,7 @@ class FlatBuffer(InPlace):
         self.buffer = torch.zeros(sum(b.numel for b in dp.buckets), dtype=dtype, device=device)
         for bucket in dp.buckets:
             bucket.param = self.buffer[bucket.offset : bucket.offset + bucket.numel]
-            _move_into(bucket, bucket.param)
+            _move_into(bucket, bucket.param, dp.deferred)
 
     @torch.no_grad()
     def after_step(self, dp: DataParallel) -> None:
@@ -301,21 +317,24 @@ class UnitShards(InPlace):
     """ZeRO-3 / FSDP: each bucket keeps a persistent shard (`bucket.param_shard`, what the
     optimizer updates) and a full buffer (`bucket.full`) its parameters are views of, freed
     between uses; param_gather.py gathers a layer's buckets around its forward and backward. The
-    buckets were planned by unit (bucket_plan.py), so a unit is gathered whole."""
+    buckets were planned by unit (bucket_plan.py), so a unit is gathered whole.
+
+    Attaching takes one bucket at a time: its full buffer is allocated, its parameters moved
+    (or, built on the meta device, materialised and initialised) into it, this rank's shard
+    cut out, and the buffer freed before the next bucket, so the model is never whole here."""
 
     by_unit = True
 
+    @torch.no_grad()
     def attach(self, dp: DataParallel, dtype: torch.dtype, device: torch.device) -> None:
         for bucket in dp.buckets:
             bucket.full = torch.zeros(bucket.numel, dtype=dtype, device=device)
-            _move_into(bucket, bucket.full)
+            _move_into(bucket, bucket.full, dp.deferred)
             lo, hi = bucket.shard_range()
             bucket.param_shard = bucket.full[lo:hi].clone()
+            bucket.full.untyped_storage().resize_(0)  # gathered around each use (param_gather.py)
         units, root, layers = dp.units
         self.gatherer = ParamGatherer(dp.module, units, root, layers)
-        for unit in [*units, root]:  # free_all frees gathered units only
-            for b in unit.buckets:
-                b.full.untyped_storage().resize_(0)
 
     def view(self, bucket: Bucket, param: nn.Parameter, lo: int, hi: int, shard_offset: int) -> torch.Tensor:
         return bucket.param_shard[shard_offset : shard_offset + hi - lo]
@@ -342,14 +361,12 @@ class UnitShards(InPlace):
         )
 
 
-@torch.no_grad()
-def _move_into(bucket: Bucket, home: torch.Tensor) -> None:
-    """Each parameter of `bucket` becomes a view of its segment of `home` (a bucket-sized tensor)."""
+def _move_into(bucket: Bucket, home: torch.Tensor, deferred: DeferredInit | None) -> None:
+    """Each parameter of `bucket` becomes a view of its segment of `home` (a bucket-sized
+    tensor): its values copied in, or drawn there when it was built on the meta device."""
     for p, seg in zip(bucket.params, bucket.plan.segments, strict=True):
         start = seg.offset - bucket.offset
-        view = home[start : start + seg.numel].view_as(p)
-        view.copy_(p.data)
-        p.data = view
+        materialize(p, home[start : start + seg.numel], deferred)
 
 
 @dataclass(frozen=True)

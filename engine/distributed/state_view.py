@@ -3,13 +3,14 @@
 
 A checkpoint needs three things of data parallelism:
 - per parameter, which ranks hold it alike (to write one copy, or keep a 1/n slice of it in a
-  snapshot), and over which ranks its optimizer state is split into disjoint ranges (to
-  assemble it to parameter shape by a sum) or held alike;
+  snapshot), and over which ranks its optimizer state is split into disjoint flat ranges or
+  held alike;
 - the tensors it keeps that are not the parameters: under ZeRO-3 each bucket's persistent
-  parameter shard, with the HSDP replicas that hold the same shard;
-- how to assemble: make every parameter whole before reading it (a collective under ZeRO-3),
-  put whole loaded values back into the shards, and bring parameters up to date after the
-  persistent values (shards, or the optimizer's masters) were replaced by a load.
+  parameter shard, with the HSDP replicas that hold the same shard, and the flat range of each
+  parameter this rank owns in them (what the persistent checkpoint saves and loads in place);
+- a way to bring parameters up to date after the persistent values (shards, or the optimizer's
+  masters) were replaced by a load; and, for tests and inspection, to make every parameter
+  whole (a collective under ZeRO-3) and put whole values back into the shards.
 """
 
 from __future__ import annotations
@@ -56,6 +57,11 @@ class CheckpointView:
 
     params_sharded: bool
     shards: tuple[ShardHolding, ...]
+    # ZeRO-3: the parameters kept as shards, and per flat range this rank owns of one of them
+    # (param, lo, hi, the view of its bucket's persistent shard holding it): what a checkpoint
+    # saves and loads in place, with no gather.
+    sharded_params: tuple[torch.Tensor, ...]
+    shard_segments: tuple[tuple[torch.Tensor, int, int, torch.Tensor], ...]
     _holdings: Mapping[int, ParamHolding]
     gather_whole: Callable[[], None]  # every parameter whole now (collective under ZeRO-3)
     scatter_loaded: Callable[[], None]  # whole values written into the parameters -> the shards
@@ -80,9 +86,15 @@ class CheckpointView:
             for p in bucket.params:
                 holdings[id(p)] = holding
         shards = tuple(ShardHolding(b.param_shard, b.replica_group) for b in dp.buckets) if dp.shard_params else ()
+        segments = ()
+        if dp.shard_params:
+            owned = zip(dp.param_shard_ranges(), dp.param_views(), strict=True)
+            segments = tuple((p, lo, hi, view) for (p, lo, hi), view in owned)
         return cls(
             params_sharded=dp.shard_params,
             shards=shards,
+            sharded_params=tuple(p for b in dp.buckets for p in b.params) if dp.shard_params else (),
+            shard_segments=segments,
             _holdings=holdings,
             gather_whole=dp.gather_all_params,
             scatter_loaded=dp.params_loaded,

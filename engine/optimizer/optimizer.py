@@ -195,6 +195,11 @@ class TrainingOptimizer:
         main = self.main_params[i]
         return main if name == "master" else adam_state.moment(self.inner, main, name)
 
+    def segment_param(self, i: int) -> torch.Tensor:
+        """Segment `i`'s parameter values (flat, the model's dtype): a slice of the parameter, or
+        of its bucket's persistent shard when parameters are sharded. The tensor itself."""
+        return self.param_views[i]
+
     def adam_step(self) -> int:
         """Adam's step count (0 before the first step)."""
         return adam_state.step_count(self.inner)

@@ -22,6 +22,7 @@ from engine import parallel_state as ps
 from engine.checkpointing import raw_io
 from engine.checkpointing.checkpointer import Checkpointer, layout_signature
 from engine.checkpointing.commit import open_checkpoint
+from engine.checkpointing.flat_ranges import FlatRanges
 from engine.checkpointing.local_storage import LocalStorage
 from engine.checkpointing.stateful import Stateful
 from engine.jobspec import JobSpec
@@ -88,6 +89,8 @@ def _error(fn) -> str:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, FlatRanges):  # this rank's flat ranges of a global tensor
+        return t.local_values()
     return t.to_local() if isinstance(t, DTensor) else t
 
 
