@@ -25,6 +25,7 @@ from engine.optimizer.scheduler import OptimizerParamScheduler
 from engine.pipeline_parallel import PipelineRunner, stage_layer_ranges, virtual_stages_of
 from engine.transformer.config import TransformerConfig
 from engine.transformer.initialization import initialize_weights
+from engine.transformer.lora import attach_lora
 
 
 @dataclass
@@ -145,6 +146,8 @@ def build_model_and_optimizer(
             # what the checkpoint has no weights for (MTP depths it lacks)
             initialize=lambda chunk, only: initialize_weights(chunk, t.seed, only=only),
         )
+    if spec.model.lora is not None:  # adapters on the base as it now is; the base is frozen
+        attach_lora(chunks, spec.model.lora, config, t.seed)
     ddp_chunks = wrap_data_parallel(spec, config, chunks)
     grad_scaler = None
     if t.precision == "fp16":
