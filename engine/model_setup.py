@@ -147,7 +147,7 @@ def build_model_and_optimizer(
             initialize=lambda chunk, only: initialize_weights(chunk, t.seed, only=only),
         )
     if spec.model.lora is not None:  # adapters on the base as it now is; the base is frozen
-        attach_lora(chunks, spec.model.lora, config, t.seed)
+        attach_lora(chunks, spec.model.lora, config, t.seed, import_from=spec.model.lora.init_from)
     ddp_chunks = wrap_data_parallel(spec, config, chunks)
     grad_scaler = None
     if t.precision == "fp16":

@@ -96,13 +96,18 @@ def write_adapter(folder: str | Path, tensors: dict[str, torch.Tensor], config: 
 def read_adapter(folder: str | Path, lora: LoRASpec, projections: Sequence[str]) -> dict[str, torch.Tensor]:
     """A PEFT folder's adapters by our global names, after checking its config is this job's
     (r, lora_alpha, target_modules; no DoRA, rsLoRA or biases)."""
-    from safetensors.torch import load_file
+    import os
 
-    where = Path(folder)
+    from safetensors.torch import load as load_bytes
+
+    from engine.checkpointing.backends import open_storage
+
+    where = str(folder).rstrip("/")
+    storage = open_storage(os.path.expanduser(where))
     try:
-        config = json.loads((where / CONFIG_FILE).read_text())
-    except (OSError, ValueError) as e:
-        raise PeftFormatError(f"model.lora.init_from: cannot read {where / CONFIG_FILE}: {e}") from e
+        config = json.loads(storage.get_bytes(CONFIG_FILE))
+    except (OSError, ValueError, KeyError) as e:
+        raise PeftFormatError(f"model.lora.init_from: cannot read {where}/{CONFIG_FILE}: {e}") from e
     want = {
         "peft_type": "LORA",
         "r": lora.rank,
@@ -116,27 +121,27 @@ def read_adapter(folder: str | Path, lora: LoRASpec, projections: Sequence[str])
         got = config.get(key, {"use_dora": False, "use_rslora": False, "fan_in_fan_out": False, "bias": "none"}.get(key))
         if got != value and not (isinstance(value, float) and isinstance(got, int | float) and float(got) == value):
             raise PeftFormatError(
-                f"model.lora.init_from: {where / CONFIG_FILE} has {key} {got!r}, this job's is {value!r}: "
+                f"model.lora.init_from: {where}/{CONFIG_FILE} has {key} {got!r}, this job's is {value!r}: "
                 f"set model.lora to match the adapter"
             )
     targets = config.get("target_modules")
     targets = sorted(targets) if isinstance(targets, list) else targets
     if targets != sorted(projections):
         raise PeftFormatError(
-            f"model.lora.init_from: {where / CONFIG_FILE} targets {targets!r}, this job's model.lora.target_modules "
+            f"model.lora.init_from: {where}/{CONFIG_FILE} targets {targets!r}, this job's model.lora.target_modules "
             f"give {sorted(projections)!r}: set them to match the adapter"
         )
     try:
-        raw = load_file(str(where / WEIGHTS_FILE))
-    except OSError as e:
-        raise PeftFormatError(f"model.lora.init_from: cannot read {where / WEIGHTS_FILE}: {e}") from e
+        raw = load_bytes(storage.get_bytes(WEIGHTS_FILE))
+    except (OSError, ValueError, KeyError) as e:
+        raise PeftFormatError(f"model.lora.init_from: cannot read {where}/{WEIGHTS_FILE}: {e}") from e
     out = {}
     for name, tensor in raw.items():
         key = name.replace(".default.", ".")  # a folder saved with the adapter's name in its keys
         try:
             out[our_name(key)] = tensor
         except KeyError as e:
-            raise PeftFormatError(f"model.lora.init_from: {where / WEIGHTS_FILE}: {e.args[0]}") from e
+            raise PeftFormatError(f"model.lora.init_from: {where}/{WEIGHTS_FILE}: {e.args[0]}") from e
     return out
 
 
