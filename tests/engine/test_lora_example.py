@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ from tests.engine.test_hf_example import ELASTRON, ROOT, _assistant_loss
 peft = pytest.importorskip("peft", reason="peft (a test dependency: pip install -e '.[dev]') is not installed")
 
 
-def test_lora_example_end_to_end(tmp_path, monkeypatch):
+def test_lora_example_end_to_end(tmp_path):
     out = tmp_path / "tiny-hf"
     subprocess.run(
         [sys.executable, str(ROOT / "examples/make_tiny_hf_model.py"), "--out", str(out), "--conversations", "200"],
