@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
@@ -50,14 +50,11 @@ from engine.tensor_parallel.mappings import (
 from engine.transformer.activations import is_gated
 from engine.transformer.config import TransformerConfig
 
-Combine = Callable[[list[torch.Tensor | None], torch.Tensor], torch.Tensor]
-
 
 class LoRA(nn.Module):
     """The adapters of one parallel linear: `A[proj]`, `B[proj]` for each targeted Hugging Face
     projection among `segments` ((name, global output rows) in the order the fused layer holds
-    them). `combine` puts the per-projection updates (None: not targeted) into the layer's local
-    output layout; it gets the input to size the zeros it needs."""
+    them); `groups` and `rows_per_group` say how a fused layer interleaves them (see __init__)."""
 
     def __init__(
         self,
@@ -68,7 +65,8 @@ class LoRA(nn.Module):
         targeted: Sequence[str],
         spec: LoRASpec,
         sequence_parallel: bool,
-        combine: Combine | None = None,
+        groups: int = 1,
+        rows_per_group: Sequence[int] | None = None,
         params_dtype: torch.dtype = torch.float32,
         device: torch.device | None = None,
     ):
@@ -77,7 +75,9 @@ class LoRA(nn.Module):
         self.column, self.scaling, self.p = column, spec.scaling, spec.dropout
         self.sequence_parallel = sequence_parallel and tp > 1
         self.segments = [name for name, _ in segments]
-        self.combine = combine
+        # A fused layer's local rows: `groups` blocks, each with rows_per_group[i] rows of
+        # segment i in turn (QKV: per query group q, k, v; SwiGLU: one block, gate then up).
+        self.groups, self.rows_per_group = groups, (tuple(rows_per_group) if rows_per_group else None)
         self.A, self.B = nn.ParameterDict(), nn.ParameterDict()
         r = spec.rank
         for name, out in segments:
@@ -104,14 +104,33 @@ class LoRA(nn.Module):
             return F.dropout(x, self.p, True)
 
     def column_update(self, x: torch.Tensor) -> torch.Tensor:
-        """The update of a column-parallel layer's local output rows; `x` is its (gathered) input."""
-        deltas = [
-            F.linear(F.linear(self._dropout(x), self.A[n]), self.B[n]) * self.scaling if n in self.A else None
-            for n in self.segments
-        ]
-        if self.combine is None:
-            return deltas[0]
-        return self.combine(deltas, x)
+        """The update of a column-parallel layer's local output rows; `x` is its (gathered) input.
+
+        Two matmuls whatever the number of projections: the targeted A's stacked, then one B
+        laid out like the fused layer's rows (`_fused_b`: weight-sized work, no activation-sized
+        concatenation). Each projection draws its own dropout mask, as PEFT's adapters do."""
+        names = [n for n in self.segments if n in self.A]
+        if self.p > 0.0 and self.training:
+            u = torch.cat([F.linear(self._dropout(x), self.A[n]) for n in names], dim=-1)
+        else:
+            a = self.A[names[0]] if len(names) == 1 else torch.cat([self.A[n] for n in names])
+            u = F.linear(x, a)
+        return F.linear(u * self.scaling, self._fused_b(names))
+
+    def _fused_b(self, names: list[str]) -> torch.Tensor:
+        """[local output rows, len(names) x rank]: projection i's B in columns i*r:(i+1)*r of
+        its own rows (per query group for QKV), zeros elsewhere."""
+        if self.rows_per_group is None:  # one projection owns every row
+            return self.B[names[0]]
+        r, n, groups = next(iter(self.B.values())).shape[1], len(names), self.groups
+        blocks = []
+        for name, rows in zip(self.segments, self.rows_per_group, strict=True):
+            if name in self.B:
+                i = names.index(name)
+                blocks.append(F.pad(self.B[name].view(groups, rows, r), (i * r, (n - 1 - i) * r)))
+            else:
+                blocks.append(self.B[names[0]].new_zeros(groups, rows, n * r))
+        return torch.cat(blocks, dim=1).reshape(-1, n * r)
 
     def row_down(self, x: torch.Tensor) -> torch.Tensor:
         """A row-parallel layer's A x, reduced over TP like the layer's output (x: the local input
@@ -124,33 +143,7 @@ class LoRA(nn.Module):
 
     def row_up(self, u: torch.Tensor) -> torch.Tensor:
         (name,) = self.B.keys()
-        return F.linear(u, self.B[name]) * self.scaling
-
-
-def _qkv_combine(groups: int, q_per_group: int, head_dim: int) -> Combine:
-    """q, k, v updates [s, b, rows] -> the fused local layout [s, b, groups x (q_per_group + 2) x hd]."""
-
-    def combine(deltas: list[torch.Tensor | None], x: torch.Tensor) -> torch.Tensor:
-        s, b = x.shape[:2]
-        parts = []
-        for d, heads in zip(deltas, (q_per_group, 1, 1), strict=True):
-            if d is None:
-                parts.append(x.new_zeros(s, b, groups, heads, head_dim))
-            else:
-                parts.append(d.view(s, b, groups, heads, head_dim))
-        return torch.cat(parts, dim=3).reshape(s, b, -1)
-
-    return combine
-
-
-def _concat_combine(rows: Sequence[int]) -> Combine:
-    """Updates stacked along the output (SwiGLU's local [gate; up])."""
-
-    def combine(deltas: list[torch.Tensor | None], x: torch.Tensor) -> torch.Tensor:
-        s, b = x.shape[:2]
-        return torch.cat([x.new_zeros(s, b, n) if d is None else d for d, n in zip(deltas, rows, strict=True)], -1)
-
-    return combine
+        return F.linear(u * self.scaling, self.B[name])
 
 
 def attach_lora(
@@ -172,18 +165,18 @@ def attach_lora(
         device = next(chunk.parameters()).device
         for layer in chunk.decoder.layers:
             att, mlp = layer.self_attention, layer.mlp
+            gl, qpg = c.num_query_groups // tp, c.num_attention_heads // c.num_query_groups
             plans = [
-                (att.linear_qkv, True, c.hidden_size, attention,
-                 _qkv_combine(c.num_query_groups // tp, c.num_attention_heads // c.num_query_groups, hd)),
-                (att.linear_proj, False, c.num_attention_heads * hd, [("o_proj", c.hidden_size)], None),
-                (mlp.linear_fc1, True, c.hidden_size, fc1,
-                 _concat_combine([n // tp for _, n in fc1]) if gated else None),
-                (mlp.linear_fc2, False, c.ffn_hidden_size, [("down_proj", c.hidden_size)], None),
+                (att.linear_qkv, True, c.hidden_size, attention, gl, (qpg * hd, hd, hd)),
+                (att.linear_proj, False, c.num_attention_heads * hd, [("o_proj", c.hidden_size)], 1, None),
+                (mlp.linear_fc1, True, c.hidden_size, fc1, 1, [n // tp for _, n in fc1] if gated else None),
+                (mlp.linear_fc2, False, c.ffn_hidden_size, [("down_proj", c.hidden_size)], 1, None),
             ]
-            for linear, column, size, segments, combine in plans:
+            for linear, column, size, segments, groups, rows in plans:
                 if any(name in targets for name, _ in segments):
                     linear.lora = LoRA(
-                        column=column, input_size=size, segments=segments, combine=combine, device=device, **common
+                        column=column, input_size=size, segments=segments, groups=groups, rows_per_group=rows,
+                        device=device, **common,
                     )
         for p in chunk.parameters():
             p.requires_grad_(False)
