@@ -86,3 +86,15 @@ def test_folder_digest_sees_the_weights(two_bases):
     first, second = two_bases
     assert folder_digest(str(first)) != folder_digest(str(second))
     assert folder_digest(str(first)) == folder_digest(str(first) + "/")  # same folder, same digest
+
+
+def test_in_memory_snapshot_of_a_lora_job_restores_bitwise():
+    """The in-memory snapshot (checkpoint.local_interval) of a LoRA job on DP=2 with ZeRO-1: a
+    fresh trainer restored from it takes the same steps, bitwise."""
+    from tests.engine.test_memory_snapshot import _roundtrip
+
+    spec = job(2, model=LORA, training={"train_iters": 4}, optimizer={"lr": 1e-2}, parallel={"distributed_optimizer": True})
+    for result in spawn(_roundtrip, 2, (spec,), timeout_s=240):
+        assert result["resumed_at"] == 2
+        assert result["losses"] == result["expected"]
+        assert result["same_weights"]
