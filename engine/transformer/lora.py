@@ -49,6 +49,7 @@ from engine.tensor_parallel.mappings import (
 )
 from engine.transformer.activations import is_gated
 from engine.transformer.config import TransformerConfig
+from engine.transformer.initialization import _generator
 
 
 class LoRA(nn.Module):
@@ -192,10 +193,11 @@ def attach_lora(
 def adapter_params(chunk: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """(global name, parameter) of every adapter in `chunk`, in registration order."""
     name_of = getattr(chunk, "global_param_name", lambda n: n)
-    return [(name_of(n), p) for n, p in chunk.named_parameters() if ".lora." in n]
+    return [(name_of(n), p) for n, p in chunk.named_parameters() if is_adapter(n)]
 
 
 def is_adapter(name: str) -> bool:
+    """Whether a parameter name (local or global) is a LoRA adapter's."""
     return ".lora." in name
 
 
@@ -203,8 +205,6 @@ def is_adapter(name: str) -> bool:
 def initialize_adapters(chunk: nn.Module, spec: LoRASpec, seed: int) -> None:
     """A: kaiming (PEFT's kaiming_uniform_(a=sqrt(5)): uniform(+-1/sqrt(in))) or gaussian
     (normal(0, 1/rank)), drawn whole per global name, then this rank's shard; B: zeros."""
-    from engine.transformer.initialization import _generator
-
     world, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     for name, p in adapter_params(chunk):
         pl = placement_of(p)

@@ -53,3 +53,14 @@ def test_a_format_that_does_not_fit_the_job_is_422(env, body, format, says):
     assert r.status_code == 422, r.text
     (detail,) = r.json()["detail"]
     assert detail["loc"] == ["body", "format"] and says in detail["msg"]
+
+
+def test_cli_jobs_export_takes_the_format(env):
+    from tests.service.test_cli import cli
+
+    job_id = submitted(env, LORA_JOB)
+    r = cli(env, "jobs", "export", job_id, "10", "--format", "peft")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.split()[1] == "pending" and r.stdout.rstrip().endswith("iter_0000010-peft")
+    r = cli(env, "jobs", "export", job_id, "10")  # hf: not for a LoRA job
+    assert r.exit_code == 2 and "this job trained LoRA adapters" in r.stderr  # a 422: bad input
