@@ -64,3 +64,10 @@ def test_layout_matches_one_rank(reference, parallel):
 )
 def test_gpt2_layout_matches_one_rank(gpt2_reference, parallel):
     assert_same_training(run_job(lora_job(2, GPT2, **parallel)), gpt2_reference)
+
+
+def test_hybrid_sharded_dp4_matches_one_rank(reference):
+    """HSDP: parameters sharded over pairs of ranks, the pairs' gradients all-reduced."""
+    spec = lora_job(4, data_parallel_sharding="optim_grads_params", data_parallel_shard_size=2)
+    spec["training"]["micro_batch_size"] = 1  # 4 samples over 4 DP ranks
+    assert_same_training(run_job(spec), reference)
