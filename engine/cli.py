@@ -103,20 +103,40 @@ def export(
         str, typer.Argument(help="A job's checkpoint root (its newest committed checkpoint) or an iter_NNNNNNN folder; local or s3://.")
     ],
     output: Annotated[str, typer.Option("--output", "-o", help="Folder to write (local or s3://).")],
-    format: Annotated[str, typer.Option("--format", help="Output format: hf (a Hugging Face model folder).")] = "hf",
+    format: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="Output format: hf (a Hugging Face model folder) or peft (a LoRA job's adapters: "
+            "adapter_config.json + adapter_model.safetensors).",
+        ),
+    ] = "hf",
     dtype: Annotated[str, typer.Option(help="Weights dtype: bf16, fp16 or fp32.")] = "bf16",
     endpoint_url: Annotated[str | None, typer.Option(help="S3 endpoint (default: the boto3 chain).")] = None,
+    merge_lora: Annotated[
+        bool,
+        typer.Option(
+            "--merge-lora",
+            help="With --format hf, for a LoRA job's checkpoint: its base (model.init_from) with the adapters merged in.",
+        ),
+    ] = False,
 ) -> None:
     """Turn a committed checkpoint, saved on any layout, into a Hugging Face model folder:
     config.json, generation_config.json, safetensors shards (at most 5 GB each) with their index,
-    and the tokenizer files when the job used an hf: tokenizer. Exit 2 on bad input."""
-    if format != "hf":
-        fail(f"--format {format!r} is not supported: use --format hf")
+    and the tokenizer files when the job used an hf: tokenizer; or a LoRA job's adapters into a
+    PEFT folder (--format peft). Exit 2 on bad input."""
+    if format not in ("hf", "peft"):
+        fail(f"--format {format!r} is not supported: use --format hf or --format peft")
+    if merge_lora and format != "hf":
+        fail("--merge-lora merges the adapters into a Hugging Face model: use it with --format hf")
     from engine.checkpointing.commit import CheckpointCorruptError
-    from engine.hf.exporter import export_hf
+    from engine.hf.exporter import export_hf, export_peft
 
     try:
-        report = export_hf(checkpoint, output, dtype=dtype, endpoint_url=endpoint_url)
+        if format == "peft":
+            report = export_peft(checkpoint, output, dtype=dtype, endpoint_url=endpoint_url)
+        else:
+            report = export_hf(checkpoint, output, dtype=dtype, endpoint_url=endpoint_url, merge_lora=merge_lora)
     except (ValueError, FileNotFoundError, CheckpointCorruptError) as err:  # ExportError, HFConfigError too
         fail(str(err))
     typer.echo(

@@ -27,6 +27,7 @@ from engine.optimizer.scheduler import OptimizerParamScheduler
 from engine.pipeline_parallel import PipelineRunner, stage_layer_ranges, virtual_stages_of
 from engine.transformer.config import TransformerConfig
 from engine.transformer.initialization import global_names, initialize_param, initialize_weights
+from engine.transformer.lora import attach_lora
 
 
 @dataclass
@@ -159,11 +160,13 @@ def build_model_and_optimizer(
     element, the vocabulary padding included)."""
     p, t = spec.parallel, spec.training
     # A fresh model is built on the meta device and initialised where data parallelism keeps
-    # it; an imported one is built whole (the importer writes whole parameters).
+    # it; an imported one is built whole (the importer writes whole parameters), and so is a
+    # LoRA base (frozen: data parallelism holds none of it, every rank keeps it whole).
+    defer = not import_hf and spec.model.lora is None
     chunks, stage_indices, num_stages = build_model_chunks(
-        spec, config, device, initialize=not import_hf, deferred=not import_hf
+        spec, config, device, initialize=not import_hf, deferred=defer
     )
-    deferred = None if import_hf else [deferred_init_of(spec, chunk, device) for chunk in chunks]
+    deferred = [deferred_init_of(spec, chunk, device) for chunk in chunks] if defer else None
     hf_import = None
     if import_hf:
         uri = spec.model.init_from
@@ -175,6 +178,8 @@ def build_model_and_optimizer(
             # what the checkpoint has no weights for (MTP depths it lacks)
             initialize=lambda chunk, only: initialize_weights(chunk, t.seed, only=only),
         )
+    if spec.model.lora is not None:  # adapters on the base as it now is; the base is frozen
+        attach_lora(chunks, spec.model.lora, config, t.seed, import_from=spec.model.lora.init_from)
     ddp_chunks = wrap_data_parallel(spec, config, chunks, deferred)
     grad_scaler = None
     if t.precision == "fp16":

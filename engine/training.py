@@ -35,6 +35,7 @@ from engine.distributed.finalize_grads import finalize_model_grads
 from engine.energy_monitor import EnergyMonitor
 from engine.evaluation import evaluate
 from engine.flops import mfu, model_flops_per_iteration, peak_flops
+from engine.hf.base_record import LoRABase
 from engine.jobspec import JobSpec, ResolvedJob, resolve_job
 from engine.jobspec.layout import num_microbatches
 from engine.microbatches import MicrobatchCalculator
@@ -161,6 +162,8 @@ class Trainer:
         c = self.spec.checkpoint
         if self.spec.model.init_from is None:
             return False
+        if self.spec.model.lora is not None:  # its checkpoints hold the adapters, never the base
+            return True
         if c.path or c.resume_from:
             probe = Checkpointer({}, c, job_name=self.spec.name, events=None, layout="")
             return not probe.will_resume()
@@ -197,6 +200,7 @@ class Trainer:
             "grad_scaler": GradScalerState(self.grad_scaler),
             "rerun": RerunMachineState(self.rerun),
             "job": JobRecord(lambda: self.spec.model_dump(mode="json")),
+            **({"lora_base": LoRABase(self.spec.model.init_from, self.spec.training.seed)} if self.spec.model.lora else {}),
         }
 
     def make_checkpointer(self) -> Checkpointer:

@@ -265,18 +265,25 @@ def jobs_export(
     output: Annotated[
         str | None,
         typer.Option(
-            help="s3:// URI or a local folder under the service's roots (default: <checkpoint>-hf)."
+            help="s3:// URI or a local folder under the service's roots (default: <checkpoint>-<format>)."
         ),
     ] = None,
     dtype: Annotated[str, typer.Option(help="Weights dtype: bf16, fp16 or fp32.")] = "bf16",
     wait: Annotated[
         bool, typer.Option(help="Wait until the export has finished; exit 1 if it failed.")
     ] = False,
+    format: Annotated[
+        str,
+        typer.Option(
+            "--format",
+            help="hf (a Hugging Face model folder); for a LoRA job: peft (its adapters) or hf-merged-lora.",
+        ),
+    ] = "hf",
 ) -> None:
-    """Export a job's checkpoint to a Hugging Face model folder, on the cluster; prints the export
-    id and status (and, with --wait, how it ended)."""
+    """Export a job's checkpoint to a Hugging Face model folder (or a LoRA job's adapters as a PEFT
+    folder), on the cluster; prints the export id and status (and, with --wait, how it ended)."""
     client = _client()
-    export = _api(client.export_checkpoint, job_id, iteration, output=output, dtype=dtype)
+    export = _api(client.export_checkpoint, job_id, iteration, output=output, dtype=dtype, format=format)
     typer.echo(f"{export['id']}  {export['status']}  iteration {export['iteration']} -> {export['output']}")
     if not wait:
         return

@@ -51,10 +51,29 @@ def local_roots(settings: Settings, tenant: str) -> list[str]:
     return roots
 
 
-def resolve_output(output: str | None, source: str, settings: Settings, tenant: str) -> str:
+# REST format -> `elastron export` flags (a LoRA job's merged model is --format hf --merge-lora).
+FORMAT_FLAGS = {"hf": ["--format", "hf"], "peft": ["--format", "peft"], "hf-merged-lora": ["--format", "hf", "--merge-lora"]}
+LORA_FORMATS = ("peft", "hf-merged-lora")
+
+
+def format_problem(spec: dict[str, Any], format: str) -> str | None:
+    """Why `format` does not fit the job (None: it does): a LoRA job's checkpoint holds adapters
+    only, any other job's has none."""
+    lora = (spec.get("model") or {}).get("lora") is not None
+    if lora and format not in LORA_FORMATS:
+        return (
+            f"format {format!r}: this job trained LoRA adapters (model.lora), its checkpoints hold no whole model: "
+            "use format peft (the adapters) or hf-merged-lora (the base with them merged in)"
+        )
+    if not lora and format in LORA_FORMATS:
+        return f"format {format!r} exports LoRA adapters, and this job has none (no model.lora): use format hf"
+    return None
+
+
+def resolve_output(output: str | None, source: str, settings: Settings, tenant: str, format: str = "hf") -> str:
     """The export's destination: `output` if the service may write there, else OutputProblem."""
     if output is None:
-        return f"{source.rstrip('/')}-hf"
+        return f"{source.rstrip('/')}-{format}"
     if output.startswith("s3://"):
         if not _S3.match(output) or "/../" in f"{output}/":
             raise OutputProblem(f"output {output!r} is not an s3://bucket/prefix URI")
@@ -81,11 +100,10 @@ def resolve_output(output: str | None, source: str, settings: Settings, tenant: 
 def export_command(
     settings: Settings, *, source: str, output: str, format: str, dtype: str, endpoint_url: str | None
 ) -> list[str]:
-    """`elastron export --format F --output O --dtype D [--endpoint-url U] -- CHECKPOINT`."""
+    """`elastron export --format F [--merge-lora] --output O --dtype D [--endpoint-url U] -- CHECKPOINT`."""
     argv = [
         *shlex.split(settings.export_entrypoint),
-        "--format",
-        format,
+        *FORMAT_FLAGS[format],
         "--output",
         output,
         "--dtype",

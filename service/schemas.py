@@ -273,8 +273,11 @@ class ExportIn(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    format: Literal["hf"] = Field(
-        "hf", description="hf: a Hugging Face model folder (config.json, safetensors)."
+    format: Literal["hf", "peft", "hf-merged-lora"] = Field(
+        "hf",
+        description="hf: a Hugging Face model folder (config.json, safetensors); for a LoRA job (model.lora): "
+        "peft, its adapters as a PEFT folder (adapter_config.json, adapter_model.safetensors), or "
+        "hf-merged-lora, its base with the adapters merged in (`elastron export --format hf --merge-lora`).",
     )
     output: str | None = Field(
         None,
@@ -282,7 +285,7 @@ class ExportIn(BaseModel):
         max_length=1024,
         description="Where to write the folder: an s3:// URI, or an absolute local path under "
         "<ELASTRON_CHECKPOINT_DIR>/<tenant>/ (when that is local) or <ELASTRON_HOME>/exports/<tenant>/. "
-        "Default: beside the checkpoint, <the checkpoint's folder>-hf, e.g. .../iter_0000100-hf.",
+        "Default: beside the checkpoint, <the checkpoint's folder>-<format>, e.g. .../iter_0000100-hf.",
     )
     dtype: Literal["bf16", "fp16", "fp32"] = Field("bf16", description="The weights' dtype in the export.")
 

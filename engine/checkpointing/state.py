@@ -86,8 +86,14 @@ def _flat_pieces(key: str, param: nn.Parameter, ranges: list[tuple[int, int, tor
 
 
 def named_params(chunks: list[nn.Module]) -> list[tuple[str, nn.Parameter]]:
-    """(global name, param) for every parameter of this rank's model chunks."""
-    return [(model.global_param_name(name), p) for model in chunks for name, p in model.named_parameters()]
+    """(global name, param) for every trained parameter of this rank's model chunks (a frozen
+    one, a LoRA job's base, comes back from where it started: model.init_from or the seed)."""
+    return [
+        (model.global_param_name(name), p)
+        for model in chunks
+        for name, p in model.named_parameters()
+        if p.requires_grad
+    ]
 
 
 def named_buffers(chunks: list[nn.Module]) -> list[tuple[str, torch.Tensor]]:

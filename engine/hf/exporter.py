@@ -84,6 +84,20 @@ def read_model_tensors(uri: str, *, endpoint_url: str | None = None, region: str
     return iteration, spec, _join_strided(targets)
 
 
+def export_peft(
+    checkpoint: str, output: str, *, dtype: str = "fp32", endpoint_url: str | None = None, region: str | None = None
+) -> ExportReport:
+    """Write a LoRA checkpoint's adapters to `output` as a PEFT folder (engine/hf/lora_export.py)."""
+    from engine.hf.lora_export import export_peft as write_peft
+
+    start = time.perf_counter()
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    iteration, spec, ours = read_model_tensors(checkpoint, endpoint_url=endpoint_url, region=region)
+    files, size = write_peft(spec, ours, output, dtype=DTYPES[dtype], endpoint_url=endpoint_url, region=region)
+    return ExportReport(iteration, sum(".lora." in k for k in ours), size, files, time.perf_counter() - start)
+
+
 def _join_strided(targets: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """'model/<name>' and 'model/<name>#k' keys -> {name: whole tensor}; a strided parameter's
     chunks (SwiGLU's gate#0, up#1) are rows one after the other."""
@@ -118,24 +132,37 @@ def export_hf(
     endpoint_url: str | None = None,
     region: str | None = None,
     max_shard_bytes: int = MAX_SHARD_BYTES,
+    merge_lora: bool = False,
 ) -> ExportReport:
-    """Write the Hugging Face folder of `checkpoint` to `output` (local or s3://)."""
+    """Write the Hugging Face folder of `checkpoint` to `output` (local or s3://). `merge_lora`:
+    the checkpoint is a LoRA job's (adapters only): its base with the adapters merged in
+    (engine/hf/lora_export.py)."""
     start = time.perf_counter()
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     iteration, spec, ours = read_model_tensors(checkpoint, endpoint_url=endpoint_url, region=region)
+    if spec.model.lora is not None and not merge_lora:
+        raise ExportError(
+            f"checkpoint {checkpoint} holds LoRA adapters only (model.lora), not a whole model: export them with "
+            "--format peft, or the merged model with --format hf --merge-lora"
+        )
     base = _imported_config(spec.model.init_from)
     model = _model_config(spec)
     config = {**hf_config_for(spec.model, base, dtype=dtype), "vocab_size": model.true_vocab_size}
     arch = config["architectures"][0]
-    tensors = {
-        k: v.to(DTYPES[dtype]).contiguous()
-        for k, v in hf_tensors(
-            arch,
-            ours,
-            dataclasses.replace(Shapes.of(model), rope_interleave=config.get("rope_interleave", True)),
-        ).items()
-    }
+    if merge_lora:
+        from engine.hf.lora_export import merged_hf_tensors
+
+        tensors = merged_hf_tensors(spec, ours, DTYPES[dtype])
+    else:
+        tensors = {
+            k: v.to(DTYPES[dtype]).contiguous()
+            for k, v in hf_tensors(
+                arch,
+                ours,
+                dataclasses.replace(Shapes.of(model), rope_interleave=config.get("rope_interleave", True)),
+            ).items()
+        }
     with tempfile.TemporaryDirectory(prefix="elastron-export-") as tmp:
         folder = Path(tmp)
         files = _write_shards(folder, tensors, max_shard_bytes)

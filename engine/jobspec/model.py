@@ -9,6 +9,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, ValidationInfo, model_validator
 
 from engine.jobspec.common import PositiveInt, _divisors, _Section
+from engine.jobspec.lora import LoRASpec
 
 # Validation context key: why resolve_hf_config could not merge model.init_from's config.json
 # (parse_job passes it, so the message stands where the read would have failed, among the
@@ -242,6 +243,12 @@ class ModelSpec(_Section):
     )
     init_method_std: float = Field(0.02, gt=0.0)
     moe: MoESpec | None = Field(None, description="Mixture of Experts feed-forward layers; default: dense.")
+    lora: LoRASpec | None = Field(
+        None,
+        exclude_if=lambda v: v is None,  # a spec without adapters dumps as it always did
+        description="Train low-rank adapters (LoRA, PEFT's format) on the layers' projections instead of "
+        "every weight; the base weights are frozen. Default: full fine-tuning.",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -320,12 +327,31 @@ class ModelSpec(_Section):
             )
         if self.mtp_num_layers and self.arch != "llama":
             raise ValueError("model.mtp_num_layers is built for arch llama (RoPE): use arch llama or 0")
+        if self.lora is not None:
+            self._check_lora(self.lora)
         if self.arch == "gpt2" and self.rope_scaling is not None:
             raise ValueError(
                 "model.rope_scaling scales rotary embeddings, but arch gpt2 learns its positions: "
                 "remove model.rope_scaling or use arch llama"
             )
         return self
+
+    def _check_lora(self, lora: LoRASpec) -> None:
+        """What the adapters cannot sit on (yet), each with the fix."""
+        if self.moe is not None:
+            raise ValueError(
+                "model.lora: LoRA on Mixture-of-Experts models is not supported (experts get no adapters): "
+                "remove model.lora or model.moe"
+            )
+        if self.attention == "mla":
+            raise ValueError("model.lora: LoRA with model.attention: mla is not supported yet: use standard attention")
+        if self.mtp_num_layers:
+            raise ValueError("model.lora: LoRA with model.mtp_num_layers is not supported yet: set it to 0")
+        if "gate_proj" in lora.target_modules and self.activation != "swiglu":
+            raise ValueError(
+                f"model.lora.target_modules: gate_proj needs a gated MLP (activation swiglu), this model's is "
+                f"{self.activation}: use up_proj or linear_fc1"
+            )
 
     @property
     def head_dim(self) -> int:

@@ -100,6 +100,7 @@ class ColumnParallelLinear(nn.Module):
             set_placement(self.bias, shape=(output_size,), tp_dim=0, tp_stride=partition_stride, init_std=0.0)
         else:
             self.register_parameter("bias", None)
+        self.lora = None  # LoRA adapters (engine.transformer.lora), attached after the build
 
     def forward(self, x: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         """`weight` overrides self.weight (tied output layer uses the embedding's shard)."""
@@ -108,6 +109,8 @@ class ColumnParallelLinear(nn.Module):
         else:
             x = copy_to_tensor_model_parallel_region(x)
         y = fp8_ops.linear(x, self.weight if weight is None else weight, self.bias, fp8=self.fp8)
+        if self.lora is not None:
+            y = y + self.lora.column_update(x)
         return gather_from_tensor_model_parallel_region(y) if self.gather_output else y
 
 
@@ -141,6 +144,7 @@ class RowParallelLinear(nn.Module):
             set_placement(self.bias, init_std=0.0, tp_partial_grad=self.sequence_parallel)
         else:
             self.register_parameter("bias", None)
+        self.lora = None  # LoRA adapters (engine.transformer.lora), attached after the build
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = fp8_ops.linear(x, self.weight, fp8=self.fp8)
@@ -148,6 +152,8 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_to_sequence_parallel_region(y)
         else:
             y = reduce_from_tensor_model_parallel_region(y)
+        if self.lora is not None:  # its A x is reduced like y; B is applied after, like the bias
+            y = y + self.lora.row_up(self.lora.row_down(x))
         return y if self.bias is None else y + self.bias
 
 

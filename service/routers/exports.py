@@ -1,5 +1,5 @@
 """/v1/jobs/{id}/checkpoints/{iteration}/export and /v1/jobs/{id}/exports: a job's committed
-checkpoint as a Hugging Face model folder.
+checkpoint as a Hugging Face model folder, or a LoRA job's adapters as a PEFT folder (or merged).
 
 A request records the export (status `pending`, the job's `export_requested` event) and nudges
 the reconciler, which submits `elastron export` as its own launcher submission (a Ray job: it
@@ -18,7 +18,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.deps import Caller, Ctx, DbSession, JobId, VisibleJob, not_found
-from service.exports import OutputProblem, checkpoint_folder, resolve_output
+from service.exports import OutputProblem, checkpoint_folder, format_problem, resolve_output
 from service.routers.jobs import AUTH, NOT_FOUND
 from service.schemas import ITERATION_MAX, ExportIn, ExportList, ExportOut, Problem
 from service.store.db import in_transaction
@@ -84,8 +84,14 @@ def export_job_checkpoint(
                 status.HTTP_409_CONFLICT,
                 detail=f"job {job_id} has no checkpoint.path: the service cannot tell where it saved",
             )
+        problem = format_problem(job.spec, body.format)
+        if problem is not None:
+            raise HTTPException(
+                status.HTTP_422_UNPROCESSABLE_CONTENT,
+                detail=[{"loc": ["body", "format"], "msg": problem, "type": "value_error"}],
+            )
         try:
-            output = resolve_output(body.output, source, ctx.settings, job.tenant)
+            output = resolve_output(body.output, source, ctx.settings, job.tenant, body.format)
         except OutputProblem as err:
             raise HTTPException(
                 status.HTTP_422_UNPROCESSABLE_CONTENT,

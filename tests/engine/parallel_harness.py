@@ -74,6 +74,8 @@ def _train_and_collect(spec_dict: dict) -> dict:
         ddp.gather_all_params()
         whole_grads = {} if sharded_grads else ddp.unsharded_grads()
         for name, p in chunk.named_parameters():
+            if not p.requires_grad:  # frozen (a LoRA job's base): no gradient, never stepped
+                continue
             key = chunk.global_param_name(name)
             if placement_of(p).tied_copy:
                 copies[key] = _full(p, p)

@@ -678,8 +678,14 @@ def test_json_schema_has_the_ten_sections():
 def test_examples_load():
     names = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
     # finetune_hf.yaml reads a model folder the example script writes: test_hf_example.py runs it.
-    # deepseek_tiny.yaml is checked by test_deepseek.py.
-    assert names == ["deepseek_tiny.yaml", "finetune_hf.yaml", "gpt2_small_dp.yaml", "llama_tiny_tp2.yaml"]
+    # deepseek_tiny.yaml is checked by test_deepseek.py; finetune_lora.yaml by test_lora_example.py.
+    assert names == [
+        "deepseek_tiny.yaml",
+        "finetune_hf.yaml",
+        "finetune_lora.yaml",
+        "gpt2_small_dp.yaml",
+        "llama_tiny_tp2.yaml",
+    ]
 
     gpt2 = load_job(EXAMPLES / "gpt2_small_dp.yaml")
     assert gpt2.name == "gpt2-small"
