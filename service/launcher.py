@@ -24,6 +24,7 @@ Ray is imported inside the methods: the API starts, and answers /healthz, withou
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import re
@@ -115,14 +116,19 @@ _HTTP_STATUS = re.compile(r"status code (\d{3})")
 _LIST_THRESHOLD = 20
 
 
-def worker_env(job_id: str, spec_json: str, api_url: str, api_token: str) -> dict[str, str]:
-    """The environment a job's workers get: their spec, and how to report back to the API."""
+def worker_env(
+    job_id: str, spec_json: str, api_url: str, api_token: str, placement: dict[str, int] | None = None
+) -> dict[str, str]:
+    """The environment a job's workers get: their spec, how to report back to the API, and
+    where the scheduler admitted them (the driver pins its first attempt there)."""
     env = {
         contract.ENV_JOB_ID: job_id,
         contract.ENV_JOB_SPEC: spec_json,
         contract.ENV_API_URL: api_url,
         contract.ENV_API_TOKEN: api_token,
     }
+    if placement:
+        env[contract.ENV_PLACEMENT] = json.dumps(placement, sort_keys=True, separators=(",", ":"))
     # Ray 2.60 turns token auth on by default; a driver inside the job that connects to the
     # cluster (ray.init) needs the mode too. Pass on what this process uses.
     if os.environ.get("RAY_AUTH_MODE"):

@@ -521,7 +521,7 @@ class Reconciler:
         wait counted)."""
         token = new_secret(JOB_PREFIX)
 
-        def intent(s: Session) -> tuple[str, dict[str, Any]] | None:
+        def intent(s: Session) -> tuple[str, dict[str, Any], dict[str, int] | None] | None:
             job = get_job(s, job_id)
             if job is None or job.state != JobState.QUEUED or job.submission_id or job.cancel_requested_at:
                 return None
@@ -567,14 +567,14 @@ class Reconciler:
                 f"submitting to {self.launcher.describe()} as {sid}",
                 data={"submission_id": sid, "attempt": job.attempt},
             )
-            return sid, spec
+            return sid, spec, job.placement
 
         claimed = in_transaction(self.sessions, intent)
         if claimed is None:
             return True
-        sid, spec = claimed
+        sid, spec, placement = claimed
         spec_json = json.dumps(spec, separators=(",", ":"))
-        env = worker_env(job_id, spec_json, self.settings.api_url, token)
+        env = worker_env(job_id, spec_json, self.settings.api_url, token, placement)
         try:
             self.launcher.submit(job_id, spec_json, env, submission_id=sid)
         except LauncherUnavailable as err:

@@ -44,6 +44,7 @@ def worker_run(
     Exit codes: 0 done, 1 failed, 2 bad input, 16 needs other hardware the cluster lacks,
     17 result validation failed, 130 cancelled."""
     from workers.driver import JobInputError, WorkerRunOptions, load_spec, run_job
+    from workers.placement import placement_from_env
 
     try:
         job = load_spec(spec)
@@ -54,6 +55,7 @@ def worker_run(
         storage_path=storage,
         metrics_out=str(metrics_out) if metrics_out else None,
         quiet=quiet,
+        placement=placement_from_env(),
     )
     result = run_job(job_id, job, options)
     if result.exit_code:

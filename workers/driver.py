@@ -83,6 +83,8 @@ class WorkerRunOptions:
     flush_interval_s: float = 1.0  # telemetry batching
     resize_interval_s: float | None = None  # elastic: how often to check for room to grow (default 60 s)
     cpus_per_rank: float = CPUS_PER_RANK
+    # {Ray node id: ranks} the service's scheduler admitted the job on (ELASTRON_PLACEMENT)
+    placement: dict[str, int] | None = None
 
 
 @dataclass
@@ -337,17 +339,28 @@ class JobDriver:
         )
 
     def _placement(self, attempt: int, blocked: set[str], elastic: bool):
-        """Label selectors of the attempt's workers: each rank back on its previous node where
-        that node is still usable (workers/placement.py), else just off the blocked nodes."""
-        from workers.placement import exclusion, sticky_selectors
-
-        if elastic or attempt == 0 or self.registry is None:
-            return exclusion(blocked)
+        """Label selectors of the attempt's workers (workers/placement.py): where the scheduler
+        admitted the job (ELASTRON_PLACEMENT) on its first attempt, and always for an elastic
+        job's nodes; after a restart each rank back on its previous node where that node is
+        still usable; else just off the blocked nodes."""
         import ray
 
+        from workers.placement import exclusion, scheduled_selectors, sticky_selectors
+
+        scheduled = self.options.placement if (attempt == 0 or elastic) else None
+        may_stick = not elastic and attempt > 0 and self.registry is not None
+        if scheduled is None and not may_stick:
+            return exclusion(blocked)
         try:
-            previous = ray.get(self.registry.last_group.remote(), timeout=10)
             alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+            if scheduled is not None:
+                pinned = scheduled_selectors(scheduled, self.sizes[0], alive, blocked, elastic)
+                if pinned is not None:
+                    self.event("placement_scheduled", attempt=attempt, placement=scheduled)
+                    return pinned
+            if not may_stick:
+                return exclusion(blocked)
+            previous = ray.get(self.registry.last_group.remote(), timeout=10)
         except Exception:  # noqa: BLE001 - a GCS hiccup: place the group freely
             return exclusion(blocked)
         sticky = sticky_selectors(previous, attempt, self.sizes[0], alive, blocked)

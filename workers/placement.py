@@ -1,4 +1,15 @@
-"""Sticky placement: after a restart each rank goes back to the node it ran on, if it can.
+"""Where a job's ranks go: on its first attempt where the service's scheduler admitted it, and
+after a restart back on the node each ran on, if it can.
+
+The scheduler (service/scheduling/core.py) admits a job only where its ranks fit by its own
+count per node and passes the placement in ELASTRON_PLACEMENT; pinning the first attempt's
+workers to it keeps Ray from putting them elsewhere, into room the scheduler has counted for
+another job (whose gang would then wait in Ray). A fixed-size job gets one selector per worker
+(`scheduled_selectors`); an elastic one the set of its nodes, since its group may shrink onto
+the nodes that are left. The scheduler also counts where Ray really put the ranks (the
+ranks_started event), so what it believes and what Ray holds meet again after any restart.
+
+Sticky placement, after a restart:
 
 In-memory recovery (engine/checkpointing/recovery.py, workers/snapshots.py) reads a rank's
 snapshot from the holder on its own node and only falls back to a replica over the network (or to
@@ -20,7 +31,11 @@ started (a node's room was taken meanwhile) the next attempt is placed freely ag
 
 from __future__ import annotations
 
+import json
+import os
 from typing import Any
+
+from engine.jobspec import contract
 
 NODE_LABEL = "ray.io/node-id"
 
@@ -50,3 +65,35 @@ def sticky_selectors(
         return None
     free = exclusion(blocked) or {}
     return [{NODE_LABEL: ranks[i]} if ranks[i] in usable else dict(free) for i in range(world_size)]
+
+
+def scheduled_selectors(
+    placement: dict[str, int] | None,
+    world_size: int,
+    alive: set[str],
+    blocked: set[str],
+    elastic: bool,
+) -> list[dict[str, str]] | dict[str, str] | None:
+    """The scheduler's placement ({node: ranks}) as label selectors: one per worker for a fixed
+    job of exactly that size on nodes all alive and usable; for an elastic job the set of its
+    usable nodes; None (place freely, off the blocked nodes) when it no longer applies."""
+    if not placement:
+        return None
+    usable = {n: k for n, k in placement.items() if k > 0 and n in alive and n not in blocked}
+    if elastic:
+        return {NODE_LABEL: f"in({','.join(sorted(usable))})"} if usable else None
+    if usable != {n: k for n, k in placement.items() if k > 0} or sum(usable.values()) != world_size:
+        return None
+    nodes = sorted(usable.items(), key=lambda kv: (-kv[1], kv[0]))
+    return [{NODE_LABEL: n} for n, k in nodes for _ in range(k)]
+
+
+def placement_from_env() -> dict[str, int] | None:
+    """ELASTRON_PLACEMENT as the service wrote it (None: unset or not a {node: ranks} map)."""
+    try:
+        data = json.loads(os.environ.get(contract.ENV_PLACEMENT) or "null")
+    except ValueError:
+        return None
+    if not isinstance(data, dict) or not all(isinstance(k, str) and isinstance(v, int) for k, v in data.items()):
+        return None
+    return data or None

@@ -14,6 +14,7 @@ ENV_JOB_ID = "ELASTRON_JOB_ID"
 ENV_JOB_SPEC = "ELASTRON_JOB_SPEC"  # the spec as run, JSON
 ENV_API_URL = "ELASTRON_API_URL"  # where the workers post telemetry
 ENV_API_TOKEN = "ELASTRON_API_TOKEN"  # the job token: good for this job's telemetry only
+ENV_PLACEMENT = "ELASTRON_PLACEMENT"  # {Ray node id: ranks}, JSON: where the scheduler admitted the job
 ENV_SPOOL_DIR = "ELASTRON_SPOOL_DIR"  # where telemetry waits while the API is unreachable
 # Set by the workers for the engine: the hardware identity the rerun state machine compares.
 ENV_NODE_ID = "ELASTRON_NODE_ID"

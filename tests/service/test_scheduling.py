@@ -5,6 +5,8 @@ at submission), GET /v1/queue, the job record's queue fields, metrics, the CLI, 
 
 from __future__ import annotations
 
+import json
+
 import httpx
 import pytest
 from sqlalchemy import select
@@ -117,6 +119,7 @@ def test_order_gang_admission_backfill_reclaim_and_relaunch(start_env, fake):
     again = env.wait_state(c, "starting")
     assert again["attempt"] == 2 and again["submission_id"] == f"elastron-{c}-2"
     assert fake.env_of(c)["ELASTRON_JOB_ID"] == c
+    assert json.loads(fake.env_of(c)["ELASTRON_PLACEMENT"]) == events(env, c, "admitted")[-1]["data"]["placement"]
 
 
 def test_a_higher_priority_job_preempts_only_preemptible_lower_ones(start_env, fake):
@@ -335,8 +338,6 @@ def test_an_elastic_job_shrinks_for_an_urgent_one_and_grows_back(start_env, fake
     """A running elastic job is resized as a preemption is asked (save the step, stop), then
     launched again at once at its new size and placement, holding that room meanwhile: 4 ranks ->
     2 while an urgent job runs -> 4 again when it has ended (scheduler_grow_after_s=0 here)."""
-    import json
-
     env = start_env(fake, scheduler_grow_after_s=0.0)
     scheduled(env)
     body = spec("flex", ranks=4)

@@ -27,3 +27,34 @@ def test_placed_freely_without_a_group_just_before_of_this_size_or_any_node_left
     assert sticky_selectors(GROUP, 1, 4, {"a", "b"}, set()) is None
     assert sticky_selectors(GROUP, 1, 3, {"c"}, set()) is None
     assert exclusion(set()) is None and exclusion({"b", "a"}) == {"ray.io/node-id": "!in(a,b)"}
+
+
+def test_the_scheduled_placement_pins_a_fixed_job_rank_by_rank():
+    from workers.placement import NODE_LABEL, scheduled_selectors
+
+    alive = {"a", "b", "c"}
+    pinned = scheduled_selectors({"b": 1, "a": 2}, 3, alive, set(), elastic=False)
+    assert pinned == [{NODE_LABEL: "a"}, {NODE_LABEL: "a"}, {NODE_LABEL: "b"}]  # contiguous per node
+    assert scheduled_selectors({"a": 2}, 3, alive, set(), elastic=False) is None  # another size
+    assert scheduled_selectors({"a": 2, "d": 1}, 3, alive, set(), elastic=False) is None  # a node gone
+    assert scheduled_selectors({"a": 2, "b": 1}, 3, alive, {"b"}, elastic=False) is None  # blocked
+    assert scheduled_selectors(None, 3, alive, set(), elastic=False) is None
+
+
+def test_an_elastic_job_is_kept_to_its_usable_nodes():
+    from workers.placement import NODE_LABEL, scheduled_selectors
+
+    assert scheduled_selectors({"b": 1, "a": 2}, 3, {"a", "b"}, set(), elastic=True) == {NODE_LABEL: "in(a,b)"}
+    assert scheduled_selectors({"b": 1, "a": 2}, 3, {"a"}, set(), elastic=True) == {NODE_LABEL: "in(a)"}
+    assert scheduled_selectors({"a": 2}, 2, {"a"}, {"a"}, elastic=True) is None
+
+
+def test_the_placement_comes_from_the_environment(monkeypatch):
+    from engine.jobspec import contract
+    from workers.placement import placement_from_env
+
+    monkeypatch.setenv(contract.ENV_PLACEMENT, '{"n1":2,"n2":1}')
+    assert placement_from_env() == {"n1": 2, "n2": 1}
+    for bad in ("", "[1]", '{"n1":"2"}', "not json"):
+        monkeypatch.setenv(contract.ENV_PLACEMENT, bad)
+        assert placement_from_env() is None
