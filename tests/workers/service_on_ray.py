@@ -27,6 +27,12 @@ class ServiceOnRay:
     server: ApiServer
     tokens: dict[str, str]
 
+    def restart(self) -> None:
+        """Stop the API and start a new one over the same store (jobs keep running on Ray)."""
+        self.server.stop()
+        self.server.start()
+        wait_for(lambda: self.server.ctx.reconciler.capacity, 60, "the new API's first read of the cluster")
+
     def client(self, who: str = "alice") -> httpx.Client:
         return httpx.Client(
             base_url=self.server.url, headers={"Authorization": f"Bearer {self.tokens[who]}"}, timeout=30
