@@ -114,7 +114,8 @@ def _raw_s3(files: list[Path], endpoint: str, bucket: str, scratch: Path) -> tup
     return up, time.perf_counter() - start
 
 
-def _start_moto() -> tuple[subprocess.Popen, str]:
+def start_moto() -> tuple[subprocess.Popen, str]:
+    """A moto S3 server on a free port (also bench/recovery.py's)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -170,7 +171,7 @@ def main() -> None:
     os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "bench")
     os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
     scratch = Path(tempfile.mkdtemp(prefix="elastron-bench-ckpt-"))
-    moto, endpoint = _start_moto()
+    moto, endpoint = start_moto()
     try:
         # Local disk: synchronous, then asynchronous save. The synchronous save also makes the
         # shard files the raw S3 reference sends, so it runs even for --targets s3.

@@ -492,32 +492,6 @@ def telemetry_cost(receiver: Receiver, calls: int = 20000) -> None:
     )
 
 
-def _start_moto() -> tuple[object, str]:
-    import socket
-    import subprocess
-    import urllib.request
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    creds = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
-    proc = subprocess.Popen(
-        [str(Path(sys.executable).with_name("moto_server")), "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, **creds},
-    )
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(300):
-        try:
-            urllib.request.urlopen(url, timeout=1)
-            return proc, url
-        except Exception:  # noqa: BLE001 - not up yet
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("moto_server did not start")
-
-
 def _fault_run(spec: dict, work: Path, env: dict | None = None) -> dict:
     """One supervised run: wall seconds, restarts, steps re-run, and each save's seconds/retries."""
     from tests.faults.matrix import supervise
@@ -561,13 +535,14 @@ def storage_faults(workdir: Path, repeats: int, smoke: bool = False) -> None:
     """The storage_fault figures (module docstring)."""
     import boto3
 
+    from bench.checkpoint_io import start_moto
     from tests.faults.matrix import base_spec
     from tests.faults.s3_proxy import FaultProxy
 
     at = 4
     creds = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
     env = {**creds, "AWS_EC2_METADATA_DISABLED": "true", "AWS_MAX_ATTEMPTS": "2", "AWS_RETRY_MODE": "standard"}
-    moto, endpoint = _start_moto()
+    moto, endpoint = start_moto()
     try:
         bucket = "elastron-bench-faults"
         boto3.client(
