@@ -15,6 +15,20 @@ SEQ = 16
 SEED = 3
 
 
+# The tiny Llama the import, family and LoRA tests save and load (vocabulary 300).
+TINY_LLAMA = dict(
+    vocab_size=300,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-6,
+    rope_theta=500000.0,
+    max_position_embeddings=64,
+)
+
+
 def save_tiny(folder, config_cls, model_cls, seed: int = 0, dtype=torch.float32, **fields):
     """A random HF model of `config_cls(**fields)` saved to `folder`; returns the model (eval)."""
     torch.manual_seed(seed)

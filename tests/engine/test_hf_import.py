@@ -20,17 +20,7 @@ from engine.launcher import spawn
 from tests.engine import hf_harness as h
 
 RTOL = 1e-5
-LLAMA = dict(
-    vocab_size=300,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-6,
-    rope_theta=500000.0,
-    max_position_embeddings=64,
-)
+LLAMA = h.TINY_LLAMA
 
 
 @pytest.fixture(scope="module")

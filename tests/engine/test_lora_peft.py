@@ -24,17 +24,7 @@ peft = pytest.importorskip("peft", reason="peft (a test dependency: pip install 
 RTOL = 1e-5
 VOCAB = 300
 STEPS = 10
-LLAMA = dict(
-    vocab_size=VOCAB,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-6,
-    rope_theta=500000.0,
-    max_position_embeddings=64,
-)
+LLAMA = dict(h.TINY_LLAMA, vocab_size=VOCAB)
 OPTIMIZER = {"lr": 1e-2, "lr_decay_style": "constant", "weight_decay": 0.01, "adam_beta2": 0.95, "adam_eps": 1e-6}
 TARGETS = ["q_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
