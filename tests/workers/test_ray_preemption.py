@@ -45,6 +45,9 @@ def test_a_preempted_job_is_requeued_and_resumes_to_the_uninterrupted_losses(ray
         assert 8 <= resumed_at == stopped_at < ITERS  # stopped mid-run at a step it saved: none lost
         assert not jobs.events(low, "stop_sent")  # it stopped as asked, no signal needed
         assert jobs.events(low, "stopped_on_request")
+        # both launches pinned rank by rank where the scheduler admitted them
+        pinned = [e["data"]["placement"] for e in jobs.events(low, "placement_scheduled")]
+        assert len(pinned) == 2 and all(sum(p.values()) == 2 for p in pinned), pinned
         records = jobs.get(low, f"/metrics?limit={ITERS + 10}")["records"]
     placed = sampler.check(cpus=2.0)
     uninterrupted = _spec("low", checkpoint={"interval": 4, "path": str(tmp_path / "reference" / "ckpt")})

@@ -52,6 +52,8 @@ def test_an_elastic_job_shrinks_for_an_urgent_one_and_grows_back_on_ray(ray_clus
         for z in (shrink, grow):  # each stopped at a step it saved: none lost
             assert z["data"]["resume_iteration"] == z["data"]["stopped_at_iteration"] < ITERS
         assert not jobs.events(flex, "stop_sent") and not jobs.events(flex, "preempted")
+        # each of its 3 launches kept to the nodes the scheduler gave it (an elastic job: the set)
+        assert len(jobs.events(flex, "placement_scheduled")) == 3
         records = jobs.get(flex, f"/metrics?limit={ITERS + 10}")["records"]
     placed = sampler.check(cpus=2.0)
     reference = elastron_train(
