@@ -34,27 +34,26 @@ def _assistant_loss(folder: Path, chats: list[dict]) -> float:
     return sum(losses) / len(losses)
 
 
-def test_finetune_example_end_to_end(tmp_path):
+def train_example(tmp_path: Path, example: str, conversations: int, iters: int) -> tuple[dict, Path, object]:
+    """What the README asks of a user: the tiny model and chats from the example script, then
+    `elastron train` on the example file pointed at them (fewer steps); the job, the folder of
+    the model and chats, and the finished run (checked to have exited 0)."""
     out = tmp_path / "tiny-hf"
-    subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "examples/make_tiny_hf_model.py"),
-            "--out",
-            str(out),
-            "--conversations",
-            "400",
-        ],
-        check=True,
-    )
-    job = yaml.safe_load((ROOT / "examples/finetune_hf.yaml").read_text())
+    script = [sys.executable, str(ROOT / "examples/make_tiny_hf_model.py"), "--out", str(out)]
+    subprocess.run([*script, "--conversations", str(conversations)], check=True)
+    job = yaml.safe_load((ROOT / example).read_text())
     job["model"]["init_from"] = str(out / "model")
     job["data"]["path"] = str(out / "chat.jsonl")
     job["checkpoint"] = {"path": str(tmp_path / "ckpt")}
-    job["training"]["train_iters"] = 12
+    job["training"]["train_iters"] = iters
     (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
     run = subprocess.run([ELASTRON, "train", str(tmp_path / "job.yaml")], capture_output=True, text=True)
     assert run.returncode == 0, run.stdout + run.stderr
+    return job, out, run
+
+
+def test_finetune_example_end_to_end(tmp_path):
+    job, out, run = train_example(tmp_path, "examples/finetune_hf.yaml", conversations=400, iters=12)
     assert "imported" in run.stdout
     exported = tmp_path / "finetuned"
     run = subprocess.run(

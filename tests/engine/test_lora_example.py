@@ -6,32 +6,18 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
-import yaml
 
-from tests.engine.test_hf_example import ELASTRON, ROOT, _assistant_loss
+from tests.engine.test_hf_example import ELASTRON, _assistant_loss, train_example
 
 peft = pytest.importorskip("peft", reason="peft (a test dependency: pip install -e '.[dev]') is not installed")
 
 
 def test_lora_example_end_to_end(tmp_path):
-    out = tmp_path / "tiny-hf"
-    subprocess.run(
-        [sys.executable, str(ROOT / "examples/make_tiny_hf_model.py"), "--out", str(out), "--conversations", "200"],
-        check=True,
-    )
-    job = yaml.safe_load((ROOT / "examples/finetune_lora.yaml").read_text())
+    job, out, _ = train_example(tmp_path, "examples/finetune_lora.yaml", conversations=200, iters=8)
     assert job["model"]["lora"]["rank"] == 16
-    job["model"]["init_from"] = str(out / "model")
-    job["data"]["path"] = str(out / "chat.jsonl")
-    job["checkpoint"] = {"path": str(tmp_path / "ckpt")}
-    job["training"]["train_iters"] = 8
-    (tmp_path / "job.yaml").write_text(yaml.safe_dump(job))
-    run = subprocess.run([ELASTRON, "train", str(tmp_path / "job.yaml")], capture_output=True, text=True)
-    assert run.returncode == 0, run.stdout + run.stderr
     adapter = tmp_path / "adapter"
     run = subprocess.run(
         [ELASTRON, "export", str(tmp_path / "ckpt" / "finetune-lora"), "--format", "peft", "--output", str(adapter),
