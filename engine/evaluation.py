@@ -37,11 +37,12 @@ def evaluate(
         if runner is None or runner.has_last:
             total[1] += label_tokens([b.labels for b in step])
         if runner is None:
-            for tokens, labels, packed in step:
-                total[0] += summed_token_loss(model_chunks[0](tokens, packed_seq_params=packed), labels)
+            for tokens, labels, packed, inputs in step:
+                logits = model_chunks[0](tokens, packed_seq_params=packed, **(inputs or {}))
+                total[0] += summed_token_loss(logits, labels)
             continue
-        tokens, labels, packed = batches.pipeline_inputs(step)
-        for loss in runner.evaluate(n, tokens, labels, summed_token_loss, packed=packed):
+        tokens, labels, packed, inputs = batches.pipeline_inputs(step)
+        for loss in runner.evaluate(n, tokens, labels, summed_token_loss, packed=packed, inputs=inputs):
             total[0] += loss
     if runner is not None:  # only the last stage has losses and counts
         dist.all_reduce(total, group=ps.get_group("pp"))

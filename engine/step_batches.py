@@ -20,6 +20,7 @@ class MicroBatch(NamedTuple):
     tokens: torch.Tensor  # [b, s]
     labels: torch.Tensor  # [b, s], IGNORE_INDEX where no loss is taken (fine-tuning masks)
     packed: PackedSeqParams | None = None  # rows holding several samples (data.packing)
+    inputs: dict[str, torch.Tensor] | None = None  # the model's further keyword inputs, [b, ...] each
 
 
 class StepBatches:
@@ -35,24 +36,28 @@ class StepBatches:
         context parallelism every CP rank of a DP replica reads the same microbatch and keeps its
         two sequence chunks of tokens and labels (no packing there)."""
         b = source.micro_batch(consumed, m, self.micro_batch_size, self.dp_size, self.dp_rank)
+        inputs = {k: v.to(self.device) for k, v in b.inputs.items()} if b.inputs else None
         if b.position_ids is not None:
             packed = PackedSeqParams(b.position_ids, b.segment_ids).to(self.device)
-            return MicroBatch(b.tokens.to(self.device), b.labels.to(self.device), packed)
+            return MicroBatch(b.tokens.to(self.device), b.labels.to(self.device), packed, inputs)
         tokens, labels = (context_parallel.shard_sequence(x, 1) for x in (b.tokens, b.labels))
-        return MicroBatch(tokens.to(self.device), labels.to(self.device))
+        return MicroBatch(tokens.to(self.device), labels.to(self.device), None, inputs)
 
     def read(self, source, consumed: int, n: int) -> list[MicroBatch]:
         """The step's n microbatches where this rank reads them: every rank without pipelining;
-        under it the first stage (tokens), the last (labels) and, for packed rows, every stage
-        (each needs the rows' positions and attention mask; reading is deterministic)."""
+        under it the first stage (tokens), the last (labels) and, for packed rows or a source with
+        further model inputs, every stage (each needs the rows' positions and attention mask, or
+        those inputs; reading is deterministic)."""
         runner = self.pipeline
-        if runner is None or runner.has_first or runner.has_last or self.packing:
+        every_stage = self.packing or bool(getattr(source, "model_inputs", ()))
+        if runner is None or runner.has_first or runner.has_last or every_stage:
             return [self.microbatch(source, consumed, m) for m in range(n)]
         return []
 
     def pipeline_inputs(self, batches: list[MicroBatch]):
-        """(tokens, labels, packed) of the whole step for the pipeline schedule, which cuts them
-        into microbatches again: tokens on the first stage, labels on the last, packing on all."""
+        """(tokens, labels, packed, inputs) of the whole step for the pipeline schedule, which
+        cuts them into microbatches again: tokens on the first stage, labels on the last, packing
+        and the further model inputs on all."""
         runner = self.pipeline
         tokens = torch.cat([b.tokens for b in batches]) if runner.has_first else None
         labels = torch.cat([b.labels for b in batches]) if runner.has_last else None
@@ -62,4 +67,7 @@ class StepBatches:
                 torch.cat([b.packed.position_ids for b in batches]),
                 torch.cat([b.packed.segment_ids for b in batches]),
             )
-        return tokens, labels, packed
+        inputs = None
+        if batches and batches[0].inputs:
+            inputs = {k: torch.cat([b.inputs[k] for b in batches]) for k in batches[0].inputs}
+        return tokens, labels, packed, inputs

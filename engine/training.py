@@ -290,16 +290,17 @@ class Trainer:
         if runner is None:
             scaled: list[torch.Tensor] = []
             model = self.ddp_chunks[0]
-            for tokens, labels, packed in batches:
+            for tokens, labels, packed, inputs in batches:
                 mtp_labels = labels if with_mtp else None
                 with self.timers("forward", 1):
-                    loss = loss_fn(model(tokens, packed_seq_params=packed, mtp_labels=mtp_labels), labels)
+                    logits = model(tokens, packed_seq_params=packed, mtp_labels=mtp_labels, **(inputs or {}))
+                    loss = loss_fn(logits, labels)
                 with self.timers("backward", 1):
                     loss.backward()
                 scaled.append(loss.detach())
         else:
-            tokens, labels, packed = self.batches.pipeline_inputs(batches)
-            scaled = runner.run(num_microbatches, tokens, labels, loss_fn, packed=packed, mtp=with_mtp)
+            tokens, labels, packed, inputs = self.batches.pipeline_inputs(batches)
+            scaled = runner.run(num_microbatches, tokens, labels, loss_fn, packed=packed, mtp=with_mtp, inputs=inputs)
         self.last_mtp_loss = self.objective.mtp_loss(num_microbatches)
         total = torch.stack(scaled).sum() if scaled else torch.zeros((), device=self.device)
         if self.pipeline is not None:  # only the last stage computed the loss

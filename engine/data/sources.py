@@ -20,18 +20,27 @@ SHIPPED_CORPUS = Path(__file__).parent / "corpus" / "python_stdlib_docs.txt"
 
 class SampleBatch(NamedTuple):
     """One microbatch as a source reads it: inputs and next-token labels, each [micro_batch_size,
-    seq]; a packed source adds each token's position within its sample and its sample's id."""
+    seq]; a packed source adds each token's position within its sample and its sample's id.
+    `inputs`: the model's further keyword inputs, each with the microbatch's rows as dim 0 (an
+    encoder's padding mask and token types, an encoder-decoder's decoder input ids); the source
+    names them in `model_inputs`."""
 
     tokens: torch.Tensor
     labels: torch.Tensor
     position_ids: torch.Tensor | None = None
     segment_ids: torch.Tensor | None = None
+    inputs: dict[str, torch.Tensor] | None = None
 
 
 class TokenSource:
     """A source whose samples are rows of seq_length + 1 token ids, every label trained. The
     Trainer asks each source for its microbatches (`micro_batch`), so a source with labels to mask
-    or rows to pack says so itself (engine.data.sft, engine.data.packing)."""
+    or rows to pack says so itself (engine.data.sft, engine.data.packing).
+
+    `model_inputs`: the names of the keyword inputs its batches carry beyond the tokens (see
+    SampleBatch.inputs); every pipeline stage reads those, since any stage's layers may need them."""
+
+    model_inputs: tuple[str, ...] = ()
 
     def __getitem__(self, index: int) -> torch.Tensor:
         raise NotImplementedError

@@ -11,7 +11,9 @@ hand here. What this module adds is the glue to the rest of the engine:
   own grad scaling is off (`scale_grads=False`): gradients go straight into the data-parallel
   buffers;
 - packed rows: their PackedSeqParams go to every stage as a keyword argument of the model, cut
-  into microbatches by the schedule like the tokens (it is a registered pytree dataclass);
+  into microbatches by the schedule like the tokens (it is a registered pytree dataclass); so do
+  a source's further model inputs (`inputs`, e.g. an encoder-decoder's decoder ids), each its own
+  keyword argument;
 - data-parallel gradient sync needs nothing from the schedule: the buffers count each
   parameter's backward passes and reduce a bucket after its last microbatch;
 - one schedule object per number of microbatches (a batch-size ramp changes it).
@@ -86,16 +88,20 @@ class PipelineRunner:
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         packed: PackedSeqParams | None = None,
         mtp: bool = False,
+        inputs: dict[str, torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """`tokens` [M * mbs, s] on the rank holding the first stage, `labels` on the last,
-        `packed` (rows holding several samples, [M * mbs, s]) on every rank.
+        `packed` (rows holding several samples, [M * mbs, s]) and `inputs` (the model's further
+        keyword inputs, [M * mbs, ...] each) on every rank.
         `loss_fn(logits, labels)` returns the microbatch's loss to backpropagate. Returns those
         losses (detached) on the last stage, [] elsewhere.
 
         Count losses from the schedule, not from calls to loss_fn: on its first step torch calls
         loss_fn once more to infer backward metadata (autograd.grad on the stage inputs only, so
         parameters and the data-parallel buffers see nothing)."""
-        return self._drive(num_microbatches, tokens, labels, loss_fn, packed, forward_only=False, mtp=mtp)
+        return self._drive(
+            num_microbatches, tokens, labels, loss_fn, packed, forward_only=False, mtp=mtp, inputs=inputs
+        )
 
     @torch.no_grad()
     def evaluate(
@@ -105,12 +111,13 @@ class PipelineRunner:
         labels: torch.Tensor | None,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
         packed: PackedSeqParams | None = None,
+        inputs: dict[str, torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """Forward only (the schedule's eval pass): per-microbatch losses on the last stage."""
-        return self._drive(num_microbatches, tokens, labels, loss_fn, packed, forward_only=True)
+        return self._drive(num_microbatches, tokens, labels, loss_fn, packed, forward_only=True, inputs=inputs)
 
     def _drive(
-        self, num_microbatches, tokens, labels, loss_fn, packed, forward_only: bool, mtp: bool = False
+        self, num_microbatches, tokens, labels, loss_fn, packed, forward_only: bool, mtp: bool = False, inputs=None
     ) -> list[torch.Tensor]:
         self._loss_fn = loss_fn
         sched = self._schedule(num_microbatches)
@@ -119,6 +126,7 @@ class PipelineRunner:
         kwargs = {"target": labels, "losses": losses} if self.has_last else {}
         if packed is not None:
             kwargs["packed_seq_params"] = packed
+        kwargs.update(inputs or {})
         if mtp and self.has_last:  # the multi-token prediction depths read the labels
             kwargs["mtp_labels"] = labels
         (sched.eval if forward_only else sched.step)(*args, **kwargs)
