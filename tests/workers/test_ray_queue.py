@@ -4,12 +4,14 @@ nodes, so two 1-rank jobs at once):
 - order: while a 2-rank job holds the cluster, alice queues a0 (priority 0) then a5 (priority
   5) and bob b0 (priority 0); when it ends a5 starts first (priority), then b0 ahead of alice's
   earlier a0 (fair share: alice already holds a rank, bob none), and a0 only when a rank frees;
-- quota: bob may hold 1 rank; while his b-long runs, his urgent b-hi (priority 10) waits with
-  that reason although a rank is free, and alice's priority-0 a-low takes it; a job that could
-  never fit bob's quota is refused with a 422 naming the numbers.
+- quota: bob may hold 1 rank; while his b0 runs, his urgent b-hi (priority 10) waits with that
+  reason, and when a5 is cancelled alice's priority-0 a0 takes the freed rank; b-hi starts once
+  b0 is cancelled; a job that could never fit bob's quota is refused with a 422 naming the numbers.
+
+One cluster-filling phase serves both: five launches (it was seven).
 
 Ray's placement groups are sampled throughout: never more than the cluster's 2 CPUs held, and
-none waits for room the scheduler believed free. About 90 s on a 2-core machine beyond the
+none waits for room the scheduler believed free. About 70 s on a 2-core machine beyond the
 shared cluster's start."""
 
 from __future__ import annotations
@@ -42,29 +44,35 @@ def test_priority_fair_share_and_quota_order_on_ray(ray_cluster, tmp_path):
         refused = b_api.post("/v1/jobs", json=_spec("too-big", ranks=2))
         assert refused.status_code == 422 and "quota" in refused.text, refused.text
 
-        holder = alice.submit(_spec("holder", iters=16, ranks=2))["id"]
+        holder = alice.submit(_spec("holder", iters=12, ranks=2))["id"]
         wait_for(lambda: (alice.get(holder)["iteration"] or 0) >= 1, 240, "the holder running")
-        a0 = alice.submit(_spec("a0", iters=8))["id"]
-        a5 = alice.submit(_spec("a5", iters=8, priority=5))["id"]
-        b0 = bob.submit(_spec("b0", iters=8))["id"]
+        # a5 and b0 run until cancelled: the test, not a race of iteration counts, frees their ranks.
+        a0 = alice.submit(_spec("a0"))["id"]
+        a5 = alice.submit(_spec("a5", iters=1000, priority=5))["id"]
+        b0 = bob.submit(_spec("b0", iters=1000))["id"]
         # (fair share counts what runs: the holder is alice's, so bob's b0 goes before alice's a0)
         in_order = [a5, b0, a0]
         wait_for(lambda: [j["id"] for j in admin.get("/v1/queue").json()["jobs"]] == in_order, 30, "the order")
-        for j, view in ((a0, alice), (a5, alice), (b0, bob)):
-            assert view.state(j, "succeeded", "failed", timeout=300)["state"] == "succeeded"
-        start = {j: view.events(j, "admitted")[0]["id"] for j, view in ((a0, alice), (a5, alice), (b0, bob))}
-        assert start[a5] <= start[b0] < start[a0], start
+        for j, view in ((a5, alice), (b0, bob)):
+            wait_for(lambda j=j, view=view: (view.get(j)["iteration"] or 0) >= 1, 240, f"{j} running")
+        assert alice.get(a0)["state"] == "queued", "a0 started before a5 and b0 freed a rank"
 
-        long = bob.submit(_spec("b-long", iters=60))["id"]
-        wait_for(lambda: (bob.get(long)["iteration"] or 0) >= 1, 240, "bob's long job running")
+        # Quota: bob holds his 1 rank (b0); his urgent b-hi waits although it outranks a0 ...
         hi = bob.submit(_spec("b-hi", priority=10))["id"]
-        low = alice.submit(_spec("a-low"))["id"]
-        wait_for(lambda: alice.events(low, "admitted"), 60, "alice's job admitted into the free rank")
+        wait_for(lambda: (bob.get(hi)["waiting_reason"] or "").startswith("tenant bob at its quota"), 30, "b-hi")
+        # ... and when a rank frees, alice's priority-0 a0 takes it, not bob's priority-10 b-hi.
+        assert a_api.post(f"/v1/jobs/{a5}/cancel").status_code == 202
+        wait_for(lambda: alice.events(a0, "admitted"), 60, "a0 admitted into the freed rank")
         waiting = bob.get(hi)
         assert waiting["state"] == "queued" and waiting["waiting_reason"].startswith("tenant bob at its quota"), waiting
-        assert bob.get(long)["state"] in ("starting", "running"), "b-long ended: the quota was not what held b-hi"
-        assert alice.state(low, "succeeded", "failed", timeout=240)["state"] == "succeeded"
+        assert bob.get(b0)["state"] in ("starting", "running"), "b0 ended: the quota was not what held b-hi"
+        assert b_api.post(f"/v1/jobs/{b0}/cancel").status_code == 202
+        assert alice.state(a0, "succeeded", "failed", timeout=240)["state"] == "succeeded"
         assert bob.state(hi, "succeeded", "failed", timeout=300)["state"] == "succeeded"
-        assert bob.events(hi, "admitted")[0]["id"] > alice.events(low, "admitted")[0]["id"]
+        start = {j: view.events(j, "admitted")[0]["id"] for j, view in ((a0, alice), (a5, alice), (b0, bob))}
+        assert start[a5] <= start[b0] < start[a0], start
+        assert bob.events(hi, "admitted")[0]["id"] > alice.events(a0, "admitted")[0]["id"]
+        for j, view in ((a5, alice), (b0, bob)):
+            assert view.state(j, "cancelled", "failed", "succeeded", timeout=120)["state"] == "cancelled"
     placed = sampler.check(cpus=2.0)
     print(f"admitted {sorted(start, key=start.get)}; b-hi waited: {waiting['waiting_reason']!r}; {placed}")
