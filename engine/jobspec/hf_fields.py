@@ -72,6 +72,10 @@ def hf_model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         return _gpt2_fields(cfg, fam)
     if fam.layout == "deepseek":
         return _deepseek_fields(cfg, fam)
+    if fam.layout == "bert":
+        from engine.jobspec.hf_bert import bert_fields
+
+        return bert_fields(cfg, fam)
     return _llama_style_fields(cfg, fam)
 
 

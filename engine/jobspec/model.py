@@ -184,7 +184,7 @@ class ModelSpec(_Section):
         description="Set where the job is submitted: the sha256 of model.init_from's config.json, whose "
         "fields are then merged into this section (later validations read nothing).",
     )
-    arch: Literal["gpt2", "llama"] = "llama"
+    arch: Literal["gpt2", "llama", "bert"] = "llama"
     num_layers: PositiveInt = 2
     hidden_size: PositiveInt = 64
     num_attention_heads: PositiveInt = 4
@@ -220,7 +220,12 @@ class ModelSpec(_Section):
         description="Pad the embedding table to a multiple of this (must be divisible by parallel.tensor).",
     )
     seq_length: PositiveInt = 128
-    tie_embeddings: bool | None = Field(None, description="Default: true for gpt2, false for llama.")
+    tie_embeddings: bool | None = Field(None, description="Default: true for gpt2 and bert, false for llama.")
+    type_vocab_size: PositiveInt | None = Field(
+        None,
+        exclude_if=lambda v: v is None,  # a decoder's spec dumps as it always did
+        description="arch bert: token types (segments A/B) the embedding learns; default 2 (BERT's).",
+    )
     hidden_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     norm_epsilon: float = Field(1e-5, gt=0.0)
@@ -280,16 +285,22 @@ class ModelSpec(_Section):
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.activation is None:
-            self.activation = "gelu" if self.arch == "gpt2" else "swiglu"
+            self.activation = "swiglu" if self.arch == "llama" else "gelu"
         if self.qkv_bias is None:
-            self.qkv_bias = self.arch == "gpt2"
+            self.qkv_bias = self.arch != "llama"
         if self.ffn_hidden_size is None:
             if self.activation == "swiglu":
                 self.ffn_hidden_size = 64 * math.ceil(8 * self.hidden_size / 3 / 64)
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
         if self.tie_embeddings is None:
-            self.tie_embeddings = self.arch == "gpt2"
+            self.tie_embeddings = self.arch != "llama"
+        if self.arch == "bert":
+            from engine.jobspec.bert import check_bert_model  # the encoder's own rules
+
+            check_bert_model(self)
+        elif self.type_vocab_size is not None:
+            raise ValueError(f"model.type_vocab_size applies to arch bert only: remove it for arch {self.arch}")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_attention_heads "
