@@ -30,7 +30,12 @@ from torch import nn
 from engine import parallel_state as ps
 from engine.models.gpt import GPTModel
 from engine.parallel_placement import set_placement
-from engine.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, checkpoint, mark_sequence_parallel
+from engine.tensor_parallel import (
+    ColumnParallelLinear,
+    VocabParallelEmbedding,
+    checkpoint,
+    mark_sequence_parallel,
+)
 from engine.transformer.attention import SelfAttention
 from engine.transformer.config import TransformerConfig
 from engine.transformer.dropout import dropout
