@@ -1,4 +1,4 @@
-"""BertForMaskedLM's tensors <-> our BertModel's global names (engine/models/bert.py), as
+"""The BERT masked-LM family's tensors <-> our BertModel's global names (engine/models/bert.py), as
 Segments for engine/hf/families.py, which drives import and export for every family.
 
 Our fused QKV is per head [q_h; k_h; v_h] (Megatron-Core's grouped layout with one query group
@@ -34,13 +34,13 @@ _IN_LAYER = {
     "post_mlp_layernorm": "output.LayerNorm",
 }
 
-# What a BertForMaskedLM file may hold besides what we read: the tied decoder's copies (older
+# What a BERT masked-LM file may hold besides what we read: the tied decoder's copies (older
 # transformers saved them).
 TIED_COPIES = ("cls.predictions.decoder.weight", "cls.predictions.decoder.bias")
 
 
 def bert_segments(our_name: str, s: Shapes) -> list[Segment]:
-    """Our global tensor `our_name` as BertForMaskedLM segments; KeyError for one it lacks."""
+    """Our global tensor `our_name` as the BERT family's segments; KeyError for one it lacks."""
     m = _LAYER.match(our_name)
     if m:
         idx, suffix = m.groups()

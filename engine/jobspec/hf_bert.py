@@ -1,4 +1,4 @@
-"""BertForMaskedLM's config.json <-> a job's `model` section (arch bert), both directions: what
+"""The BERT masked-LM family's config.json <-> a job's `model` section (arch bert), both directions: what
 hf_fields.hf_model_fields and hf_export_config.hf_config_for call for the bert layout.
 
 Dropout probabilities are not read (as for the other families: the job's model.hidden_dropout and
@@ -13,7 +13,7 @@ from engine.jobspec.hf_families import HFConfigError, HFFamily
 
 
 def bert_fields(cfg: dict[str, Any], fam: HFFamily) -> dict[str, Any]:
-    """The `model` fields a BertForMaskedLM config.json fixes; HFConfigError naming the field."""
+    """The `model` fields a BERT config.json fixes; HFConfigError naming the field."""
     act = cfg.get("hidden_act", "gelu")
     if act != "gelu":
         raise HFConfigError(f"config.json hidden_act={act!r} is not supported for {fam.architecture} (only gelu)")

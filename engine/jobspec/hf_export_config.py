@@ -104,7 +104,7 @@ def hf_config_for(model: Any, base: dict[str, Any] | None = None, *, dtype: str 
 def _family_of(model: Any) -> HFFamily:
     """The Hugging Face family that holds a model of these settings, or HFConfigError naming the
     setting no family has."""
-    if model.arch == "bert":  # the job spec admits only what BertForMaskedLM has
+    if model.arch == "bert":  # the job spec admits only what the BERT family has
         return family_with("bert")
     if model.attention == "mla":
         m = model.moe

@@ -1,4 +1,4 @@
-"""BERT encoder with its masked-LM head, as transformers' BertForMaskedLM computes it.
+"""BERT encoder with its masked-LM head, as transformers' masked-LM BERT computes it.
 
 Bidirectional self-attention under a padding mask, learned absolute positions, token types,
 post-LayerNorm layers (attention -> dropout -> add -> LayerNorm, then MLP(GELU) -> dropout ->
