@@ -6,7 +6,8 @@ Three launches (1, 4 and 2 ranks) each check several things, to keep CI cheap:
   optim_grads_params, and on PP=2;
 - a random-init job trained on `data.source: mlm` gives the same losses, grad norms,
   gradients and parameters on those layouts (TP+SP+DP with full recompute) as on one rank;
-- a PP=2 run resumed from its checkpoint continues bitwise;
+- a PP=2 run resumed from its checkpoint continues bitwise; the 1-rank checkpoint loads on
+  TP=2+SP x DP=2 (optim_grads_params) with transformers' logits;
 - import -> checkpoint -> `elastron export --format hf` gives the same safetensors bytes, and a
   trained TP=2 checkpoint exports to a model transformers runs with our logits.
 """
@@ -102,10 +103,11 @@ def _train_job(ranks: int, **sections) -> dict:
     return ph.job(ranks, **base)
 
 
-def _rank(import_spec: dict, train_spec: dict, resume_spec: dict | None) -> dict:
+def _rank(import_spec: dict, train_spec: dict, resume_spec: dict | None, reshard_spec: dict | None = None) -> dict:
     """On every rank: (1) a random-init MLM job trained, its gradients and parameters gathered;
     (2) the imported model's logits of the fixed batch, a checkpoint before any step (export);
-    (3) optionally a job stopped at iteration 2 and resumed from its checkpoint."""
+    (3) optionally a job stopped at iteration 2 and resumed from its checkpoint; (4) optionally
+    the logits of a job loading another layout's checkpoint (`reshard_spec`)."""
     out = {"train": ph._train_and_collect(train_spec)}
     trainer = Trainer(parse_job(import_spec))
     if import_spec.get("checkpoint"):
@@ -113,6 +115,10 @@ def _rank(import_spec: dict, train_spec: dict, resume_spec: dict | None) -> dict
         trainer.checkpointer.wait()
     out["logits"] = _full_logits(trainer, _inputs())
     ps.destroy_model_parallel()
+    if reshard_spec is not None:
+        trainer = Trainer(parse_job(reshard_spec))
+        out["resharded"] = (trainer.iteration, _full_logits(trainer, _inputs()))
+        ps.destroy_model_parallel()
     if resume_spec is not None:
         first = ph.train_until(resume_spec, 2)
         rest = ph.train_until(resume_spec, 4)
@@ -173,9 +179,15 @@ def test_tp2_sp_dp2_full_sharding_equals_one_rank_and_transformers(bert, one_ran
     folder, theirs = bert
     parallel = {"tensor": 2, "sequence_parallel": True, "data_parallel_sharding": "optim_grads_params"}
     train = _train_job(4, parallel=parallel, training={"recompute": "full"})
-    got = _launch(4, _import_job(folder, 4, parallel=parallel), train, None)
+    # the 1-rank checkpoint of the imported model, loaded on this layout without the import
+    reshard = _train_job(4, parallel=parallel, checkpoint={"resume_from": str(one_rank[1] / "hf")})
+    reshard["model"].update(num_layers=2, vocab_size=VOCAB, ffn_hidden_size=64, norm_epsilon=1e-12)
+    got = _launch(4, _import_job(folder, 4, parallel=parallel), train, None, reshard)
     _assert_like_hf(got[0]["logits"], theirs)
     ph.assert_same_training(got[0]["train"], one_rank[0]["train"])
+    iteration, resharded = got[0]["resharded"]
+    assert iteration == 0
+    _assert_like_hf(resharded, theirs)
 
 
 def test_pp2_equals_one_rank_and_resumes_bitwise(bert, one_rank, tmp_path):
