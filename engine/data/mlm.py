@@ -18,9 +18,15 @@ The special ids: `data.mlm.{cls,sep,pad,mask}_id`, else the tokenizer's own [CLS
 tokenizer) needs the ids set, e.g. to reserved ids past its vocabulary (with model.vocab_size
 large enough). Every id must lie inside the model's vocabulary.
 
+Sentence pairs (`next_sentence`, for the model's binary head): `[CLS] A [SEP] B [SEP]`, A and B
+the two parts of a window of s - 3 tokens cut at a random token; with probability 0.5 B is
+replaced by as many tokens from the start of another sample's window (label 1: "random next",
+transformers' convention; 0: B follows A). The cut, the coin and the other window come from a
+second generator seeded by (seed, i).
+
 The model's further inputs (SampleBatch.inputs): `attention_mask` (1 on real tokens; windows are
-full, so all 1 here; the model honours 0s, e.g. from a padded source) and `token_type_ids` (0:
-one segment).
+full, so all 1 here; the model honours 0s, e.g. from a padded source), `token_type_ids` (0: one
+segment; with pairs 0 for [CLS] A [SEP], 1 for B [SEP]) and, with pairs, `next_sentence_label` [b].
 """
 
 from __future__ import annotations
@@ -90,21 +96,43 @@ class MLMSource(TokenSource):
     """Masked-LM samples over `windows` (a source of (seq_length - 2) + 1 ids per index: TextSource
     or GPTDataset built with seq_length - 3); see the module docstring."""
 
-    model_inputs = MODEL_INPUTS
-
     def __init__(self, windows, tokenizer, spec: MLMSpec, seq_length: int, seed: int, model_vocab: int):
         self.windows, self.spec, self.seq_length, self.seed = windows, spec, seq_length, seed
         self.ids = special_ids(spec, tokenizer, model_vocab)
         self.eod = tokenizer.eod
         self.random_vocab = tokenizer.vocab_size  # random replacements: the tokenizer's own tokens
         self.continues = word_starts_table(tokenizer, tokenizer.vocab_size) if spec.whole_word else None
+        self.model_inputs = MODEL_INPUTS + (("next_sentence_label",) if spec.next_sentence else ())
+
+    def _window(self, index: int, length: int) -> torch.Tensor:
+        w = self.windows[index][:length].clone()
+        w[w == self.eod] = self.ids["sep_id"]
+        return w
+
+    def pair(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int | None]:
+        """Sample `index` before masking: (tokens, token types, next-sentence label or None), the
+        tokens [CLS] window [SEP] or, with pairs, [CLS] A [SEP] B [SEP]; EODs as [SEP]."""
+        cls, sep = (torch.tensor([self.ids[k]]) for k in ("cls_id", "sep_id"))
+        s = self.seq_length
+        if not self.spec.next_sentence:
+            tokens = torch.cat([cls, self._window(index, s - 2), sep])
+            return tokens, torch.zeros_like(tokens), None
+        g = torch.Generator().manual_seed(((self.seed + 1) * 1_000_033 + index) % (2**63))
+        w = self._window(index, s - 3)
+        cut = int(torch.randint(1, len(w), (1,), generator=g))
+        random_next = bool(torch.rand(1, generator=g) < 0.5)
+        b = w[cut:]
+        if random_next:
+            other = index + 1 + int(torch.randint(0, 1 << 30, (1,), generator=g))
+            b = self._window(other, len(b))
+        tokens = torch.cat([cls, w[:cut], sep, b, sep])
+        types = torch.zeros_like(tokens)
+        types[cut + 2 :] = 1
+        return tokens, types, int(random_next)
 
     def tokens(self, index: int) -> torch.Tensor:
-        """Sample `index` before masking: [CLS] window [SEP], EODs as [SEP]; [seq_length]."""
-        w = self.windows[index][: self.seq_length - 2].clone()
-        w[w == self.eod] = self.ids["sep_id"]
-        cls, sep = (torch.tensor([self.ids[k]]) for k in ("cls_id", "sep_id"))
-        return torch.cat([cls, w, sep])
+        """Sample `index`'s tokens before masking, [seq_length]."""
+        return self.pair(index)[0]
 
     def _word_ids(self, tokens: torch.Tensor) -> torch.Tensor:
         """[s] long: the word each token belongs to (whole-word masking)."""
@@ -121,7 +149,11 @@ class MLMSource(TokenSource):
 
     def sample(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(masked tokens, labels, attention mask), each [seq_length], of sample `index`."""
-        tokens = self.tokens(index)
+        return self._sample(index)[:3]
+
+    def _sample(self, index: int) -> tuple:
+        """sample()'s three tensors, then the token types and the next-sentence label."""
+        tokens, types, next_label = self.pair(index)
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + index) % (2**63))
         s = tokens.shape[0]
         if self.spec.whole_word:
@@ -138,7 +170,7 @@ class MLMSource(TokenSource):
         masked[chosen & (how < 0.8)] = self.ids["mask_id"]
         swap = chosen & (how >= 0.8) & (how < 0.9)
         masked[swap] = random_tokens[swap]
-        return masked, labels, (tokens != self.ids["pad_id"]).long()
+        return masked, labels, (tokens != self.ids["pad_id"]).long(), types, next_label
 
     def __getitem__(self, index: int) -> torch.Tensor:
         return self.sample(index)[0]
@@ -148,10 +180,11 @@ class MLMSource(TokenSource):
     ) -> SampleBatch:
         """Samples taken by global index as every source does (Megatron-Core's sampler)."""
         base = consumed_samples + microbatch * micro_batch_size * dp_size + dp_rank * micro_batch_size
-        rows = [self.sample(base + j) for j in range(micro_batch_size)]
-        tokens = torch.stack([r[0] for r in rows])
-        labels = torch.stack([r[1] for r in rows])
-        inputs = {"attention_mask": torch.stack([r[2] for r in rows]), "token_type_ids": torch.zeros_like(tokens)}
+        rows = [self._sample(base + j) for j in range(micro_batch_size)]
+        tokens, labels, mask, types = (torch.stack([r[k] for r in rows]) for k in range(4))
+        inputs = {"attention_mask": mask, "token_type_ids": types}
+        if self.spec.next_sentence:
+            inputs["next_sentence_label"] = torch.tensor([r[4] for r in rows], dtype=torch.long)
         return SampleBatch(tokens, labels, inputs=inputs)
 
 

@@ -24,6 +24,10 @@ _OWN = {  # ours -> HF, outside the layers (None rows: the HF tensor's own lengt
     "lm_head.dense.bias": "cls.predictions.transform.dense.bias",
     "lm_head.layernorm.weight": "cls.predictions.transform.LayerNorm.weight",
     "lm_head.layernorm.bias": "cls.predictions.transform.LayerNorm.bias",
+    "binary_head.pooler.weight": "bert.pooler.dense.weight",  # the pretraining family's next-sentence head
+    "binary_head.pooler.bias": "bert.pooler.dense.bias",
+    "binary_head.classifier.weight": "cls.seq_relationship.weight",
+    "binary_head.classifier.bias": "cls.seq_relationship.bias",
 }
 
 _IN_LAYER = {

@@ -18,6 +18,8 @@ def check_bert_model(m: Any) -> None:
     its defaults already filled in)."""
     if m.type_vocab_size is None:
         m.type_vocab_size = 2
+    if m.bert_binary_head is None:
+        m.bert_binary_head = False
     refused = {
         "moe": m.moe is not None,
         "mla": m.attention == "mla",
@@ -55,6 +57,12 @@ class MLMSpec(_Section):
         description="Select whole words: a word's tokens are selected (and masked) together. Words: "
         "WordPiece '##' continuations, SentencePiece pieces without '\u2581', bytes between whitespace.",
     )
+    next_sentence: bool = Field(
+        False,
+        description="Sentence pairs for model.bert_binary_head: [CLS] A [SEP] B [SEP], the window cut at a "
+        "random token; half the time B is replaced by the start of another window (label 1, BERT's "
+        "'random next'). Token types: 0 for [CLS] A [SEP], 1 for B [SEP].",
+    )
     cls_id: int | None = Field(None, ge=0, description="[CLS]'s id; default: the tokenizer's [CLS] token.")
     sep_id: int | None = Field(None, ge=0, description="[SEP]'s id; default: the tokenizer's [SEP] token.")
     pad_id: int | None = Field(None, ge=0, description="[PAD]'s id; default: the tokenizer's [PAD] token.")
@@ -84,5 +92,10 @@ def check_bert_job(model: Any, parallel: Any, data: Any) -> None:
             "parallel.context > 1 is not supported with arch bert (context-parallel attention is causal, "
             "BERT's is bidirectional with a padding mask): set parallel.context: 1"
         )
-    if data.source == "mlm" and model.seq_length < 4:
-        raise ValueError(f"model.seq_length ({model.seq_length}) is too short for [CLS] tokens [SEP]: use at least 4")
+    if data.source == "mlm" and model.seq_length < 5:
+        raise ValueError(f"model.seq_length ({model.seq_length}) is too short for [CLS] A [SEP] B [SEP]: use at least 5")
+    if data.source == "mlm" and bool(model.bert_binary_head) != data.mlm.next_sentence:
+        raise ValueError(
+            "model.bert_binary_head and data.mlm.next_sentence go together (the head learns from the sentence "
+            "pairs' labels): set both or neither"
+        )

@@ -34,6 +34,7 @@ def bert_fields(cfg: dict[str, Any], fam: HFFamily) -> dict[str, Any]:
         "ffn_hidden_size": int(cfg["intermediate_size"]),
         "vocab_size": int(cfg["vocab_size"]),
         "type_vocab_size": int(cfg.get("type_vocab_size", 2)),
+        "bert_binary_head": fam.binary_head,
         "tie_embeddings": bool(cfg.get("tie_word_embeddings", True)),
         "norm_epsilon": float(cfg.get("layer_norm_eps", 1e-12)),
         "activation": "gelu",

@@ -104,8 +104,8 @@ def hf_config_for(model: Any, base: dict[str, Any] | None = None, *, dtype: str 
 def _family_of(model: Any) -> HFFamily:
     """The Hugging Face family that holds a model of these settings, or HFConfigError naming the
     setting no family has."""
-    if model.arch == "bert":  # the job spec admits only what the BERT family has
-        return family_with("bert")
+    if model.arch == "bert":  # the job spec admits only what the BERT families have
+        return family_with("bert", binary_head=bool(model.bert_binary_head))
     if model.attention == "mla":
         m = model.moe
         if m is not None and (

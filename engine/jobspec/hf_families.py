@@ -37,6 +37,7 @@ class HFFamily:
     same_as: str | None = None
     # config.json flags the exporter writes for this family (transformers' defaults differ).
     export_flags: dict[str, Any] = field(default_factory=dict)
+    binary_head: bool = False  # BERT with its next-sentence head (model.bert_binary_head)
 
 
 # Qwen2-MoE is left out: its shared expert has a sigmoid gate our MoE does not have.
@@ -61,6 +62,7 @@ FAMILIES: dict[str, HFFamily] = {
         HFFamily("GPT2LMHeadModel", "gpt2", "gpt2", "gpt2"),
         HFFamily("DeepseekV3ForCausalLM", "deepseek_v3", "llama", "deepseek", moe="deepseek"),
         HFFamily("BertForMaskedLM", "bert", "bert", "bert"),  # engine/jobspec/hf_bert.py, engine/hf/bert_tensors.py
+        HFFamily("BertForPreTraining", "bert", "bert", "bert", binary_head=True),
     )
 }  # fmt: skip
 
@@ -71,16 +73,17 @@ def family(architecture: str) -> HFFamily:
 
 
 def family_with(
-    layout: str, *, qkv_bias: bool = False, qk_layernorm: bool = False, moe: str | None = None
+    layout: str, *, qkv_bias: bool = False, qk_layernorm: bool = False, moe: str | None = None, binary_head: bool = False
 ) -> HFFamily:
     """The family a model of these traits exports as (families that are another's alias are not
     candidates); KeyError when none has them."""
     for f in FAMILIES.values():
-        if f.same_as is None and (f.layout, f.qkv_bias, f.qk_layernorm, f.moe) == (
+        if f.same_as is None and (f.layout, f.qkv_bias, f.qk_layernorm, f.moe, f.binary_head) == (
             layout,
             qkv_bias,
             qk_layernorm,
             moe,
+            binary_head,
         ):
             return f
-    raise KeyError((layout, qkv_bias, qk_layernorm, moe))
+    raise KeyError((layout, qkv_bias, qk_layernorm, moe, binary_head))

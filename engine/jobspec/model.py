@@ -226,6 +226,13 @@ class ModelSpec(_Section):
         exclude_if=lambda v: v is None,  # a decoder's spec dumps as it always did
         description="arch bert: token types (segments A/B) the embedding learns; default 2 (BERT's).",
     )
+    bert_binary_head: bool | None = Field(
+        None,
+        exclude_if=lambda v: v is None,
+        description="arch bert: the next-sentence head (a pooler on [CLS] and a 2-way classifier, as "
+        "transformers' BERT pretraining model); its loss, the mean over the batch's sequences, is added to the masked-LM loss "
+        "(data.mlm.next_sentence gives its labels). Default: false.",
+    )
     hidden_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     norm_epsilon: float = Field(1e-5, gt=0.0)
@@ -299,8 +306,10 @@ class ModelSpec(_Section):
             from engine.jobspec.bert import check_bert_model  # the encoder's own rules
 
             check_bert_model(self)
-        elif self.type_vocab_size is not None:
-            raise ValueError(f"model.type_vocab_size applies to arch bert only: remove it for arch {self.arch}")
+        else:
+            for name in ("type_vocab_size", "bert_binary_head"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"model.{name} applies to arch bert only: remove it for arch {self.arch}")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_attention_heads "

@@ -14,9 +14,15 @@ Inputs beyond the token ids come through the data source's `model_inputs` (engin
 `token_type_ids` [b, s] (the first stage). Without them every token attends to every other
 and all token types are 0, as in transformers.
 
-What is not here: Megatron's pooler + binary (next-sentence / classification) head. The MLM loss
-is the model's loss; a sequence-level head would need a per-sequence label and loss beside the
-per-token one the objective (engine/objective.py) takes.
+The optional binary head (`model.bert_binary_head`, the HF pretraining BERT's next-sentence head):
+a pooler (dense + tanh) on [CLS]'s final hidden state and a 2-way classifier. Given
+`next_sentence_label` [b] (an input of `data.mlm.next_sentence` samples), its loss, the
+cross entropy averaged over the microbatch's sequences, joins the graph through `attach_loss`
+on the logits, weighted like MoE's balancing losses (`aux_loss_scale`, set each step by the
+objective to the loss scale over the microbatches): so the objective is the masked-LM token mean
+plus the next-sentence sequence mean over the global batch, as Megatron's BERT, while the
+reported loss stays the masked-LM one. The last forward's 2-way logits are kept on the head
+(`last_logits`, [b, 2]) for inspection.
 """
 
 from __future__ import annotations
@@ -34,17 +40,18 @@ from engine.tensor_parallel import (
     ColumnParallelLinear,
     VocabParallelEmbedding,
     checkpoint,
+    gather_from_sequence_parallel_region,
     mark_sequence_parallel,
 )
 from engine.transformer.attention import SelfAttention
 from engine.transformer.config import TransformerConfig
 from engine.transformer.dropout import dropout
+from engine.transformer.loss_attach import attach_loss
 from engine.transformer.mlp import MLP
 from engine.transformer.norm import build_norm
 
 _LAYER = re.compile(r"^encoder\.layers\.(\d+)\.")
 
-MODEL_INPUTS = ("attention_mask", "token_type_ids")
 
 
 class BertLayer(nn.Module):
@@ -113,7 +120,9 @@ class BertModel(nn.Module):
             self.embedding_layernorm = build_norm(c)
         count = c.num_layers if num_layers is None else num_layers
         self.encoder = BertEncoder(c, count)
-        self.lm_head = self.output_layer = None
+        self.lm_head = self.output_layer = self.binary_head = None
+        if post_process and c.bert_binary_head:
+            self.binary_head = BertBinaryHead(c)
         if post_process:
             self.lm_head = BertLMHead(c)
             self.output_layer = ColumnParallelLinear(
@@ -168,12 +177,15 @@ class BertModel(nn.Module):
         mtp_labels: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         token_type_ids: torch.Tensor | None = None,
+        next_sentence_label: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """First stage: token ids [b, s]; later stages: hidden states [s, b, h] (a sequence chunk
         under SP). Last stage: per-token MLM loss [b, s] when labels are given (the target at
         each position, IGNORE_INDEX where none), else this rank's vocabulary slice of the logits
         [b, s, vocab/tp]; other stages return hidden states. `attention_mask` [b, s]: 1 on real
-        tokens (None: all). Packed rows and MTP do not exist for BERT (the job spec refuses them)."""
+        tokens (None: all). `next_sentence_label` [b] (last stage, with the binary head): 1 where the
+        second segment is a random one; its loss is attached to the logits. Packed rows and MTP
+        do not exist for BERT (the job spec refuses them)."""
         if packed_seq_params is not None or mtp_labels is not None:
             raise ValueError("arch bert takes no packed rows or multi-token prediction labels")
         if self.pre_process:
@@ -191,6 +203,11 @@ class BertModel(nn.Module):
         if not self.post_process:
             return x
         logits = self._logits(x)
+        if self.binary_head is not None:
+            binary = self.binary_head(x)
+            if next_sentence_label is not None:
+                loss = F.cross_entropy(binary.float(), next_sentence_label.to(binary.device))
+                logits = attach_loss(logits, loss, self.binary_head.aux_loss_scale)
         if labels is None:
             return logits.transpose(0, 1)
         return self.loss_from_logits(logits.transpose(0, 1), labels)
@@ -219,3 +236,29 @@ class BertLMHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.layernorm(F.gelu(self.dense(x)))
+
+
+class BertBinaryHead(nn.Module):
+    """Pooler (dense + tanh on [CLS]) and the 2-way classifier, replicated over TP: under SP the
+    sequence is gathered first (its gradient split back, the head being the same on every TP
+    rank), so every TP rank computes the same [b, 2] logits and the same parameter gradients."""
+
+    def __init__(self, config: TransformerConfig):
+        super().__init__()
+        h = config.hidden_size
+        self.pooler = nn.Linear(h, h, dtype=config.params_dtype)
+        self.classifier = nn.Linear(h, 2, dtype=config.params_dtype)
+        for layer in (self.pooler, self.classifier):
+            set_placement(layer.weight, init_std=config.init_method_std)
+            set_placement(layer.bias, init_std=0.0)
+        self.sequence_parallel = config.sequence_parallel
+        self.aux_loss_scale = 1.0  # the objective's weight for the attached loss (engine/objective.py)
+        self.last_logits: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[s, b, h] (a sequence chunk under SP) -> [b, 2]."""
+        if self.sequence_parallel:
+            x = gather_from_sequence_parallel_region(x, tensor_parallel_output_grad=False)
+        logits = self.classifier(torch.tanh(self.pooler(x[0])))
+        self.last_logits = logits.detach()
+        return logits

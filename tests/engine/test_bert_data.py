@@ -75,6 +75,30 @@ def test_samples_are_fixed_by_their_index_on_any_layout():
     assert not torch.equal(_source(seed=6).micro_batch(40, 1, 4, 1, 0).labels, whole.labels)
 
 
+def test_sentence_pairs():
+    src, plain = _source(next_sentence=True), _source()
+    assert src.model_inputs == ("attention_mask", "token_type_ids", "next_sentence_label")
+    checked = 0
+    for i in range(400):
+        tokens, types, label = src.pair(i)
+        seps = (tokens == 258).nonzero().flatten()
+        assert tokens[0] == 257 and tokens[-1] == 258 and tokens.shape == (SEQ,)
+        window = plain.windows[i][: SEQ - 3]
+        cut = int(seps[0]) - 1 if bool((window != 256).all()) else None  # EOD-free windows: the first [SEP] is the cut
+        if cut is None:
+            continue
+        assert torch.equal(types, (torch.arange(SEQ) >= cut + 2).long())  # 0: [CLS] A [SEP]; 1: B [SEP]
+        assert torch.equal(tokens[1 : cut + 1], window[:cut])  # A: the window's start
+        follows = torch.equal(tokens[cut + 2 : -1], window[cut:])
+        assert follows == (label == 0), (i, label)  # a random B is another window's start
+        checked += 1
+    batch = src.micro_batch(0, 0, 4, 1, 0)
+    assert batch.inputs["next_sentence_label"].shape == (4,)
+    assert torch.equal(batch.inputs["token_type_ids"][0], src.pair(0)[1])
+    _within(sum(src.pair(i)[2] for i in range(400)), 400, 0.5, "random-next share")
+    assert checked > 200, checked  # most windows hold no document end
+
+
 def test_whole_word_masking_selects_words():
     src = _source(whole_word=True)
     words = selected_words = 0
@@ -172,6 +196,7 @@ def test_job_rules():
         "model.moe is not supported with arch bert": _job(model={"moe": {"num_experts": 2}}),
         "must equal model.num_attention_heads": _job(model={"num_query_groups": 2}),
         "model.type_vocab_size applies to arch bert only": _job(model={"arch": "gpt2", "type_vocab_size": 2}),
+        "model.bert_binary_head and data.mlm.next_sentence go together": _job(model={"bert_binary_head": True}),
         "data.mlm applies to data.source mlm only": _job(model={"arch": "gpt2"}, data={"source": "text"}),
     }
     for message, job in refused.items():
