@@ -20,7 +20,7 @@ large enough). Every id must lie inside the model's vocabulary.
 
 Sentence pairs (`next_sentence`, for the model's binary head): `[CLS] A [SEP] B [SEP]`, A and B
 the two parts of a window of s - 3 tokens cut at a random token; with probability 0.5 B is
-replaced by as many tokens from the start of another sample's window (label 1: "random next",
+replaced by as many tokens from the start of a random window of the same epoch (label 1: "random next",
 transformers' convention; 0: B follows A). The cut, the coin and the other window come from a
 second generator seeded by (seed, i).
 
@@ -103,6 +103,9 @@ class MLMSource(TokenSource):
         self.random_vocab = tokenizer.vocab_size  # random replacements: the tokenizer's own tokens
         self.continues = word_starts_table(tokenizer, tokenizer.vocab_size) if spec.whole_word else None
         self.model_inputs = MODEL_INPUTS + (("next_sentence_label",) if spec.next_sentence else ())
+        # Windows per epoch: a random second segment is drawn from the sample's own epoch, whose
+        # index the underlying source already holds (another epoch's would be built for it).
+        self.per_epoch = len(windows) if hasattr(windows, "__len__") else windows.num_windows
 
     def _window(self, index: int, length: int) -> torch.Tensor:
         w = self.windows[index][:length].clone()
@@ -123,7 +126,8 @@ class MLMSource(TokenSource):
         random_next = bool(torch.rand(1, generator=g) < 0.5)
         b = w[cut:]
         if random_next:
-            other = index + 1 + int(torch.randint(0, 1 << 30, (1,), generator=g))
+            epoch_start = index - index % self.per_epoch
+            other = epoch_start + int(torch.randint(0, self.per_epoch, (1,), generator=g))
             b = self._window(other, len(b))
         tokens = torch.cat([cls, w[:cut], sep, b, sep])
         types = torch.zeros_like(tokens)

@@ -42,6 +42,16 @@ def bert_fields(cfg: dict[str, Any], fam: HFFamily) -> dict[str, Any]:
     }
 
 
+def check_bert_positions(cfg: dict[str, Any], seq_length: int) -> None:
+    """BERT learns max_position_embeddings positions: the job's sequence must fit in them."""
+    positions = int(cfg.get("max_position_embeddings", 512))
+    if positions < seq_length:
+        raise HFConfigError(
+            f"config.json max_position_embeddings={positions} is smaller than model.seq_length={seq_length}: "
+            f"set model.seq_length <= {positions} (BERT has that many learned positions)"
+        )
+
+
 def bert_config(model: Any, cfg: dict[str, Any]) -> dict[str, Any]:
     """config.json for an arch bert `model` section, over `cfg` (the base the exporter keeps)."""
     cfg.update(

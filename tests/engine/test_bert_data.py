@@ -90,7 +90,8 @@ def test_sentence_pairs():
         assert torch.equal(types, (torch.arange(SEQ) >= cut + 2).long())  # 0: [CLS] A [SEP]; 1: B [SEP]
         assert torch.equal(tokens[1 : cut + 1], window[:cut])  # A: the window's start
         follows = torch.equal(tokens[cut + 2 : -1], window[cut:])
-        assert follows == (label == 0), (i, label)  # a random B is another window's start
+        if label == 0 or SEQ - 3 - cut >= 4:  # a random B of 1-3 tokens may equal the continuation
+            assert follows == (label == 0), (i, label)  # a random B is another window's start
         checked += 1
     batch = src.micro_batch(0, 0, 4, 1, 0)
     assert batch.inputs["next_sentence_label"].shape == (4,)
@@ -197,8 +198,15 @@ def test_job_rules():
         "must equal model.num_attention_heads": _job(model={"num_query_groups": 2}),
         "model.type_vocab_size applies to arch bert only": _job(model={"arch": "gpt2", "type_vocab_size": 2}),
         "model.bert_binary_head and data.mlm.next_sentence go together": _job(model={"bert_binary_head": True}),
+        "model.seq_length \\(4\\) is too short": _job(model={"seq_length": 4}),
         "data.mlm applies to data.source mlm only": _job(model={"arch": "gpt2"}, data={"source": "text"}),
     }
     for message, job in refused.items():
         with pytest.raises(ValidationError, match=message):
             JobSpec.model_validate(job)
+    from engine.jobspec.hf_families import HFConfigError
+    from engine.jobspec.hf_fields import check_sliding_window
+
+    with pytest.raises(HFConfigError, match="max_position_embeddings=16 is smaller than model.seq_length=32"):
+        check_sliding_window({"model_type": "bert", "max_position_embeddings": 16}, SEQ)
+    check_sliding_window({"model_type": "bert", "max_position_embeddings": 32}, SEQ)
