@@ -13,13 +13,18 @@ from pydantic import Field, model_validator
 from engine.jobspec.common import _Section
 
 
+def bert_defaults(m: Any) -> None:
+    """arch bert's defaults (m: ModelSpec, before the generic ones): GELU, biases on every linear,
+    the MLM decoder tied to the embedding, 2 token types, no next-sentence head."""
+    defaults = {"activation": "gelu", "qkv_bias": True, "tie_embeddings": True, "type_vocab_size": 2}
+    for name, value in {**defaults, "bert_binary_head": False}.items():
+        if getattr(m, name) is None:
+            setattr(m, name, value)
+
+
 def check_bert_model(m: Any) -> None:
     """`model` settings a BERT encoder does not have, each refused with the fix (m: ModelSpec,
-    its defaults already filled in)."""
-    if m.type_vocab_size is None:
-        m.type_vocab_size = 2
-    if m.bert_binary_head is None:
-        m.bert_binary_head = False
+    its defaults filled in)."""
     refused = {
         "moe": m.moe is not None,
         "mla": m.attention == "mla",

@@ -289,19 +289,23 @@ class ModelSpec(_Section):
 
     @model_validator(mode="after")
     def _arch_defaults(self) -> ModelSpec:
+        if self.arch == "bert":  # the encoder's defaults, before the ones that depend on them
+            from engine.jobspec.bert import bert_defaults
+
+            bert_defaults(self)
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.activation is None:
-            self.activation = "swiglu" if self.arch == "llama" else "gelu"
+            self.activation = "gelu" if self.arch == "gpt2" else "swiglu"
         if self.qkv_bias is None:
-            self.qkv_bias = self.arch != "llama"
+            self.qkv_bias = self.arch == "gpt2"
         if self.ffn_hidden_size is None:
             if self.activation == "swiglu":
                 self.ffn_hidden_size = 64 * math.ceil(8 * self.hidden_size / 3 / 64)
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
         if self.tie_embeddings is None:
-            self.tie_embeddings = self.arch != "llama"
+            self.tie_embeddings = self.arch == "gpt2"
         if self.arch == "bert":
             from engine.jobspec.bert import check_bert_model  # the encoder's own rules
 
