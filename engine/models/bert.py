@@ -53,7 +53,6 @@ from engine.transformer.norm import build_norm
 _LAYER = re.compile(r"^encoder\.layers\.(\d+)\.")
 
 
-
 class BertLayer(nn.Module):
     """Post-LayerNorm: x = LN(x + drop(attn(x))); x = LN(x + drop(mlp(x)))."""
 
