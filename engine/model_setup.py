@@ -21,6 +21,7 @@ from engine.distributed.deferred_init import DeferredInit, buffers_to, materiali
 from engine.hf.importer import ImportReport, import_hf_weights
 from engine.jobspec import JobSpec
 from engine.models import GPTModel
+from engine.models.bert import BertModel
 from engine.optimizer.grad_scaler import DynamicGradScaler
 from engine.optimizer.optimizer import TrainingOptimizer
 from engine.optimizer.scheduler import OptimizerParamScheduler
@@ -56,10 +57,11 @@ def build_model_chunks(
     stage_indices = virtual_stages_of(ps.get_pipeline_model_parallel_rank(), p.pipeline, vp)
     ranges = stage_layer_ranges(config.num_layers, num_stages, p.pipeline_layers)
     chunks = []
+    model_class = BertModel if spec.model.arch == "bert" else GPTModel
     for idx in stage_indices:
         offset, count = ranges[idx]
         with params_on_meta() if deferred else nullcontext():
-            chunk = GPTModel(
+            chunk = model_class(
                 config,
                 pre_process=idx == 0,
                 post_process=idx == num_stages - 1,

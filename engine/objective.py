@@ -54,7 +54,10 @@ class TrainingObjective:
     ):
         self.mtp = next((c.mtp for c in model_chunks if c.mtp is not None), None)
         self.mtp_depths, self.mtp_factor = mtp_num_layers, mtp_loss_scaling_factor
-        self.moe_layers = [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, MoELayer)]
+        # MoE layers, and any other module with a side loss weighted like theirs (BERT's binary head)
+        self.moe_layers = [
+            m for chunk in model_chunks for m in chunk.modules() if isinstance(m, MoELayer) or hasattr(m, "aux_loss_scale")
+        ]
         self.replicas, self.reads_labels, self.pipelined = replicas, reads_labels, pipelined
         self.device = device
         self._mtp_counts: torch.Tensor | None = None

@@ -10,6 +10,8 @@ and a resume is exact on any data-parallel size. What each `data.source` gives:
              GPTDataset in memory (nothing cached on disk).
   indexed    GPTDataset over the documents of data.path's split; the sample indexes are cached.
   blend      per split, a BlendedDataset of each data.blend prefix's part of that split.
+  mlm        masked-LM samples (engine.data.mlm) over the windows text or indexed (data.mlm.corpus)
+             would give, of seq_length - 2 ids: [CLS] window [SEP].
   sft        chat conversations (data.path, JSON lines) rendered with the tokenizer's chat
              template, one per sample (SFTSource) or packed several per row (PackedSFTSource,
              data.packing); data.split splits the conversations in file order.
@@ -78,6 +80,11 @@ def build_datasets(
         return Datasets(SyntheticSource(synthetic_vocab_size or tokenizer.vocab_size, seq_length, seed))
     if data.source == "sft":
         return Datasets(*_sft(data, tokenizer, seq_length, seed))
+    if data.source == "mlm":
+        from engine.data.mlm import mlm_sources
+
+        windows = build_datasets(_mlm_windows(data), tokenizer, seq_length - 3, seed, num_samples)
+        return Datasets(*mlm_sources(windows, data.mlm, tokenizer, seq_length, seed, synthetic_vocab_size))
     if data.source == "text" and data.split is None:
         return Datasets(TextSource(data.path, tokenizer, seq_length, seed))
     ratios = data.split or [1.0, 0.0, 0.0]
@@ -91,6 +98,11 @@ def build_datasets(
     else:
         parts = _blend(data.blend, tokenizer, ratios, seq_length, seed, counts, cache)
     return Datasets(*parts)
+
+
+def _mlm_windows(data: DataSpec) -> DataSpec:
+    """data.source mlm: the text or indexed source whose windows (of seq_length - 2 ids) it masks."""
+    return data.model_copy(update={"source": data.mlm.corpus, "mlm": None})
 
 
 def _sft(data: DataSpec, tokenizer: Tokenizer, seq_length: int, seed: int) -> list[SFTSource | None]:

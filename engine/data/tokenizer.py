@@ -23,7 +23,8 @@ from typing import Protocol, runtime_checkable
 from engine.jobspec.data import parse_tokenizer_spec  # the spec's own rule; re-exported
 
 # Looked up in this order: the first one the tokenizer knows is its end-of-document token.
-EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>", "[EOS]")
+# "[SEP]" last: a BERT WordPiece tokenizer has no other, and [SEP] is what separates its documents.
+EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "<|eot_id|>", "<|im_end|>", "[EOS]", "[SEP]")
 
 
 

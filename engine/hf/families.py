@@ -269,6 +269,10 @@ def segments(arch: str, our_name: str, s: Shapes) -> list[Segment]:
     """Our global tensor `our_name` as HF segments along its first dimension; KeyError when the
     family has no tensor for it (a model feature the family lacks)."""
     layout = family(arch).layout
+    if layout == "bert":
+        from engine.hf.bert_tensors import bert_segments
+
+        return bert_segments(our_name, s)
     gpt2 = layout == "gpt2"
     m = _LAYER.match(our_name)
     if m:

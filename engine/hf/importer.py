@@ -219,4 +219,6 @@ def _nextn_layer(name: str, hf_config: dict) -> bool:
 
 def _tied_head(name: str, config) -> bool:
     """A tied model's checkpoint may still carry lm_head.weight (a copy of the embedding)."""
-    return name == "lm_head.weight" and config.tie_embeddings
+    from engine.hf.bert_tensors import TIED_COPIES  # the BERT MLM decoder's stored copies
+
+    return (name == "lm_head.weight" or name in TIED_COPIES) and config.tie_embeddings

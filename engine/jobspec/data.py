@@ -8,6 +8,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from engine.jobspec.bert import MLMSpec
 from engine.jobspec.common import _Section
 
 SPEC_HELP = (
@@ -30,12 +31,18 @@ def parse_tokenizer_spec(spec: str) -> tuple[str, str | None]:
 class DataSpec(_Section):
     """Where samples come from. Shapes are checked here; files are opened on the ranks, at start."""
 
-    source: Literal["text", "synthetic", "indexed", "blend", "sft"] = Field(
+    source: Literal["text", "synthetic", "indexed", "blend", "sft", "mlm"] = Field(
         "text",
         description="text: a UTF-8 file tokenised at start; indexed: a dataset written by `elastron "
         "preprocess` (data.path = its PREFIX); blend: several of those (data.blend); sft: chat "
         "conversations for fine-tuning, the loss on assistant tokens only (data.path); synthetic: "
-        "seeded random tokens (benchmarks).",
+        "seeded random tokens (benchmarks); mlm: masked-LM samples for arch bert from a text file or an "
+        "indexed dataset (data.mlm).",
+    )
+    mlm: MLMSpec | None = Field(
+        None,
+        exclude_if=lambda v: v is None,  # other sources' specs dump as they always did
+        description="source=mlm: the masking and BERT's special token ids (default: data.mlm's defaults).",
     )
     path: str | None = Field(
         None,
@@ -113,6 +120,10 @@ class DataSpec(_Section):
                 f"data.packing applies to data.source sft only (this job's source is {self.source}): "
                 "set data.source: sft or drop data.packing"
             )
+        if self.source == "mlm" and self.mlm is None:
+            self.mlm = MLMSpec()
+        elif self.source != "mlm" and self.mlm is not None:
+            raise ValueError(f"data.mlm applies to data.source mlm only (this job's source is {self.source}): drop it")
         if self.source == "synthetic" and self.split is not None:
             raise ValueError(
                 "data.split does not apply to data.source synthetic (it has no documents): drop it"

@@ -54,6 +54,10 @@ def hf_config_for(model: Any, base: dict[str, Any] | None = None, *, dtype: str 
     cfg["dtype"] = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[dtype]
     if fam.layout == "deepseek":
         return _deepseek_config(model, cfg)
+    if fam.layout == "bert":
+        from engine.jobspec.hf_bert import bert_config
+
+        return bert_config(model, cfg)
     if fam.layout == "gpt2":
         act = {"gelu_tanh": "gelu_new", "gelu": "gelu"}[model.activation]
         cfg.update(
@@ -100,6 +104,8 @@ def hf_config_for(model: Any, base: dict[str, Any] | None = None, *, dtype: str 
 def _family_of(model: Any) -> HFFamily:
     """The Hugging Face family that holds a model of these settings, or HFConfigError naming the
     setting no family has."""
+    if model.arch == "bert":  # the job spec admits only what the BERT families have
+        return family_with("bert", binary_head=bool(model.bert_binary_head))
     if model.attention == "mla":
         m = model.moe
         if m is not None and (

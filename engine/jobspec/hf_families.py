@@ -23,10 +23,10 @@ class HFConfigError(ValueError):
 class HFFamily:
     architecture: str  # config.json architectures[0]
     model_type: str  # config.json model_type
-    arch: Literal["llama", "gpt2"]  # our model.arch
+    arch: Literal["llama", "gpt2", "bert"]  # our model.arch
     # How its config.json fields and tensors are named: Llama's (and its derivatives'), GPT-2's
     # (Conv1D linears, fused c_attn) or DeepSeek-V3's (multi-latent attention, MTP layers).
-    layout: Literal["llama", "gpt2", "deepseek"]
+    layout: Literal["llama", "gpt2", "deepseek", "bert"]
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2)
     qk_layernorm: bool = False  # per-head q/k norms (Qwen3)
     # How its experts are configured and named: Mixtral's block_sparse_moe with w1/w2/w3,
@@ -37,6 +37,7 @@ class HFFamily:
     same_as: str | None = None
     # config.json flags the exporter writes for this family (transformers' defaults differ).
     export_flags: dict[str, Any] = field(default_factory=dict)
+    binary_head: bool = False  # BERT with its next-sentence head (model.bert_binary_head)
 
 
 # Qwen2-MoE is left out: its shared expert has a sigmoid gate our MoE does not have.
@@ -60,6 +61,8 @@ FAMILIES: dict[str, HFFamily] = {
         ),
         HFFamily("GPT2LMHeadModel", "gpt2", "gpt2", "gpt2"),
         HFFamily("DeepseekV3ForCausalLM", "deepseek_v3", "llama", "deepseek", moe="deepseek"),
+        HFFamily("BertForMaskedLM", "bert", "bert", "bert"),  # engine/jobspec/hf_bert.py, engine/hf/bert_tensors.py
+        HFFamily("BertForPreTraining", "bert", "bert", "bert", binary_head=True),
     )
 }  # fmt: skip
 
@@ -70,16 +73,17 @@ def family(architecture: str) -> HFFamily:
 
 
 def family_with(
-    layout: str, *, qkv_bias: bool = False, qk_layernorm: bool = False, moe: str | None = None
+    layout: str, *, qkv_bias: bool = False, qk_layernorm: bool = False, moe: str | None = None, binary_head: bool = False
 ) -> HFFamily:
     """The family a model of these traits exports as (families that are another's alias are not
     candidates); KeyError when none has them."""
     for f in FAMILIES.values():
-        if f.same_as is None and (f.layout, f.qkv_bias, f.qk_layernorm, f.moe) == (
+        if f.same_as is None and (f.layout, f.qkv_bias, f.qk_layernorm, f.moe, f.binary_head) == (
             layout,
             qkv_bias,
             qk_layernorm,
             moe,
+            binary_head,
         ):
             return f
-    raise KeyError((layout, qkv_bias, qk_layernorm, moe))
+    raise KeyError((layout, qkv_bias, qk_layernorm, moe, binary_head))

@@ -72,6 +72,10 @@ def hf_model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
         return _gpt2_fields(cfg, fam)
     if fam.layout == "deepseek":
         return _deepseek_fields(cfg, fam)
+    if fam.layout == "bert":
+        from engine.jobspec.hf_bert import bert_fields
+
+        return bert_fields(cfg, fam)
     return _llama_style_fields(cfg, fam)
 
 
@@ -219,6 +223,10 @@ def check_sliding_window(cfg: dict[str, Any], seq_length: int) -> None:
             f"config.json sliding_window={window} is smaller than model.seq_length={seq_length}: "
             f"set model.seq_length <= {window} (sliding-window attention is not supported)"
         )
+    if cfg.get("model_type") == "bert":  # learned positions too
+        from engine.jobspec.hf_bert import check_bert_positions
+
+        check_bert_positions(cfg, seq_length)
     positions = cfg.get("n_positions")
     if positions is not None and int(positions) < seq_length:
         raise HFConfigError(

@@ -79,6 +79,10 @@ class JobSpec(_Section):
             )
         if m.attention == "mla" and m.attention_dropout > 0:
             raise ValueError("model.attention_dropout is not available with model.attention: mla yet: set it to 0")
+        if m.arch == "bert" or self.data.source == "mlm":
+            from engine.jobspec.bert import check_bert_job  # the encoder's cross-section rules
+
+            check_bert_job(m, p, self.data)
         if p.context > 1 and m.attention_dropout > 0:
             raise ValueError(
                 "model.attention_dropout: attention dropout is not available with parallel.context > 1; "

@@ -184,7 +184,7 @@ class ModelSpec(_Section):
         description="Set where the job is submitted: the sha256 of model.init_from's config.json, whose "
         "fields are then merged into this section (later validations read nothing).",
     )
-    arch: Literal["gpt2", "llama"] = "llama"
+    arch: Literal["gpt2", "llama", "bert"] = "llama"
     num_layers: PositiveInt = 2
     hidden_size: PositiveInt = 64
     num_attention_heads: PositiveInt = 4
@@ -220,7 +220,19 @@ class ModelSpec(_Section):
         description="Pad the embedding table to a multiple of this (must be divisible by parallel.tensor).",
     )
     seq_length: PositiveInt = 128
-    tie_embeddings: bool | None = Field(None, description="Default: true for gpt2, false for llama.")
+    tie_embeddings: bool | None = Field(None, description="Default: true for gpt2 and bert, false for llama.")
+    type_vocab_size: PositiveInt | None = Field(
+        None,
+        exclude_if=lambda v: v is None,  # a decoder's spec dumps as it always did
+        description="arch bert: token types (segments A/B) the embedding learns; default 2 (BERT's).",
+    )
+    bert_binary_head: bool | None = Field(
+        None,
+        exclude_if=lambda v: v is None,
+        description="arch bert: the next-sentence head (a pooler on [CLS] and a 2-way classifier, as "
+        "transformers' BERT pretraining model); its loss, the mean over the batch's sequences, is added to the masked-LM loss "
+        "(data.mlm.next_sentence gives its labels). Default: false.",
+    )
     hidden_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
     norm_epsilon: float = Field(1e-5, gt=0.0)
@@ -277,6 +289,10 @@ class ModelSpec(_Section):
 
     @model_validator(mode="after")
     def _arch_defaults(self) -> ModelSpec:
+        if self.arch == "bert":  # the encoder's defaults, before the ones that depend on them
+            from engine.jobspec.bert import bert_defaults
+
+            bert_defaults(self)
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.activation is None:
@@ -290,6 +306,14 @@ class ModelSpec(_Section):
                 self.ffn_hidden_size = 4 * self.hidden_size
         if self.tie_embeddings is None:
             self.tie_embeddings = self.arch == "gpt2"
+        if self.arch == "bert":
+            from engine.jobspec.bert import check_bert_model  # the encoder's own rules
+
+            check_bert_model(self)
+        else:
+            for name in ("type_vocab_size", "bert_binary_head"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"model.{name} applies to arch bert only: remove it for arch {self.arch}")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_attention_heads "

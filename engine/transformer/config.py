@@ -55,6 +55,8 @@ class TransformerConfig:
     # The tokenizer's (or config.json's) vocabulary; the embedding is padded beyond it to
     # padded_vocab_size, and the padded entries' logits are -inf (never predicted). None: no padding.
     vocab_size: int | None = None
+    type_vocab_size: int = 0  # BERT's token types (segments); 0: none (decoders)
+    bert_binary_head: bool = False  # BERT's next-sentence head (pooler + 2-way classifier)
 
     @property
     def true_vocab_size(self) -> int:
@@ -123,6 +125,8 @@ class TransformerConfig:
             fp8=spec.training.fp8,
             moe=_moe_config(spec),
             vocab_size=vocab,
+            type_vocab_size=m.type_vocab_size or 0,
+            bert_binary_head=bool(m.bert_binary_head),
         )
 
 

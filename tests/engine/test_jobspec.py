@@ -679,7 +679,9 @@ def test_examples_load():
     names = sorted(p.name for p in EXAMPLES.glob("*.yaml"))
     # finetune_hf.yaml reads a model folder the example script writes: test_hf_example.py runs it.
     # deepseek_tiny.yaml is checked by test_deepseek.py; finetune_lora.yaml by test_lora_example.py.
+    # bert_tiny.yaml is run by test_bert_example.py.
     assert names == [
+        "bert_tiny.yaml",
         "deepseek_tiny.yaml",
         "finetune_hf.yaml",
         "finetune_lora.yaml",

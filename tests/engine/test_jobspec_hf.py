@@ -162,6 +162,7 @@ def test_one_registry_names_the_families():
     assert not offenders, offenders
     for fam in FAMILIES.values():  # every family that is not an alias exports as itself
         if fam.same_as is None:
-            assert family_with(fam.layout, qkv_bias=fam.qkv_bias, qk_layernorm=fam.qk_layernorm, moe=fam.moe) is fam
+            traits = dict(qkv_bias=fam.qkv_bias, qk_layernorm=fam.qk_layernorm, moe=fam.moe, binary_head=fam.binary_head)
+            assert family_with(fam.layout, **traits) is fam
         else:
             assert FAMILIES[fam.same_as].same_as is None
