@@ -269,6 +269,10 @@ def segments(arch: str, our_name: str, s: Shapes) -> list[Segment]:
     """Our global tensor `our_name` as HF segments along its first dimension; KeyError when the
     family has no tensor for it (a model feature the family lacks)."""
     layout = family(arch).layout
+    if layout == "t5":  # engine/hf/t5.py (which builds on the helpers above)
+        from engine.hf.t5 import t5_segments
+
+        return t5_segments(our_name, s)
     gpt2 = layout == "gpt2"
     m = _LAYER.match(our_name)
     if m:

@@ -23,10 +23,10 @@ class HFConfigError(ValueError):
 class HFFamily:
     architecture: str  # config.json architectures[0]
     model_type: str  # config.json model_type
-    arch: Literal["llama", "gpt2"]  # our model.arch
+    arch: Literal["llama", "gpt2", "t5"]  # our model.arch
     # How its config.json fields and tensors are named: Llama's (and its derivatives'), GPT-2's
     # (Conv1D linears, fused c_attn) or DeepSeek-V3's (multi-latent attention, MTP layers).
-    layout: Literal["llama", "gpt2", "deepseek"]
+    layout: Literal["llama", "gpt2", "deepseek", "t5"]
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2)
     qk_layernorm: bool = False  # per-head q/k norms (Qwen3)
     # How its experts are configured and named: Mixtral's block_sparse_moe with w1/w2/w3,
@@ -60,6 +60,7 @@ FAMILIES: dict[str, HFFamily] = {
         ),
         HFFamily("GPT2LMHeadModel", "gpt2", "gpt2", "gpt2"),
         HFFamily("DeepseekV3ForCausalLM", "deepseek_v3", "llama", "deepseek", moe="deepseek"),
+        HFFamily("T5ForConditionalGeneration", "t5", "t5", "t5"),  # engine/jobspec/hf_t5.py, engine/hf/t5.py
     )
 }  # fmt: skip
 
