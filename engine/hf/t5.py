@@ -1,4 +1,4 @@
-"""T5ForConditionalGeneration's tensors <-> our T5Model's global names (engine/models/t5.py), as
+"""The Hugging Face T5 family's tensors (hf_families.py) <-> our T5Model's global names (engine/models/t5.py), as
 `Segment`s for the shared import/export code (engine/hf/families.py, importer.py, exporter.py).
 
 transformers keeps each stack's relative position table in its first block's self-attention
@@ -77,7 +77,7 @@ def _layer(stack: str, index: str, suffix: str, s: Any) -> list[Segment]:
 
 
 def t5_segments(our_name: str, s: Any) -> list[Segment]:
-    """Our global tensor `our_name` as T5ForConditionalGeneration segments; KeyError for none."""
+    """Our global tensor `our_name` as segments of the T5 family's tensors; KeyError for none."""
     m = _LAYER.match(our_name)
     if m:
         return _layer(*m.groups(), s)

@@ -1,4 +1,4 @@
-"""T5ForConditionalGeneration's config.json <-> the `model` section (model.arch t5), both ways:
+"""The Hugging Face T5 family's config.json <-> the `model` section (model.arch t5), both ways:
 `t5_fields` for import (hf_fields.hf_model_fields) and `t5_hf_config` for `elastron export`
 (hf_export_config.hf_config_for). Plain data, no torch.
 

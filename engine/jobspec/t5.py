@@ -1,6 +1,6 @@
 """`model.t5` and the rules of a T5 job (`model.arch: t5`).
 
-T5 (v1.1 style, as transformers' T5ForConditionalGeneration) is an encoder-decoder: the
+T5 (v1.1 style, as transformers' T5 with an LM head) is an encoder-decoder: the
 encoder stack reads `tokens`, the decoder stack reads the shifted targets (the source's
 `decoder_input_ids`) and attends to the encoder's output. What only T5 has lives in this
 section; the shared `model` fields keep their meaning (num_layers: encoder layers,

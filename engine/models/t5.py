@@ -1,4 +1,4 @@
-"""T5 encoder-decoder (T5 v1.1 / transformers' T5ForConditionalGeneration), from the same
+"""T5 encoder-decoder (T5 v1.1 / transformers' T5 with an LM head), from the same
 parallel layers as GPTModel and with its interface: no parallelism logic here, activations
 [s, b, h] inside, per-token loss [b, s] (or logits [b, s, vocab/tp]) out of the last stage.
 
