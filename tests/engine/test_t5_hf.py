@@ -6,8 +6,9 @@ an untied one as a T5 v1.1 folder has it (its own `lm_head.weight`, no scaling).
 - one rank: our logits of a batch with encoder padding equal transformers' (fp32, 1e-5), and
   the first step's loss equals transformers' loss of the global batch; import -> checkpoint ->
   export gives a byte-identical model.safetensors; a resumed run continues bitwise;
-- four ranks, one launch: TP=2 + SP with DP=2 under optim_grads_params and PP=2 (encoder |
-  decoder) with DP=2: the same logits and the same training as one rank; and a fresh
+- four ranks, one launch: TP=2 + SP with DP=2 under optim_grads_params, PP=2 (encoder |
+  decoder) with DP=2 under optim_grads_params, and PP=2 with TP=2 + SP: the same logits and
+  the same training as one rank, PP=2's checkpoint resuming on TP=2 + SP; and a fresh
   (meta-built, deferred-initialised) model with full recompute on TP=2 + SP x DP=2
   optim_grads_params trains as on one rank.
 Two launches in all (one rank, four ranks) keep the CI cost low.
@@ -154,7 +155,8 @@ def _full_logits(trainer: Trainer, batch) -> torch.Tensor | None:
             if stage == 0:
                 dist.send(chunk(batch.tokens, **inputs).contiguous(), peer)
                 return None
-            hidden = torch.empty(SEQ, batch.tokens.shape[0], trainer.config.hidden_size)
+            seq = SEQ // ps.get_tensor_model_parallel_world_size() if trainer.config.sequence_parallel else SEQ
+            hidden = torch.empty(seq, batch.tokens.shape[0], trainer.config.hidden_size)
             dist.recv(hidden, peer)
             out = chunk(hidden, **inputs)
         tp = ps.get_tensor_model_parallel_world_size()
@@ -229,14 +231,19 @@ def four_ranks(folders):
     root, tied, _ = folders
     pairs = root / "pairs.jsonl"
     tp_dp = {"tensor": 2, "sequence_parallel": True, "data_parallel_sharding": "optim_grads_params"}
+    pp_dp = {"pipeline": 2, "data_parallel_sharding": "optim_grads_params"}
+    saved = str(root / "ckpt_pp" / "t5" / "iter_0000002")
     specs = [
         _job(tied, pairs, 4, parallel=tp_dp),
-        _job(tied, pairs, 4, parallel={"pipeline": 2, "data_parallel_sharding": "optim_grads_params"}),
+        _job(tied, pairs, 4, parallel=pp_dp, checkpoint={"path": str(root / "ckpt_pp"), "interval": 2}),
         _job(tied, pairs, 4, init=False, parallel=tp_dp, training={"recompute": "full"}),
+        _job(tied, pairs, 4, parallel={"pipeline": 2, "tensor": 2, "sequence_parallel": True}),
     ]
+    # Resharding: PP=2 x DP=2's checkpoint of iteration 2 resumes on TP=2 + SP x DP=2.
+    specs[1]["resume"] = _job(tied, pairs, 4, parallel=tp_dp, checkpoint={"path": str(root / "resharded"), "resume_from": saved})
     results = spawn(run_jobs, 4, (specs, str(pairs)), timeout_s=300)
-    # The logits are whole on the last stage's TP rank 0: rank 0 (no PP) or rank 1 (PP=2 x DP=2:
-    # the grid puts TP fastest, then DP, then PP), whichever holds them.
+    # The logits are whole on the last stage's TP rank 0: rank 0 without PP, else a rank of the
+    # second stage (the grid puts TP fastest, then DP, then PP), whichever holds them.
     merged = []
     for i in range(len(specs)):
         logits = next(r[i]["logits"] for r in results if r[i]["logits"] is not None)
@@ -280,8 +287,13 @@ def test_layouts_equal_transformers_and_one_rank(folders, one_rank, four_ranks):
     root, tied, _ = folders
     logits, _ = _hf_logits_and_loss(tied, root / "pairs.jsonl", MBS)
     reference = one_rank[0]["losses"][:3]
-    for name, result in zip(["tp2+sp dp2 optim_grads_params", "pp2 dp2"], four_ranks[:2], strict=True):
+    names = ["tp2+sp dp2 optim_grads_params", "pp2 dp2 optim_grads_params", None, "pp2 tp2+sp"]
+    for name, result in zip(names, four_ranks, strict=True):
+        if name is None:
+            continue
         _close(result["logits"], logits)
         assert result["losses"] == pytest.approx(reference, rel=LOSS_RTOL), name
     fresh = four_ranks[2]
     assert fresh["losses"] == pytest.approx(one_rank[2]["losses"], rel=LOSS_RTOL)
+    resharded = four_ranks[1]["resumed"]
+    assert resharded["start"] == 2 and resharded["losses"] == pytest.approx(reference[2:], rel=LOSS_RTOL)
