@@ -223,3 +223,40 @@ def test_config_json_both_ways():
     assert {k: back[k] for k in cfg} == cfg
     with pytest.raises(HFConfigError, match="feed_forward_proj='relu'"):
         hf_model_fields({**cfg, "feed_forward_proj": "relu"})
+
+
+def test_flops_count_matches_the_model_gemms():
+    """engine/flops.py's T5 count (all scores counted) equals 3 x the FLOPs torch's counter sees in
+    one forward of our model (no process group needed: one rank), plus the attention cores'
+    QK^T and AV (2 x 2 x heads*head_dim x s x s per sequence and attention: the counter does not
+    see them inside scaled_dot_product_attention on CPU)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from engine.flops import model_flops_per_iteration
+    from engine.models.t5 import T5Model
+    from engine.transformer.config import TransformerConfig
+
+    spec = parse_job(
+        {
+            "model": {
+                "arch": "t5",
+                "num_layers": 2,
+                "t5": {"num_decoder_layers": 3},
+                "hidden_size": 32,
+                "num_attention_heads": 4,
+                "kv_channels": 16,
+                "ffn_hidden_size": 40,
+                "seq_length": 16,
+                "vocab_size": VOCAB,
+            },
+            "data": {"source": "span_corruption"},
+        }
+    )
+    config = TransformerConfig.from_job(spec, 257)
+    model = T5Model(config)
+    ids = torch.randint(0, VOCAB, (2, 16))
+    with FlopCounterMode(display=False) as counter, torch.no_grad():
+        model(ids, decoder_input_ids=ids, attention_mask=torch.ones(2, 16, dtype=torch.bool))
+    cores = 2 * 2 * 2 * (4 * 16) * 16 * 16 * (2 + 2 * 3)  # batch 2; encoder self, decoder self + cross
+    expected = model_flops_per_iteration(config, 2, full_attention_matrix=True)
+    assert 3 * (counter.get_total_flops() + cores) == pytest.approx(expected, rel=1e-9)
