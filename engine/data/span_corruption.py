@@ -8,10 +8,11 @@ between them drawn as a uniformly random segmentation (`random_spans_noise_mask`
 starting with kept tokens. The encoder reads the kept tokens with each span replaced by one
 sentinel, then EOS; the target is each span's sentinel followed by its tokens, then EOS.
 
-Sentinels are the highest ids of the model's vocabulary counting down (span k is
-vocab_size - 1 - k), as Hugging Face's T5 tokenizers place their `<extra_id_k>`; they must not be
-ids the tokenizer itself gives, so the model's vocabulary (model.vocab_size) must reach beyond the
-tokenizer's by the most spans a sample has (checked at start, with the size to set).
+Sentinels: a tokenizer that has T5's `<extra_id_k>` tokens (each encodes to one id: Hugging
+Face's T5 tokenizers) gives its own; otherwise they are the highest ids of the model's
+vocabulary counting down (span k is vocab_size - 1 - k, where HF places `<extra_id_k>`), which
+must not be ids the tokenizer itself gives: the model's vocabulary (model.vocab_size) must then
+reach beyond the tokenizer's by the most spans a sample has (checked at start, with the size).
 
 `raw_length` is the longest window whose corrupted input (kept + spans + EOS) fits
 model.seq_length (T5's compute_input_and_target_lengths); the targets (noise + spans + EOS) are
@@ -88,9 +89,9 @@ def noise_mask(length: int, g: torch.Generator) -> torch.Tensor:
     return torch.repeat_interleave(is_noise, runs)
 
 
-def corrupt(ids: torch.Tensor, mask: torch.Tensor, vocab_size: int, eos: int) -> tuple[list[int], list[int]]:
+def corrupt(ids: torch.Tensor, mask: torch.Tensor, sentinels: list[int], eos: int) -> tuple[list[int], list[int]]:
     """(encoder ids, target ids) of a window `ids` with noise `mask`; span k's sentinel is
-    vocab_size - 1 - k."""
+    sentinels[k]."""
     inputs: list[int] = []
     targets: list[int] = []
     span = -1
@@ -99,8 +100,8 @@ def corrupt(ids: torch.Tensor, mask: torch.Tensor, vocab_size: int, eos: int) ->
         if noisy:
             if not previous:
                 span += 1
-                inputs.append(vocab_size - 1 - span)
-                targets.append(vocab_size - 1 - span)
+                inputs.append(sentinels[span])
+                targets.append(sentinels[span])
             targets.append(token)
         else:
             inputs.append(token)
@@ -114,15 +115,15 @@ class SpanCorruptionSource(TokenSource):
 
     model_inputs = MODEL_INPUTS
 
-    def __init__(self, windows, seq_length: int, seed: int, vocab_size: int, eos: int, start_id: int = 0):
+    def __init__(self, windows, seq_length: int, seed: int, sentinels: list[int], eos: int, start_id: int = 0):
         self.windows, self.seq_length, self.seed = windows, seq_length, seed
-        self.vocab_size, self.eos, self.start_id = vocab_size, eos, start_id
+        self.sentinels, self.eos, self.start_id = sentinels, eos, start_id
         self.raw_length = raw_length_for(seq_length)
 
     def sample(self, index: int) -> tuple[list[int], list[int]]:
         ids = self.windows[index][: self.raw_length]
         g = torch.Generator().manual_seed((self.seed * 1_000_003 + index * 7919 + 17) % (2**63))
-        return corrupt(ids, noise_mask(len(ids), g), self.vocab_size, self.eos)
+        return corrupt(ids, noise_mask(len(ids), g), self.sentinels, self.eos)
 
     def micro_batch(
         self, consumed_samples: int, microbatch: int, micro_batch_size: int, dp_size: int, dp_rank: int
@@ -131,15 +132,21 @@ class SpanCorruptionSource(TokenSource):
         return seq2seq_batch([self.sample(i) for i in where], self.seq_length, self.start_id, self.start_id)
 
 
-def check_sentinels(vocab_size: int, tokenizer_vocab: int, seq_length: int) -> None:
-    """The sentinels (the top ids of the model's vocabulary) must lie above the tokenizer's ids."""
+def sentinel_ids(tokenizer, vocab_size: int, seq_length: int) -> list[int]:
+    """Span k's sentinel id, for as many spans as a sample has: the tokenizer's `<extra_id_k>`
+    when each is one token of it, else vocab_size - 1 - k, above the tokenizer's own ids."""
     spans = SpanCounts.of(raw_length_for(seq_length)).spans
+    named = [tokenizer.encode(f"<extra_id_{k}>") for k in range(spans)]
+    if all(len(ids) == 1 for ids in named):
+        return [ids[0] for ids in named]
+    tokenizer_vocab = tokenizer.vocab_size
     if vocab_size - spans < tokenizer_vocab:
         raise ValueError(
             f"data.source span_corruption: a sample has up to {spans} spans, whose sentinels are the top ids of the "
             f"model's vocabulary ({vocab_size}), but the tokenizer uses ids up to {tokenizer_vocab - 1}: set "
-            f"model.vocab_size to at least {tokenizer_vocab + spans}"
+            f"model.vocab_size to at least {tokenizer_vocab + spans} (or use a tokenizer with T5's <extra_id_N> tokens)"
         )
+    return [vocab_size - 1 - k for k in range(spans)]
 
 
 def t5_datasets(
@@ -169,10 +176,9 @@ def t5_datasets(
                 raise ValueError(f"data.split leaves no training pairs in {data.path} ({len(pairs)} lines)")
             out.append(Seq2SeqSource(data.path, tokenizer, seq_length, seed, start, pairs[a:b]) if a < b else None)
         return (out + [None] * 3)[:3]
-    vocab = vocab_size or tokenizer.vocab_size
-    check_sentinels(vocab, tokenizer.vocab_size, seq_length)
+    sentinels = sentinel_ids(tokenizer, vocab_size or tokenizer.vocab_size, seq_length)
     windows = build(data.model_copy(update={"source": "text"}), tokenizer, raw_length_for(seq_length) - 1, seed, counts)
     return [
-        None if w is None else SpanCorruptionSource(w, seq_length, seed, vocab, tokenizer.eod, start)
+        None if w is None else SpanCorruptionSource(w, seq_length, seed, sentinels, tokenizer.eod, start)
         for w in (windows.train, windows.valid, windows.test)
     ]

@@ -14,7 +14,7 @@ import torch
 from engine.data.builder import build_datasets
 from engine.data.seq2seq import Seq2SeqSource, load_pairs, seq2seq_batch
 from engine.data.sft import IGNORE_INDEX
-from engine.data.span_corruption import SpanCounts, corrupt, noise_mask, raw_length_for
+from engine.data.span_corruption import SpanCounts, corrupt, noise_mask, raw_length_for, sentinel_ids
 from engine.data.tokenizer import ByteTokenizer
 from engine.jobspec import parse_job
 from engine.jobspec.hf_families import FAMILIES, HFConfigError
@@ -75,7 +75,7 @@ def test_noise_and_span_counts_are_exact_and_segmentation_uniform():
 def test_corruption_reconstructs_the_window_with_descending_sentinels():
     ids = torch.randint(0, 257, (141,), generator=torch.Generator().manual_seed(0))
     mask = noise_mask(141, torch.Generator().manual_seed(5))
-    inputs, targets = corrupt(ids, mask, VOCAB, eos=256)
+    inputs, targets = corrupt(ids, mask, list(range(VOCAB - 1, VOCAB - 8, -1)), eos=256)
     assert inputs[-1] == targets[-1] == 256
     assert len(inputs) == SpanCounts.of(141).input_length and len(targets) == SpanCounts.of(141).target_length
     sentinels = [t for t in inputs if t >= VOCAB - 7]
@@ -120,10 +120,17 @@ def test_span_corruption_source_is_deterministic_by_consumed_samples():
     assert (labels[kept] >= 0).all() and int(kept.sum(1).max()) == SpanCounts.of(raw_length_for(32)).target_length
 
 
-def test_sentinels_must_lie_above_the_tokenizer():
+def test_sentinels_must_lie_above_the_tokenizer_unless_it_has_t5s():
     spec = parse_job({"model": {"arch": "t5", "seq_length": 32}, "data": {"source": "span_corruption"}})
     with pytest.raises(ValueError, match=r"set model.vocab_size to at least 259"):
         build_datasets(spec, ByteTokenizer(), 32, 7, synthetic_vocab_size=257)
+    assert sentinel_ids(ByteTokenizer(), 300, 128) == list(range(299, 292, -1))
+
+    class WithExtraIds(ByteTokenizer):  # as HF's T5 tokenizers: <extra_id_k> is one token, 32099 - k
+        def encode(self, text):
+            return [32099 - int(text[10:-1])] if text.startswith("<extra_id_") else super().encode(text)
+
+    assert sentinel_ids(WithExtraIds(), 32128, 128) == list(range(32099, 32092, -1))
 
 
 def test_seq2seq_formats_and_batch(tmp_path):
