@@ -67,6 +67,8 @@ def model_flops_per_iteration(
     (Megatron-LM's convention before 2025) instead of the causal half.
     """
     c = config
+    if c.t5 is not None:
+        return 3.0 * global_batch_size * c.seq_length * _t5_flops_per_token(c, full_attention_matrix)
     qd = c.num_attention_heads * c.head_dim
     kvd = c.num_query_groups * c.head_dim
     attended = c.seq_length if full_attention_matrix else c.seq_length / 2
@@ -84,6 +86,21 @@ def model_flops_per_iteration(
     mtp_mlp = _moe_mlp_flops(c, mlp_matrices) if c.moe is not None else dense_mlp
     forward_per_token += c.mtp_num_layers * (2 * 2 * c.hidden_size * c.hidden_size + attention + mtp_mlp + logits)
     return 3.0 * global_batch_size * c.seq_length * forward_per_token
+
+
+def _t5_flops_per_token(c: TransformerConfig, full_attention_matrix: bool) -> float:
+    """T5 (model.arch t5), per encoder token and its decoder token (both seq_length long): each
+    encoder layer 2h*3ad (QKV) + 2*2ad*s (all scores: bidirectional) + 2adh + 2hf*3 (gated
+    GELU); each decoder layer the same with causal scores (s/2 unless `full_attention_matrix`),
+    plus cross-attention 2h*ad (q) + 2h*2ad (k, v of the encoder tokens) + 2*2ad*s + 2adh; and
+    the logits 2hV."""
+    h, s, ad = c.hidden_size, c.seq_length, c.num_attention_heads * c.head_dim
+    mlp = 2 * h * c.ffn_hidden_size * 3
+    encoder = 2 * h * 3 * ad + 2 * 2 * ad * s + 2 * ad * h + mlp
+    causal = s if full_attention_matrix else s / 2
+    cross = 2 * h * ad + 2 * h * 2 * ad + 2 * 2 * ad * s + 2 * ad * h
+    decoder = 2 * h * 3 * ad + 2 * 2 * ad * causal + 2 * ad * h + cross + mlp
+    return c.num_layers * encoder + c.t5.num_decoder_layers * decoder + 2 * h * c.padded_vocab_size
 
 
 def _mla_flops(c: TransformerConfig, attended: float) -> float:

@@ -22,6 +22,7 @@ from engine.hf.importer import ImportReport, import_hf_weights
 from engine.jobspec import JobSpec
 from engine.models import GPTModel
 from engine.models.bert import BertModel
+from engine.models.t5 import T5Model
 from engine.optimizer.grad_scaler import DynamicGradScaler
 from engine.optimizer.optimizer import TrainingOptimizer
 from engine.optimizer.scheduler import OptimizerParamScheduler
@@ -55,9 +56,10 @@ def build_model_chunks(
     vp = p.virtual_pipeline or 1
     num_stages = p.pipeline * vp
     stage_indices = virtual_stages_of(ps.get_pipeline_model_parallel_rank(), p.pipeline, vp)
-    ranges = stage_layer_ranges(config.num_layers, num_stages, p.pipeline_layers)
+    t5 = config.t5 is not None  # encoder | decoder stages (engine/models/t5.py), not a layer split
+    ranges = [(0, None)] * num_stages if t5 else stage_layer_ranges(config.num_layers, num_stages, p.pipeline_layers)
     chunks = []
-    model_class = BertModel if spec.model.arch == "bert" else GPTModel
+    model_class = {"bert": BertModel, "t5": T5Model}.get(spec.model.arch, GPTModel)
     for idx in stage_indices:
         offset, count = ranges[idx]
         with params_on_meta() if deferred else nullcontext():

@@ -15,6 +15,9 @@ and a resume is exact on any data-parallel size. What each `data.source` gives:
   sft        chat conversations (data.path, JSON lines) rendered with the tokenizer's chat
              template, one per sample (SFTSource) or packed several per row (PackedSFTSource,
              data.packing); data.split splits the conversations in file order.
+  span_corruption, seq2seq  model.arch t5's encoder-decoder samples (engine/data/span_corruption.py,
+             engine/data/seq2seq.py): T5's sentinel spans over the text source's windows, or
+             input -> target pairs from JSON lines.
 
 A split with no documents (a share of 0, or one that rounds to nothing) is None. Without
 data.split every document trains and valid/test are None.
@@ -37,6 +40,7 @@ from engine.data.packing import PackedSFTSource
 from engine.data.preprocess import DocumentReader
 from engine.data.sft import ChatRenderer, SFTSource, load_conversations, read_chat_template
 from engine.data.sources import SHIPPED_CORPUS, SampleBatch, SyntheticSource, TextSource
+from engine.data.span_corruption import t5_datasets
 from engine.data.tokenizer import Tokenizer
 from engine.jobspec import DataSpec, JobSpec
 from engine.jobspec.data import parse_tokenizer_spec
@@ -71,8 +75,8 @@ def build_datasets(
 
     num_samples: (train, valid, test) samples the run will read; it sizes the cached sample indexes
     (how many epochs are built ahead) and the blends' length, never which sample an index gives.
-    synthetic_vocab_size: the range of synthetic ids (the model's vocabulary, without padding); default the
-    tokenizer's.
+    synthetic_vocab_size: the range of synthetic ids (the model's vocabulary, without padding; also where
+    span_corruption's sentinels count down from); default the tokenizer's.
     """
     data: DataSpec = spec.data if isinstance(spec, JobSpec) else spec
     counts = list(num_samples) if num_samples is not None else [None, None, None]
@@ -85,6 +89,8 @@ def build_datasets(
 
         windows = build_datasets(_mlm_windows(data), tokenizer, seq_length - 3, seed, num_samples)
         return Datasets(*mlm_sources(windows, data.mlm, tokenizer, seq_length, seed, synthetic_vocab_size))
+    if data.source in ("span_corruption", "seq2seq"):  # model.arch t5's samples
+        return Datasets(*t5_datasets(spec, tokenizer, seq_length, seed, counts, synthetic_vocab_size, build_datasets))
     if data.source == "text" and data.split is None:
         return Datasets(TextSource(data.path, tokenizer, seq_length, seed))
     ratios = data.split or [1.0, 0.0, 0.0]

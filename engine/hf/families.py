@@ -273,6 +273,10 @@ def segments(arch: str, our_name: str, s: Shapes) -> list[Segment]:
         from engine.hf.bert_tensors import bert_segments
 
         return bert_segments(our_name, s)
+    if layout == "t5":  # engine/hf/t5.py (which builds on the helpers above)
+        from engine.hf.t5 import t5_segments
+
+        return t5_segments(our_name, s)
     gpt2 = layout == "gpt2"
     m = _LAYER.match(our_name)
     if m:

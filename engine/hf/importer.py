@@ -26,11 +26,12 @@ from torch import nn
 from engine import parallel_state as ps
 from engine.hf.families import NOT_WEIGHTS, Segment, Shapes, resolve_lengths, segments
 from engine.hf.reader import HFCheckpointError, HFFolder
+from engine.hf.t5 import UNREAD as T5_UNREAD
 from engine.jobspec.hf_config import read_hf_config
 from engine.parallel_placement import placement_of
 
 # HF tensors no model of ours holds, safe to leave unread.
-IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias")
+IGNORED_SUFFIXES = (".rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias", *T5_UNREAD)
 
 
 @dataclass(frozen=True)

@@ -31,13 +31,15 @@ def parse_tokenizer_spec(spec: str) -> tuple[str, str | None]:
 class DataSpec(_Section):
     """Where samples come from. Shapes are checked here; files are opened on the ranks, at start."""
 
-    source: Literal["text", "synthetic", "indexed", "blend", "sft", "mlm"] = Field(
+    source: Literal["text", "synthetic", "indexed", "blend", "sft", "mlm", "span_corruption", "seq2seq"] = Field(
         "text",
         description="text: a UTF-8 file tokenised at start; indexed: a dataset written by `elastron "
         "preprocess` (data.path = its PREFIX); blend: several of those (data.blend); sft: chat "
         "conversations for fine-tuning, the loss on assistant tokens only (data.path); synthetic: "
         "seeded random tokens (benchmarks); mlm: masked-LM samples for arch bert from a text file or an "
-        "indexed dataset (data.mlm).",
+        "indexed dataset (data.mlm). Encoder-decoder (model.arch t5): span_corruption: T5's "
+        "pretraining spans over a text file (data.path, default the shipped corpus); seq2seq: input -> "
+        "target pairs, JSON lines (data.path).",
     )
     mlm: MLMSpec | None = Field(
         None,
@@ -114,6 +116,11 @@ class DataSpec(_Section):
             raise ValueError(
                 'data.source sft needs data.path: a JSON-lines file with one {"messages": [...]} or '
                 '{"prompt": ..., "response": ...} object per line'
+            )
+        if self.source == "seq2seq" and not self.path:
+            raise ValueError(
+                'data.source seq2seq needs data.path: a JSON-lines file with one {"input": ..., "target": ...} '
+                '(or {"prompt": ..., "response": ...}, or {"messages": [...]}) object per line'
             )
         if self.packing and self.source != "sft":
             raise ValueError(

@@ -10,6 +10,7 @@ from typing import Any
 
 from engine.jobspec.hf_families import FAMILIES, HFConfigError, HFFamily, family_with
 from engine.jobspec.hf_fields import YARN_OPTIONAL
+from engine.jobspec.hf_t5 import t5_hf_config
 
 
 def _rope_parameters(model) -> dict[str, Any]:
@@ -40,6 +41,8 @@ def hf_config_for(model: Any, base: dict[str, Any] | None = None, *, dtype: str 
     """config.json for a job's `model` section (a ModelSpec): over `base` (the config.json the
     job was imported from, so its token ids and other fields survive) when it is of the same
     family. The inverse of hf_model_fields for every field that function reads."""
+    if model.arch == "t5":
+        return t5_hf_config(model, family_with("t5"), base, dtype)
     fam = _family_of(model)
     cfg = dict(base or {})
     base_arch = (cfg.get("architectures") or [None])[0]

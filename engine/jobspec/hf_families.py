@@ -23,10 +23,10 @@ class HFConfigError(ValueError):
 class HFFamily:
     architecture: str  # config.json architectures[0]
     model_type: str  # config.json model_type
-    arch: Literal["llama", "gpt2", "bert"]  # our model.arch
+    arch: Literal["llama", "gpt2", "bert", "t5"]  # our model.arch
     # How its config.json fields and tensors are named: Llama's (and its derivatives'), GPT-2's
     # (Conv1D linears, fused c_attn) or DeepSeek-V3's (multi-latent attention, MTP layers).
-    layout: Literal["llama", "gpt2", "deepseek", "bert"]
+    layout: Literal["llama", "gpt2", "deepseek", "bert", "t5"]
     qkv_bias: bool = False  # biases on q, k and v only (Qwen2)
     qk_layernorm: bool = False  # per-head q/k norms (Qwen3)
     # How its experts are configured and named: Mixtral's block_sparse_moe with w1/w2/w3,
@@ -63,6 +63,7 @@ FAMILIES: dict[str, HFFamily] = {
         HFFamily("DeepseekV3ForCausalLM", "deepseek_v3", "llama", "deepseek", moe="deepseek"),
         HFFamily("BertForMaskedLM", "bert", "bert", "bert"),  # engine/jobspec/hf_bert.py, engine/hf/bert_tensors.py
         HFFamily("BertForPreTraining", "bert", "bert", "bert", binary_head=True),
+        HFFamily("T5ForConditionalGeneration", "t5", "t5", "t5"),  # engine/jobspec/hf_t5.py, engine/hf/t5.py
     )
 }  # fmt: skip
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from engine.jobspec.hf_families import FAMILIES, HFConfigError, HFFamily
+from engine.jobspec.hf_t5 import t5_fields
 
 _GPT2_ACTIVATIONS = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu"}
 
@@ -68,6 +69,8 @@ def hf_model_fields(cfg: dict[str, Any]) -> dict[str, Any]:
             f"config.json architectures={archs!r} is not supported; supported: {sorted(FAMILIES)}"
         )
     fam = FAMILIES[arch]
+    if fam.layout == "t5":
+        return t5_fields(cfg, fam)
     if fam.layout == "gpt2":
         return _gpt2_fields(cfg, fam)
     if fam.layout == "deepseek":

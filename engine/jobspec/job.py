@@ -21,6 +21,7 @@ from engine.jobspec.parallel import ParallelSpec
 from engine.jobspec.resilience import ResilienceSpec
 from engine.jobspec.resources import ResourcesSpec
 from engine.jobspec.scheduling import SchedulingSpec
+from engine.jobspec.t5 import check_t5_job
 from engine.jobspec.training import OptimizerSpec, TrainingSpec
 
 
@@ -64,6 +65,7 @@ class JobSpec(_Section):
     def _check_not_supported_yet(self) -> JobSpec:
         """Valid settings this engine version cannot run yet, each with what to use instead: the
         one place these rules live (the API refuses them at submission, not a rank at start)."""
+        check_t5_job(self)  # model.arch t5's layouts and data sources (engine/jobspec/t5.py)
         m, p = self.model, self.parallel
         if m.moe is not None and p.context > 1:
             raise ValueError("MoE with parallel.context > 1 is not supported yet: use context 1")
@@ -225,6 +227,8 @@ class JobSpec(_Section):
                     f"parallel.pipeline_layers {p.pipeline_layers} must list {stages} stages (pipeline x "
                     f"virtual_pipeline) adding up to model.num_layers ({m.num_layers})"
                 )
+        elif m.arch == "t5":
+            pass  # the encoder on one stage, the decoder on the other (engine/jobspec/t5.py)
         elif m.num_layers % p.pipeline:
             raise ValueError(
                 f"model.num_layers ({m.num_layers}) is not divisible by parallel.pipeline ({p.pipeline}): "

@@ -10,6 +10,7 @@ from pydantic import Field, ValidationInfo, model_validator
 
 from engine.jobspec.common import PositiveInt, _divisors, _Section
 from engine.jobspec.lora import LoRASpec
+from engine.jobspec.t5 import T5Spec, check_t5_model
 
 # Validation context key: why resolve_hf_config could not merge model.init_from's config.json
 # (parse_job passes it, so the message stands where the read would have failed, among the
@@ -184,7 +185,7 @@ class ModelSpec(_Section):
         description="Set where the job is submitted: the sha256 of model.init_from's config.json, whose "
         "fields are then merged into this section (later validations read nothing).",
     )
-    arch: Literal["gpt2", "llama", "bert"] = "llama"
+    arch: Literal["gpt2", "llama", "bert", "t5"] = "llama"
     num_layers: PositiveInt = 2
     hidden_size: PositiveInt = 64
     num_attention_heads: PositiveInt = 4
@@ -220,7 +221,7 @@ class ModelSpec(_Section):
         description="Pad the embedding table to a multiple of this (must be divisible by parallel.tensor).",
     )
     seq_length: PositiveInt = 128
-    tie_embeddings: bool | None = Field(None, description="Default: true for gpt2 and bert, false for llama.")
+    tie_embeddings: bool | None = Field(None, description="Default: true for gpt2, bert and t5, false for llama.")
     type_vocab_size: PositiveInt | None = Field(
         None,
         exclude_if=lambda v: v is None,  # a decoder's spec dumps as it always did
@@ -255,6 +256,11 @@ class ModelSpec(_Section):
     )
     init_method_std: float = Field(0.02, gt=0.0)
     moe: MoESpec | None = Field(None, description="Mixture of Experts feed-forward layers; default: dense.")
+    t5: T5Spec | None = Field(
+        None,
+        exclude_if=lambda v: v is None,  # only a T5 model has (and dumps) it
+        description="model.arch t5: the encoder-decoder's own sizes (engine/jobspec/t5.py); filled by default.",
+    )
     lora: LoRASpec | None = Field(
         None,
         exclude_if=lambda v: v is None,  # a spec without adapters dumps as it always did
@@ -296,7 +302,7 @@ class ModelSpec(_Section):
         if self.num_query_groups is None:
             self.num_query_groups = self.num_attention_heads
         if self.activation is None:
-            self.activation = "gelu" if self.arch == "gpt2" else "swiglu"
+            self.activation = {"gpt2": "gelu", "t5": "gelu_tanh"}.get(self.arch, "swiglu")
         if self.qkv_bias is None:
             self.qkv_bias = self.arch == "gpt2"
         if self.ffn_hidden_size is None:
@@ -305,7 +311,7 @@ class ModelSpec(_Section):
             else:
                 self.ffn_hidden_size = 4 * self.hidden_size
         if self.tie_embeddings is None:
-            self.tie_embeddings = self.arch == "gpt2"
+            self.tie_embeddings = self.arch in ("gpt2", "bert", "t5")
         if self.arch == "bert":
             from engine.jobspec.bert import check_bert_model  # the encoder's own rules
 
@@ -314,6 +320,9 @@ class ModelSpec(_Section):
             for name in ("type_vocab_size", "bert_binary_head"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"model.{name} applies to arch bert only: remove it for arch {self.arch}")
+        if self.arch == "t5":
+            self.t5 = (self.t5 or T5Spec()).filled(self.num_layers, self.tie_embeddings)
+        check_t5_model(self)
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise ValueError(
                 f"model.hidden_size ({self.hidden_size}) must be divisible by model.num_attention_heads "

@@ -15,6 +15,7 @@ import torch
 from engine.jobspec import JobSpec
 from engine.jobspec.layout import sequence_parallel_effective
 from engine.jobspec.model import MLASpec
+from engine.jobspec.t5 import T5Spec
 from engine.transformer.moe.router import MoEConfig
 from engine.transformer.rope import RopeScaling
 
@@ -32,7 +33,7 @@ class TransformerConfig:
     seq_length: int
     normalization: str  # "LayerNorm" | "RMSNorm"
     activation: str  # "gelu" | "gelu_tanh" | "swiglu"
-    position_embedding: str  # "learned_absolute" | "rope"
+    position_embedding: str  # "learned_absolute" | "rope" | "relative" (T5's buckets)
     add_bias_linear: bool  # every linear but the output layer (GPT-2)
     tie_embeddings: bool
     add_qkv_bias: bool | None = None  # the fused QKV projection's; None: add_bias_linear
@@ -57,6 +58,7 @@ class TransformerConfig:
     vocab_size: int | None = None
     type_vocab_size: int = 0  # BERT's token types (segments); 0: none (decoders)
     bert_binary_head: bool = False  # BERT's next-sentence head (pooler + 2-way classifier)
+    t5: T5Spec | None = None  # model.arch t5's own sizes (engine/models/t5.py)
 
     @property
     def true_vocab_size(self) -> int:
@@ -93,7 +95,7 @@ class TransformerConfig:
                 f"model.vocab_size ({vocab}) is smaller than the tokenizer's vocabulary ({vocab_size})"
             )
         multiple = m.make_vocab_size_divisible_by
-        llama = m.arch == "llama"
+        llama, t5 = m.arch == "llama", m.arch == "t5"
         return cls(
             num_layers=m.num_layers,
             hidden_size=m.hidden_size,
@@ -102,10 +104,10 @@ class TransformerConfig:
             ffn_hidden_size=m.ffn_hidden_size,
             padded_vocab_size=multiple * math.ceil(vocab / multiple),
             seq_length=m.seq_length,
-            normalization="RMSNorm" if llama else "LayerNorm",
+            normalization="RMSNorm" if llama or t5 else "LayerNorm",
             activation=m.activation,
-            position_embedding="rope" if llama else "learned_absolute",
-            add_bias_linear=not llama,
+            position_embedding="rope" if llama else "relative" if t5 else "learned_absolute",
+            add_bias_linear=not (llama or t5),
             tie_embeddings=m.tie_embeddings,
             add_qkv_bias=m.qkv_bias,
             qk_layernorm=m.qk_layernorm,
@@ -127,6 +129,7 @@ class TransformerConfig:
             vocab_size=vocab,
             type_vocab_size=m.type_vocab_size or 0,
             bert_binary_head=bool(m.bert_binary_head),
+            t5=m.t5,
         )
 
 

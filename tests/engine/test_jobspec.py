@@ -687,6 +687,7 @@ def test_examples_load():
         "finetune_lora.yaml",
         "gpt2_small_dp.yaml",
         "llama_tiny_tp2.yaml",
+        "t5_tiny.yaml",  # checked by test_t5_example.py
     ]
 
     gpt2 = load_job(EXAMPLES / "gpt2_small_dp.yaml")
