@@ -64,14 +64,15 @@ def model_flops_per_iteration(
     (its logits), as Megatron-Core counts them;
 
     and the iteration is 3 * B * s * that. `full_attention_matrix=True` counts all s^2 scores
-    (Megatron-LM's convention before 2025) instead of the causal half.
+    (Megatron-LM's convention before 2025) instead of the causal half; a bidirectional encoder
+    (BERT, `config.causal` false) always computes all of them.
     """
     c = config
     if c.t5 is not None:
         return 3.0 * global_batch_size * c.seq_length * _t5_flops_per_token(c, full_attention_matrix)
     qd = c.num_attention_heads * c.head_dim
     kvd = c.num_query_groups * c.head_dim
-    attended = c.seq_length if full_attention_matrix else c.seq_length / 2
+    attended = c.seq_length if full_attention_matrix or not c.causal else c.seq_length / 2
     mlp_matrices = 3 if c.activation == "swiglu" else 2
     attention = 2 * c.hidden_size * (qd + 2 * kvd) + 2 * 2 * qd * attended + 2 * qd * c.hidden_size
     if c.mla is not None:

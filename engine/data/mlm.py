@@ -42,15 +42,11 @@ MODEL_INPUTS = ("attention_mask", "token_type_ids")
 
 
 def _vocab_lookups(tokenizer):
-    """(token -> id or None, id -> token) of an hf: or sentencepiece: tokenizer; (None, None)
-    for the byte tokenizer (no named tokens)."""
-    hf = getattr(tokenizer, "_tok", None)
-    if hf is not None:
-        return hf.token_to_id, hf.id_to_token
-    sp = getattr(tokenizer, "_sp", None)
-    if sp is not None:
-        return (lambda t: (i if (i := sp.piece_to_id(t)) != sp.unk_id() else None)), sp.id_to_piece
-    return None, None
+    """(token -> id or None, id -> token) of a tokenizer with named tokens (hf:, sentencepiece:);
+    (None, None) for the byte tokenizer, which has none."""
+    if not hasattr(tokenizer, "token_to_id"):
+        return None, None
+    return tokenizer.token_to_id, tokenizer.id_to_token
 
 
 def special_ids(spec: MLMSpec, tokenizer, model_vocab: int) -> dict[str, int]:

@@ -109,6 +109,13 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))
 
+    def token_to_id(self, token: str) -> int | None:
+        """A named token's id (BERT's [MASK], T5's <extra_id_0>), None where the vocabulary lacks it."""
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, index: int) -> str | None:
+        return self._tok.id_to_token(index)
+
 
 class SentencePieceTokenizer:
     """A SentencePiece model file. EOD is the model's eos id (`</s>` unless trained otherwise)."""
@@ -151,6 +158,14 @@ class SentencePieceTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._sp.decode([int(i) for i in ids])
+
+    def token_to_id(self, token: str) -> int | None:
+        """A named piece's id, None where the model lacks it (SentencePiece answers unk)."""
+        found = self._sp.piece_to_id(token)
+        return None if found == self._sp.unk_id() else found
+
+    def id_to_token(self, index: int) -> str | None:
+        return self._sp.id_to_piece(index)
 
 
 # The files of a Hugging Face tokenizer folder (tokenizer.json, and what chat templates and

@@ -57,6 +57,7 @@ class TransformerConfig:
     # padded_vocab_size, and the padded entries' logits are -inf (never predicted). None: no padding.
     vocab_size: int | None = None
     type_vocab_size: int = 0  # BERT's token types (segments); 0: none (decoders)
+    causal: bool = True  # False: every token attends to every other (BERT's encoder)
     bert_binary_head: bool = False  # BERT's next-sentence head (pooler + 2-way classifier)
     t5: T5Spec | None = None  # model.arch t5's own sizes (engine/models/t5.py)
 
@@ -128,6 +129,7 @@ class TransformerConfig:
             moe=_moe_config(spec),
             vocab_size=vocab,
             type_vocab_size=m.type_vocab_size or 0,
+            causal=m.arch != "bert",
             bert_binary_head=bool(m.bert_binary_head),
             t5=m.t5,
         )

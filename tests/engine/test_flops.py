@@ -272,3 +272,23 @@ def test_mla_and_mtp_hand_count():
     want = 3 * 5 * (L * (attention + mlp) + logits + depth)
     got = model_flops_per_iteration(_config(mla=mla, mtp_num_layers=1), 5)
     assert got == pytest.approx(want)
+
+
+def test_a_bidirectional_encoder_counts_every_attention_score():
+    """BERT attends over all s x s scores: its count is the decoder's with the full matrix."""
+    import dataclasses
+
+    from engine.jobspec import JobSpec
+    from engine.transformer.config import TransformerConfig
+
+    spec = JobSpec.model_validate(
+        {"name": "b", "model": {"arch": "bert", "num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                                "seq_length": 32, "vocab_size": 261},
+         "data": {"source": "synthetic"}}
+    )  # fmt: skip
+    encoder = TransformerConfig.from_job(spec, 261)
+    assert not encoder.causal
+    decoder = dataclasses.replace(encoder, causal=True)
+    from engine.flops import model_flops_per_iteration as count
+
+    assert count(encoder, 8) == count(decoder, 8, full_attention_matrix=True) > count(decoder, 8)
