@@ -22,14 +22,13 @@ does), so a run resumes exactly from its consumed-sample count.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from engine.data.sft import IGNORE_INDEX, ChatRenderer, _read_text
+from engine.data.sft import IGNORE_INDEX, ChatRenderer, json_lines
 from engine.data.sources import SampleBatch, TokenSource
 
 log = logging.getLogger(__name__)
@@ -68,16 +67,7 @@ def load_pairs(path: str | Path) -> list[tuple[str, str]]:
     """Each line of a JSON-lines file as (input text, target text); errors name the line and field."""
     renderer = ChatRenderer(None)  # the plain template: text only, no tokenizer needed
     out: list[tuple[str, str]] = []
-    for number, line in enumerate(_read_text(path).splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"data.path {path} line {number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{where}: not valid JSON ({err.msg}); each line must be one JSON object") from None
-        if not isinstance(record, dict):
-            raise ValueError(f'{where}: expected a JSON object {{"input": ..., "target": ...}}')
+    for where, record in json_lines(path, '{"input": ..., "target": ...}'):
         if "input" in record or "target" in record:
             keys = ("input", "target")
         elif "prompt" in record or "response" in record:

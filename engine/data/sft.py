@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -58,12 +59,10 @@ def _read_text(path: str | Path) -> str:
         raise FileNotFoundError(f"data.path: no such file {path}") from None
 
 
-def load_conversations(path: str | Path) -> list[list[dict[str, str]]]:
-    """Each line of a JSON-lines file (local, or s3://) as a list of messages; errors name the
-    file, line and field."""
-    lines = _read_text(path).splitlines()
-    out: list[list[dict[str, str]]] = []
-    for number, line in enumerate(lines, start=1):
+def json_lines(path: str | Path, expected: str) -> Iterator[tuple[str, dict]]:
+    """(where, object) for each non-blank line of a JSON-lines file (local, or s3://); `where`
+    names the file and line for the caller's own field errors, `expected` what an object holds."""
+    for number, line in enumerate(_read_text(path).splitlines(), start=1):
         if not line.strip():
             continue
         where = f"data.path {path} line {number}"
@@ -74,7 +73,15 @@ def load_conversations(path: str | Path) -> list[list[dict[str, str]]]:
                 f"{where}: not valid JSON ({err.msg}); each line must be one JSON object"
             ) from None
         if not isinstance(record, dict):
-            raise ValueError(f"{where}: expected a JSON object with 'messages' or 'prompt' and 'response'")
+            raise ValueError(f"{where}: expected a JSON object {expected}")
+        yield where, record
+
+
+def load_conversations(path: str | Path) -> list[list[dict[str, str]]]:
+    """Each line of a JSON-lines file (local, or s3://) as a list of messages; errors name the
+    file, line and field."""
+    out: list[list[dict[str, str]]] = []
+    for where, record in json_lines(path, "with 'messages' or 'prompt' and 'response'"):
         if "messages" in record:
             messages = record["messages"]
             if not isinstance(messages, list) or not messages:
