@@ -152,6 +152,7 @@ class ReplicaQuorum:
                 iteration=self.trainer.iteration,
                 replicas=n,
                 heal_s=round(time.perf_counter() - healing_from, 3),
+                state_digest=self.state_digest(),
                 joined_s=round(time.time() - self.joined_at, 3) if self.joined_at else None,
             )
         elif n < self.replicas and self.participating_rank == 0 and self._first_commit:
@@ -164,9 +165,21 @@ class ReplicaQuorum:
                 iteration=self.trainer.iteration,
                 replicas=n,
                 rejoin_s=round(time.time() - self._lost_at, 3),
+                state_digest=self.state_digest(),
             )
             self._lost_at = None
         self.replicas = n
+
+    def state_digest(self) -> str:
+        """A digest of every tensor this replica would hand a peer (weights, optimizer state, RNG):
+        the healed replica's and its peer's must be equal at the step it rejoins."""
+        import hashlib
+
+        snap = self.trainer.capture_snapshot()
+        h = hashlib.blake2b(digest_size=16)
+        h.update(str(snap.iteration).encode())
+        h.update(snap.payload)
+        return h.hexdigest()
 
     @property
     def participating_rank(self) -> int | None:
