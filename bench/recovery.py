@@ -120,6 +120,10 @@ TRAIN_ITERS = {"persistent": 1500, "memory": 700}
 # in jobs this long (still longer than the kill takes to land).
 SMOKE_SETTLE_S = 3.0
 SMOKE_TRAIN_ITERS = {"persistent": 100, "memory": 100}
+# mode survive (replace_replica): replica 1 killed every this many seconds, in a job this long.
+SURVIVE_KILL_EVERY_S = 30.0
+SURVIVE_TRAIN_ITERS = 1500
+SMOKE_SURVIVE = (4.0, 120)
 
 
 def emit(**fields) -> None:
@@ -262,6 +266,135 @@ def recovery(
         repeat=repeat,
     )
     emit(mode=mode, figure="ratio_over_cold_start", value=round(seconds / cold, 3), repeat=repeat)
+
+
+def survive(
+    receiver: Receiver,
+    workdir: Path,
+    repeat: int,
+    kill_every_s: float = SURVIVE_KILL_EVERY_S,
+    train_iters: int = SURVIVE_TRAIN_ITERS,
+) -> None:
+    """`resilience.on_rank_failure: replace_replica`: the SMALL job (2 replicas, persistent
+    checkpoints every 10 steps as in `persistent` mode) with replica 1's rank SIGKILLed every
+    `kill_every_s` seconds (its pid from its `replica_started` event) until the job ends. Replica
+    0 survives and reports every step; per kill: `survivor_stall_s`, `rejoin_s`; over the run:
+    `throughput_kept`. The reference throughput is the same job's own steady steps before the
+    first kill (same process, same machine load, no second job)."""
+    job_id = f"survive-{repeat}"
+    spec = json.loads(json.dumps(SMALL))
+    spec["checkpoint"]["path"] = str(workdir / "ckpt")
+    spec["training"]["train_iters"] = train_iters
+    spec["resilience"] = {"on_rank_failure": "replace_replica", "max_restarts": 1000, "warm_restart": True}
+    kills: list[float] = []
+    done = threading.Event()
+
+    def replica_1_pid(after: float) -> int | None:
+        started = [
+            e
+            for e in receiver.events
+            if e["kind"] == "replica_started" and e.get("replica") == 1 and e["ts"] >= after
+        ]
+        return started[-1]["ranks"][0]["pid"] if started else None
+
+    def kill_periodically():
+        first = wait_for(lambda: receiver.records[:1])[0]["ts"]
+        while not done.wait(max(0.05, first + kill_every_s * (len(kills) + 1) - time.time())):
+            pid = replica_1_pid(kills[-1] if kills else 0.0)
+            if pid is None:  # the last replacement has not started yet: kill it once it has
+                continue
+            kills.append(time.time())
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                kills.pop()
+
+    receiver.records.clear()
+    receiver.events.clear()
+    killer = threading.Thread(target=kill_periodically, daemon=True)
+    killer.start()
+    result = run_on_ray(job_id, spec, str(workdir / "runs"))
+    done.set()
+    killer.join(timeout=60)
+    if result.exit_code != 0 or not kills:
+        raise SystemExit(f"bench: the survive job failed or was never killed: {result}, kills {kills}")
+    last = {}
+    for r in receiver.records:  # the newest report of each iteration
+        last[r["iteration"]] = r
+    recs = [last[i] for i in sorted(last)]
+    gaps = [(b["ts"], b["ts"] - a["ts"], b) for a, b in zip(recs, recs[1:], strict=False)]
+    steady_gaps = [g for ts, g, b in gaps if b["iteration"] > WARMUP and ts < kills[0]]
+    median = statistics.median(steady_gaps) if steady_gaps else statistics.median(g for _, g, _ in gaps)
+    for n, killed_at in enumerate(kills):
+        until = kills[n + 1] if n + 1 < len(kills) else float("inf")
+        back = next(
+            (b for ts, _, b in gaps if killed_at < ts < until and b.get("replicas") == 2 and ts > killed_at + 0.05),
+            None,
+        )
+        alone = [b for _, _, b in gaps if killed_at < b["ts"] < until and b.get("replicas") == 1]
+        window_end = back["ts"] + 2 * median if back is not None else until
+        around = [g for ts, g, _ in gaps if killed_at < ts <= window_end]
+        at_kill = [g for ts, g, _ in gaps if killed_at < ts < (back["ts"] if back is not None else until)]
+        rejoined = next(
+            (
+                e
+                for e in receiver.events
+                if e["kind"] == "replica_rejoined" and "heal_s" in e and killed_at < e["ts"] < until
+            ),
+            {},
+        )
+        started = next(
+            (
+                e
+                for e in receiver.events
+                if e["kind"] == "replica_started" and e.get("replica") == 1 and killed_at < e["ts"] < until
+            ),
+            {},
+        )
+        emit(
+            mode="survive",
+            figure="survivor_stall_s",
+            value=round(max(around) - median, 3) if around else None,
+            at_kill_s=round(max(at_kill) - median, 3) if at_kill else None,
+            at_rejoin_s=round(next(g for ts, g, b in gaps if b is back) - median, 3) if back is not None else None,
+            median_step_s=round(median, 4),
+            steps_alone=len(alone),
+            kill=n,
+            repeat=repeat,
+        )
+        emit(
+            mode="survive",
+            figure="rejoin_s",
+            value=round(back["ts"] - killed_at, 2) if back is not None else None,
+            replacement_started_s=round(started["ts"] - killed_at, 2) if started else None,
+            warm_process=started.get("warm_process"),
+            heal_s=rejoined.get("heal_s"),
+            kill=n,
+            repeat=repeat,
+        )
+    before = [r for r in recs if WARMUP < r["iteration"] and r["ts"] < kills[0]]
+    after = [r for r in recs if r["ts"] >= kills[0]]
+
+    def rate(rs: list[dict]) -> tuple[float, float] | None:
+        if len(rs) < 2:
+            return None
+        wall = rs[-1]["ts"] - rs[0]["ts"]
+        return sum(r["tokens"] for r in rs[1:]) / wall, (len(rs) - 1) / wall
+
+    ref, run = rate(before), rate(after)
+    emit(
+        mode="survive",
+        figure="throughput_kept",
+        value=round(run[0] / ref[0], 3) if ref and run else None,
+        steps_kept=round(run[1] / ref[1], 3) if ref and run else None,
+        tokens_per_s_before=round(ref[0], 1) if ref else None,
+        tokens_per_s_with_kills=round(run[0], 1) if run else None,
+        kill_every_s=kill_every_s,
+        kills=len(kills),
+        seconds_with_kills=round(after[-1]["ts"] - kills[0], 1) if after else None,
+        steps_alone=sum(r.get("replicas") == 1 for r in recs),
+        repeat=repeat,
+    )
 
 
 def snapshot_overhead(
@@ -608,6 +741,9 @@ def main() -> None:
     parser.add_argument(
         "--skip", choices=["recovery", "overhead", "snapshot_overhead", "storage_faults"], action="append", default=[]
     )
+    parser.add_argument(
+        "--kill-every", type=float, default=SURVIVE_KILL_EVERY_S, help="mode survive: seconds between kills"
+    )
     parser.add_argument("--smoke", action="store_true", help="every figure from tiny runs: a check that it runs")
     args = parser.parse_args()
     if args.smoke:
@@ -648,6 +784,12 @@ def main() -> None:
                         recovery(
                             receiver, Path(tmp) / f"recovery-{mode}-{repeat}", repeat, mode, settle_s, train_iters
                         )
+                    survive(
+                        receiver,
+                        Path(tmp) / f"survive-{repeat}",
+                        repeat,
+                        *(SMOKE_SURVIVE if args.smoke else (args.kill_every, SURVIVE_TRAIN_ITERS)),
+                    )
             if "snapshot_overhead" not in args.skip:
                 snapshot_work(2 if args.smoke else 30)
                 # statistics.quantiles needs two cycles after the first (skipped).
