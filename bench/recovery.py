@@ -50,7 +50,8 @@ Figures (one JSON line each):
   (target 0); medians over `--repeats`.
 
     python bench/recovery.py [--repeats 1] [--rounds 3] [--iterations 40]
-        [--skip recovery|overhead|snapshot_overhead|storage_faults] [--smoke]
+        [--skip recovery|survive|overhead|snapshot_overhead|storage_faults]
+        [--kill-every 30] [--smoke]
 
 `--smoke`: every figure above, each from the fewest steps, rounds and calls that still make it
 (one round, short jobs, the kill after SMOKE_SETTLE_S): a check that the bench runs, not a
@@ -122,8 +123,8 @@ SMOKE_SETTLE_S = 3.0
 SMOKE_TRAIN_ITERS = {"persistent": 100, "memory": 100}
 # mode survive (replace_replica): replica 1 killed every this many seconds, in a job this long.
 SURVIVE_KILL_EVERY_S = 30.0
-SURVIVE_TRAIN_ITERS = 1500
-SMOKE_SURVIVE = (4.0, 120)
+SURVIVE_TRAIN_ITERS = 700
+SMOKE_SURVIVE = (4.0, 150, 1)  # one kill
 
 
 def emit(**fields) -> None:
@@ -274,6 +275,7 @@ def survive(
     repeat: int,
     kill_every_s: float = SURVIVE_KILL_EVERY_S,
     train_iters: int = SURVIVE_TRAIN_ITERS,
+    max_kills: int | None = None,
 ) -> None:
     """`resilience.on_rank_failure: replace_replica`: the SMALL job (2 replicas, persistent
     checkpoints every 10 steps as in `persistent` mode) with replica 1's rank SIGKILLed every
@@ -299,7 +301,7 @@ def survive(
 
     def kill_periodically():
         first = wait_for(lambda: receiver.records[:1])[0]["ts"]
-        while not done.wait(max(0.05, first + kill_every_s * (len(kills) + 1) - time.time())):
+        while (max_kills is None or len(kills) < max_kills) and not done.wait(max(0.05, first + kill_every_s * (len(kills) + 1) - time.time())):
             pid = replica_1_pid(kills[-1] if kills else 0.0)
             if pid is None:  # the last replacement has not started yet: kill it once it has
                 continue
@@ -739,7 +741,10 @@ def main() -> None:
         "--local-interval", type=int, default=1, help="snapshot_overhead: an in-memory snapshot every N steps"
     )
     parser.add_argument(
-        "--skip", choices=["recovery", "overhead", "snapshot_overhead", "storage_faults"], action="append", default=[]
+        "--skip",
+        choices=["recovery", "survive", "overhead", "snapshot_overhead", "storage_faults"],
+        action="append",
+        default=[],
     )
     parser.add_argument(
         "--kill-every", type=float, default=SURVIVE_KILL_EVERY_S, help="mode survive: seconds between kills"
@@ -784,11 +789,14 @@ def main() -> None:
                         recovery(
                             receiver, Path(tmp) / f"recovery-{mode}-{repeat}", repeat, mode, settle_s, train_iters
                         )
+
+            if "survive" not in args.skip:
+                for repeat in range(args.repeats):
                     survive(
                         receiver,
                         Path(tmp) / f"survive-{repeat}",
                         repeat,
-                        *(SMOKE_SURVIVE if args.smoke else (args.kill_every, SURVIVE_TRAIN_ITERS)),
+                        *(SMOKE_SURVIVE if args.smoke else (args.kill_every, SURVIVE_TRAIN_ITERS, None)),
                     )
             if "snapshot_overhead" not in args.skip:
                 snapshot_work(2 if args.smoke else 30)

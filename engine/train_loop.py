@@ -143,7 +143,9 @@ def _train(
                 _save_and_stop(trainer, saved_at, quiet=quiet or not is_logger)
                 break
             m = trainer.train_step()
-            if m is None:  # the rerun state machine skipped a bad batch
+            if m is None:  # the rerun state machine skipped a bad batch (or no quorum step)
+                if trainer.quorum is not None and trainer.quorum.job_done:
+                    break  # a replacement that joined after its peers finished the job
                 continue
             trainer.evaluate_if_due(m)
             if out is not None:

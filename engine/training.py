@@ -389,8 +389,8 @@ class Trainer:
         start = time.perf_counter()
         if self.quorum is not None:
             self.phase = "quorum"
-            self.quorum.start_step()  # may heal: iteration and data position are the peer's
-            if self.iteration >= self.spec.training.train_iters:
+            # May heal: iteration and data position are the peer's.
+            if not self.quorum.start_step() or self.iteration >= self.spec.training.train_iters:
                 return None
         self.microbatches.update(self.consumed_samples)
         n, gbs = self.microbatches.num_microbatches, self.microbatches.current_global_batch_size

@@ -134,6 +134,20 @@ def _registry(job_id: str):
         return None
 
 
+def _job_trained(registry, train_iters: int) -> bool:
+    """Whether a record of the job's last step was reported (replace_replica: a replacement
+    that joins after its peers finished has nothing left to train)."""
+    import ray
+
+    if registry is None:
+        return False
+    try:
+        reached = ray.get(registry.last_progress.remote(), timeout=5)
+    except Exception:  # noqa: BLE001 - the registry is busy or gone: keep waiting for peers
+        return False
+    return reached is not None and reached >= train_iters
+
+
 def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     """Train this rank of the job (Ray Train's train_loop_per_worker)."""
     entered = time.time()
@@ -238,7 +252,11 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     # replace_replica: a replaced replica heals from a live peer instead of a snapshot.
     quorum = (
         ReplicaQuorum(
-            rank, world, timeout_s=min(60.0, spec.resilience.step_timeout_s), startup_wait_s=config.get("setup_timeout_s", 600.0)
+            rank,
+            world,
+            timeout_s=min(60.0, spec.resilience.step_timeout_s),
+            startup_wait_s=config.get("setup_timeout_s", 600.0),
+            peers_finished=lambda: _job_trained(registry, spec.training.train_iters),
         )
         if replicas
         else None

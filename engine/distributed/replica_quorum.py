@@ -59,12 +59,17 @@ class ReplicaQuorum:
         *,
         timeout_s: float = 60.0,
         startup_wait_s: float = 120.0,
+        peers_finished: Callable[[], bool] | None = None,
         lighthouse_addr: str | None = None,
         emit: Callable[..., Any] | None = None,
         device: torch.device | None = None,
     ):
         self.index, self.count = index, count
         self.timeout_s, self.startup_wait_s = timeout_s, startup_wait_s
+        # Whether the job's last step is done (a replacement that started late must not wait for
+        # peers that have finished and left): asked only until this replica's first commit.
+        self.peers_finished = peers_finished
+        self.job_done = False
         self.lighthouse_addr = lighthouse_addr or os.environ.get(LIGHTHOUSE_ENV)
         if not self.lighthouse_addr:
             raise RuntimeError(
@@ -138,8 +143,12 @@ class ReplicaQuorum:
         self.healed_s = time.perf_counter() - started
 
     # ------------------------------------------------------------------ per step
-    def start_step(self) -> None:
-        """Agree this step's quorum; heal first when this replica is behind it."""
+    def start_step(self) -> bool:
+        """Agree this step's quorum; heal first when this replica is behind it. False when
+        this replica joined after its peers finished the job (`job_done`): nothing to train."""
+        if not self._first_commit and self.peers_finished is not None and self.peers_finished():
+            self.job_done = True
+            return False
         self._step_started = time.perf_counter()
         before = self.trainer.iteration
         healing_from = time.perf_counter()
@@ -169,6 +178,7 @@ class ReplicaQuorum:
             )
             self._lost_at = None
         self.replicas = n
+        return True
 
     def state_digest(self) -> str:
         """A digest of every tensor this replica would hand a peer (weights, optimizer state, RNG):
