@@ -329,11 +329,12 @@ def survive(
     median = statistics.median(steady_gaps) if steady_gaps else statistics.median(g for _, g, _ in gaps)
     for n, killed_at in enumerate(kills):
         until = kills[n + 1] if n + 1 < len(kills) else float("inf")
-        back = next(
-            (b for ts, _, b in gaps if killed_at < ts < until and b.get("replicas") == 2 and ts > killed_at + 0.05),
-            None,
-        )
         alone = [b for _, _, b in gaps if killed_at < b["ts"] < until and b.get("replicas") == 1]
+        # Back in the quorum: the first step of two replicas after the survivor's first alone
+        # (a step that committed just after the kill was the dead replica's last).
+        back = next(
+            (b for ts, _, b in gaps if alone and alone[0]["ts"] < ts < until and b.get("replicas") == 2), None
+        )
         window_end = back["ts"] + 2 * median if back is not None else until
         around = [g for ts, g, _ in gaps if killed_at < ts <= window_end]
         at_kill = [g for ts, g, _ in gaps if killed_at < ts < (back["ts"] if back is not None else until)]
@@ -369,12 +370,14 @@ def survive(
             figure="rejoin_s",
             value=round(back["ts"] - killed_at, 2) if back is not None else None,
             replacement_started_s=round(started["ts"] - killed_at, 2) if started else None,
-            warm_process=started.get("warm_process"),
+            process_age_s=started.get("process_age_s"),
             heal_s=rejoined.get("heal_s"),
             kill=n,
             repeat=repeat,
         )
-    before = [r for r in recs if WARMUP < r["iteration"] and r["ts"] < kills[0]]
+    # The reference: the steady steps of the half interval before the first kill (the job's first
+    # seconds also pay for starting its warm processes, one torch import per rank).
+    before = [r for r in recs if WARMUP < r["iteration"] and kills[0] - kill_every_s / 2 <= r["ts"] < kills[0]]
     after = [r for r in recs if r["ts"] >= kills[0]]
 
     def rate(rs: list[dict]) -> tuple[float, float] | None:

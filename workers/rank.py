@@ -216,7 +216,10 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
             replica=rank,
             replicas=world,
             group=group,
-            warm_process=process_was_warm(config.get("attempt_started_at"), process_started_at()),
+            # How long this process existed before it ran the rank: seconds for one started
+            # ahead (a warm process) or for a cold one's own imports alike; read with the
+            # replacement's start time, which only the controller knows.
+            process_age_s=round(entered - (process_started_at() or entered), 3),
             **{contract.RANKS: [{**me, "rank": rank}]},
         )
     elif rank == 0:

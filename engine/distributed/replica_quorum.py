@@ -85,6 +85,7 @@ class ReplicaQuorum:
         self._lost_at: float | None = None  # when the survivors first stepped with fewer replicas
         self._step_times: list[float] = []
         self._step_started = 0.0
+        self._last_commit_at: float | None = None
         self.want_stop = False
         self._stop_seen = False
 
@@ -166,7 +167,17 @@ class ReplicaQuorum:
             )
         elif n < self.replicas and self.participating_rank == 0 and self._first_commit:
             self._lost_at = time.time()
-            self.emit(EVENT_REPLICA_LOST, replica=self.index, iteration=self.trainer.iteration, replicas=n)
+            # The stall: from the last committed step to now (the failed step, the quorum without
+            # the dead replica) less a normal step.
+            median = self.median_step_s() or 0.0
+            stall = time.perf_counter() - self._last_commit_at - median if self._last_commit_at else None
+            self.emit(
+                EVENT_REPLICA_LOST,
+                replica=self.index,
+                iteration=self.trainer.iteration,
+                replicas=n,
+                stall_s=round(stall, 3) if stall is not None else None,
+            )
         elif n > self.replicas and self.participating_rank == 0 and self._lost_at is not None:
             self.emit(
                 EVENT_REPLICA_REJOINED,
@@ -220,8 +231,8 @@ class ReplicaQuorum:
             self._first_commit = True
             self.manager._min_replica_size = 1
         if ok:
-            took = time.perf_counter() - self._step_started
-            self._step_times.append(took)
+            self._last_commit_at = time.perf_counter()
+            self._step_times.append(self._last_commit_at - self._step_started)
         return ok
 
     def median_step_s(self) -> float | None:

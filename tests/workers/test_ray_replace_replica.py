@@ -2,7 +2,7 @@
 one-CPU worker nodes, one replica per node): SIGKILL one replica's rank; the other replica keeps
 stepping (its records go on, averaged over one replica) while Ray Train's controller replaces the
 dead one, which heals from its live peer (the same state digest on both sides) and rejoins the
-quorum; nine more kills of the replacement as it starts do not deadlock; the job finishes.
+quorum; more kills of the replacement as it starts do not deadlock; the job finishes.
 
 The final loss is compared with the uninterrupted run (`elastron train`, DP=2, restart_group).
 """
@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import os
 import signal
+import statistics
 import threading
 import time
-
-import pytest
 
 from tests.waiting import wait_for
 from tests.workers.conftest import job
 from tests.workers.ray_helpers import elastron_train, run
 
-ITERS = 240
-KILLS = int(os.environ.get('FT_KILLS', 10))
+# Three kills on Ray (each replacement a new Ray worker process: ~5 s apiece on 2 cores once the
+# warm process is used up); ten in a row are tests/engine/test_replica_quorum.py's, without Ray
+# (FT_KILLS=10 FT_ITERS=600 runs ten here).
+ITERS = int(os.environ.get("FT_ITERS", 250))
+KILLS = int(os.environ.get("FT_KILLS", 3))
 
 
 def _spec(tmp_path, **resilience) -> dict:
@@ -45,24 +47,25 @@ def test_a_killed_replica_is_replaced_while_the_other_keeps_stepping(ray_cluster
 
     def interfere():
         pid = wait_for(lambda: _replica_pid(telemetry, job_id, 1), what="replica 1 started", timeout_s=120)
-        wait_for(lambda: any(r["iteration"] >= 10 for r in telemetry.records(job_id)), what="iteration 10")
+        # Late enough that each node's warm process is ready (workers/warm_processes.py).
+        wait_for(lambda: any(r["iteration"] >= 60 for r in telemetry.records(job_id)), what="iteration 60")
         killed_at = time.time()
         reached = max(r["iteration"] for r in telemetry.records(job_id))
         os.kill(pid, signal.SIGKILL)
         seen["kills"].append(pid)
-        # The survivor keeps stepping on its own while replica 1 is replaced.
-        wait_for(
-            lambda: [r for r in telemetry.records(job_id) if r["iteration"] > reached + 3 and r["replicas"] == 1],
-            what="the survivor stepping alone",
-            timeout_s=60,
-        )
-        seen["survivor_steps_alone"] = True
-        wait_for(
-            lambda: [e for e in telemetry.events(job_id, "replica_rejoined") if e["ts"] > killed_at],
-            what="replica 1 rejoining",
-            timeout_s=120,
-        )
-        # Nine more in a row: each replacement killed as soon as it has started.
+        healed = lambda after: [  # noqa: E731
+            e for e in telemetry.events(job_id, "replica_rejoined") if e["ts"] > after and "heal_s" in e
+        ]
+        back = wait_for(lambda: healed(killed_at), what="replica 1 healed and back", timeout_s=120)[0]
+        # The survivor kept stepping on its own while replica 1 was replaced.
+        time.sleep(0.5)  # its records reach the receiver every 0.1 s
+        seen["survivor_steps_alone"] = [
+            r["iteration"]
+            for r in telemetry.records(job_id)
+            if r["replicas"] == 1 and r["iteration"] > reached and r["ts"] <= back["ts"]
+        ]
+        seen["first_rejoin_s"] = round(time.time() - killed_at, 2)
+        # More in a row: each replacement killed as soon as it has started.
         for _ in range(KILLS - 1):
             pid = wait_for(
                 lambda: (p := _replica_pid(telemetry, job_id, 1)) not in seen["kills"] and p,
@@ -71,6 +74,9 @@ def test_a_killed_replica_is_replaced_while_the_other_keeps_stepping(ray_cluster
             )
             os.kill(pid, signal.SIGKILL)
             seen["kills"].append(pid)
+        seen["kills_s"] = round(time.time() - killed_at, 1)
+        # The last replacement is left alone: it heals and trains to the end with its peer, or
+        # (a fast machine) joins after its peer finished and ends too.
         seen["done"] = True
 
     threading.Thread(target=interfere, daemon=True).start()
@@ -92,8 +98,49 @@ def test_a_killed_replica_is_replaced_while_the_other_keeps_stepping(ray_cluster
     records = telemetry.final_records(job_id)
     assert max(records) == ITERS
     assert {r["replicas"] for r in records.values()} == {1, 2}
-    seen["final_loss"] = records[ITERS]["loss"]
-    seen["alone"] = sum(r["replicas"] == 1 for r in records.values())
+    # The final loss against the uninterrupted run (elastron train, DP=2, restart_group). The
+    # steps taken by one replica averaged over half the global batch (unbiased, noisier), so the
+    # run is another trajectory over the same data: its loss must land within the loss's own
+    # step-to-step noise of the reference's, compared as means over the last 20 steps (this job's
+    # batches of 4 samples make single-step losses swing by ~0.3; measured difference of the means
+    # ~0.05 with 120 of 400 steps on one replica). A replica that healed wrong is caught by the
+    # digests above, not here; this catches a run that stopped learning or diverged.
     reference = {r["iteration"]: r["loss"] for r in elastron_train(_spec(tmp_path / "ref"), tmp_path / "ref")}
-    print("final", seen["final_loss"], "reference", reference[ITERS], "steps alone", seen["alone"])
-    assert seen["final_loss"] == pytest.approx(reference[ITERS], rel=0.05)
+    last = range(ITERS - 19, ITERS + 1)
+    got = statistics.mean(records[i]["loss"] for i in last)
+    ref = statistics.mean(reference[i] for i in last)
+    noise = statistics.stdev(reference[i] for i in last)
+    assert abs(got - ref) <= noise, (got, ref, noise)
+    assert got < 0.7 * reference[1]  # it learned
+
+
+def test_jobs_replace_replica_cannot_run_are_refused_naming_the_field():
+    from engine.jobspec import parse_job, resolve_job
+    from workers.replicas import check_replace_replica, replica_job
+
+    def why(**sections):
+        return check_replace_replica(parse_job(job(resilience={"on_rank_failure": "replace_replica"}, **sections)))
+
+    assert why() is None
+    assert check_replace_replica(parse_job(job(parallel={"tensor": 2}))) is None  # restart_group: no rule
+    assert "parallel.tensor" in why(parallel={"tensor": 2})
+    hsdp = {"data_parallel_shard_size": 2, "data_parallel_sharding": "optim_grads_params"}
+    assert "data_parallel_shard_size" in why(parallel=hsdp, resources={"ranks": 4}, training={"global_batch_size": 8})
+    assert "resources.ranks >= 2" in why(resources={"ranks": 1})
+    one = replica_job(resolve_job(job(resilience={"on_rank_failure": "replace_replica"})))
+    assert one.spec.resources.ranks == 1 and one.data_parallel_size == 1
+
+
+def test_the_ray_internals_the_torchft_config_overrides_exist():
+    """workers/trainer.py's torchft_config subclasses Ray's private _TorchftBackend and replaces
+    its `_maybe_create_lighthouse_actor`: an upgrade that moves them fails here, naming Ray."""
+    import ray
+    from ray.train.v2.torch import torchft_config as ft
+
+    assert hasattr(ft, "_TorchftBackend") and hasattr(ft, "LighthouseServerActor"), ray.__version__
+    assert hasattr(ft._TorchftBackend, "_maybe_create_lighthouse_actor"), ray.__version__
+    from workers.trainer import torchft_config
+
+    config = torchft_config(60)
+    assert issubclass(config.backend_cls, ft._TorchftBackend)
+    assert config.lighthouse_kwargs["min_replicas"] == 1
