@@ -16,6 +16,14 @@ Figures (one JSON line each):
   build + persistent resume; the agreement over the in-memory snapshots; their restore) and
   where it recovered from; `ratio_over_cold_start`: the recovery time over the same job's cold
   start (fit() -> its first step) in the same run.
+- survive (`"mode": "survive"`, `resilience.on_rank_failure: replace_replica`): the same SMALL job
+  and persistent checkpoints as `persistent`, replica 1's rank SIGKILLed every `--kill-every`
+  seconds (default 30) while replica 0 trains on. Per kill: `survivor_stall_s` (the survivors'
+  longest step between the kill and two steps after the rejoin, less their median step before
+  the first kill; `at_kill_s` and `at_rejoin_s` split it), `rejoin_s` (kill -> the first step
+  of both replicas after the survivors' first step alone; `replacement_started_s`, `heal_s`);
+  over the run: `throughput_kept` (tokens trained per second from the first kill to the end,
+  over the steady half interval before it; `steps_kept` the same for steps).
 - snapshot_overhead: the MEDIUM job on Ray without and with `local_interval: N`
   (`--local-interval`, default 1), alternating `--rounds` times (each first in every other round): mean wall seconds per
   steady-state iteration (the snapshot is taken between steps, outside the engine's
@@ -56,7 +64,8 @@ Figures (one JSON line each):
 `--smoke`: every figure above, each from the fewest steps, rounds and calls that still make it
 (one round, short jobs, the kill after SMOKE_SETTLE_S): a check that the bench runs, not a
 measurement. Most of its time is Ray: starting the local cluster, then the worker groups of
-its six Ray jobs (and the two recoveries' restarts).
+its six Ray jobs (the two recoveries' restarts and the survive job's replacement); the overhead
+figure's Ray side reuses snapshot_overhead's plain run (the same spec) there.
 """
 
 from __future__ import annotations
@@ -119,12 +128,12 @@ SETTLE_S = 15.0
 TRAIN_ITERS = {"persistent": 1500, "memory": 700}
 # --smoke: the kill after this long (warm processes may still be starting: a slower restart),
 # in jobs this long (still longer than the kill takes to land).
-SMOKE_SETTLE_S = 3.0
-SMOKE_TRAIN_ITERS = {"persistent": 100, "memory": 100}
+SMOKE_SETTLE_S = 2.0
+SMOKE_TRAIN_ITERS = {"persistent": 60, "memory": 60}
 # mode survive (replace_replica): replica 1 killed every this many seconds, in a job this long.
 SURVIVE_KILL_EVERY_S = 30.0
 SURVIVE_TRAIN_ITERS = 700
-SMOKE_SURVIVE = (4.0, 150, 1)  # one kill
+SMOKE_SURVIVE = (2.0, 80, 1)  # one kill
 
 
 def emit(**fields) -> None:
@@ -281,8 +290,9 @@ def survive(
     checkpoints every 10 steps as in `persistent` mode) with replica 1's rank SIGKILLed every
     `kill_every_s` seconds (its pid from its `replica_started` event) until the job ends. Replica
     0 survives and reports every step; per kill: `survivor_stall_s`, `rejoin_s`; over the run:
-    `throughput_kept`. The reference throughput is the same job's own steady steps before the
-    first kill (same process, same machine load, no second job)."""
+    `throughput_kept`. The reference throughput is the same job's own steps in the half interval
+    before the first kill (the same job and machine load, no second job; its first seconds also
+    pay for starting the warm processes)."""
     job_id = f"survive-{repeat}"
     spec = json.loads(json.dumps(SMALL))
     spec["checkpoint"]["path"] = str(workdir / "ckpt")
@@ -404,10 +414,13 @@ def survive(
 
 def snapshot_overhead(
     receiver: Receiver, workdir: Path, iterations: int, rounds: int, local_interval: int = 1
-) -> None:
-    """Wall time per steady-state iteration on Ray without and with in-memory snapshots every step."""
+) -> dict[int, list[dict]]:
+    """Wall time per steady-state iteration on Ray without and with in-memory snapshots every step.
+    Returns each round's records of the run without snapshots (the overhead figure's Ray run in
+    --smoke: the same spec)."""
     base = {"model": "llama-4L-h256-s128-b8", "ranks": 2}
     walls: dict[str, list[float]] = {"none": [], "memory": []}
+    plain: dict[int, list[dict]] = {}  # round -> the records of its run without snapshots
     for r in range(rounds):
         # Each mode first in every other round: the first job of a round starts while the last
         # one's processes are still going away.
@@ -423,6 +436,8 @@ def snapshot_overhead(
             result = run_on_ray(f"snapshots-{mode}-{r}", spec, str(workdir / f"runs-{mode}-{r}"))
             if result.exit_code != 0:
                 raise SystemExit(f"bench: the Ray run failed: {result}")
+            if mode == "none":
+                plain[r] = list(receiver.records)
             step, _ = steady(receiver.records)
             # The mean, not the median: with local_interval > 1 only every N-th step snapshots.
             recs = sorted(
@@ -449,6 +464,7 @@ def snapshot_overhead(
         per_round=[round(x, 3) for x in ratios],
         rounds=rounds,
     )
+    return plain
 
 
 def snapshot_overhead_interleaved(receiver: Receiver, workdir: Path, cycles: int = 60) -> None:
@@ -511,19 +527,25 @@ def steady(records: list[dict]) -> tuple[float, float]:
     return statistics.median(r["step_time_s"] for r in recs), statistics.median(walls)
 
 
-def overhead(receiver: Receiver, workdir: Path, iterations: int, rounds: int) -> None:
-    """Local and Ray runs alternate, so load from elsewhere on the machine hits both."""
+def overhead(
+    receiver: Receiver, workdir: Path, iterations: int, rounds: int, ray_runs: dict[int, list[dict]] | None = None
+) -> None:
+    """Local and Ray runs alternate, so load from elsewhere on the machine hits both. `ray_runs`:
+    the records of Ray runs of this spec already made (--smoke: snapshot_overhead's plain run)."""
     spec = json.loads(json.dumps(MEDIUM))
     spec["training"]["train_iters"] = iterations
     base = {"model": "llama-4L-h256-s128-b8", "ranks": 2}
     ratios: dict[str, list[float]] = {"step_time_s": [], "wall_s_per_iteration": []}
     for r in range(rounds):
         local = steady(local_run(spec))
-        receiver.records.clear()
-        result = run_on_ray(f"overhead-{r}", spec, str(workdir / f"runs-{r}"))
-        if result.exit_code != 0:
-            raise SystemExit(f"bench: the Ray run failed: {result}")
-        on_ray = steady(receiver.records)
+        if ray_runs and r in ray_runs:
+            on_ray = steady(ray_runs[r])
+        else:
+            receiver.records.clear()
+            result = run_on_ray(f"overhead-{r}", spec, str(workdir / f"runs-{r}"))
+            if result.exit_code != 0:
+                raise SystemExit(f"bench: the Ray run failed: {result}")
+            on_ray = steady(receiver.records)
         for i, figure in enumerate(ratios):
             ratios[figure].append(on_ray[i] / local[i])
             emit(
@@ -801,15 +823,20 @@ def main() -> None:
                         repeat,
                         *(SMOKE_SURVIVE if args.smoke else (args.kill_every, SURVIVE_TRAIN_ITERS, None)),
                     )
+            plain = None
             if "snapshot_overhead" not in args.skip:
                 snapshot_work(2 if args.smoke else 30)
                 # statistics.quantiles needs two cycles after the first (skipped).
                 snapshot_overhead_interleaved(receiver, Path(tmp) / "snapshots", 3 if args.smoke else 60)
-                snapshot_overhead(
+                plain = snapshot_overhead(
                     receiver, Path(tmp) / "snapshots", args.iterations, args.rounds, args.local_interval
                 )
             if "overhead" not in args.skip:
-                overhead(receiver, Path(tmp) / "overhead", args.iterations, args.rounds)
+                # --smoke: the Ray side is snapshot_overhead's plain run (the same spec), one Ray
+                # job fewer; a measurement runs its own, alternating with the local ones.
+                overhead(
+                    receiver, Path(tmp) / "overhead", args.iterations, args.rounds, plain if args.smoke else None
+                )
         finally:
             ray.shutdown()
             shutil.rmtree(ray_tmp, ignore_errors=True)
