@@ -2,17 +2,17 @@
 process group of its own (forked from a forkserver with torch and the engine imported, so a
 replacement starts in a fraction of a second), and torchft's Lighthouse in this process.
 
-Ten SIGKILLs in a row of replica 1, each replacement killed at another moment of its life
-(while it builds, while it joins and heals, after it rejoined): the survivor never stops
-stepping, nothing deadlocks, the last replacement heals and the two replicas end bitwise equal.
-Ray's side (the controller replacing the replica group) is tests/workers/test_ray_replace_replica.py.
+Ten SIGKILLs in a row of replica 1, each replacement killed at another moment of its life (as
+soon as its process runs, while it builds, while it joins and heals, five steps after it
+rejoined): the survivor never stops stepping, nothing deadlocks, the last replacement heals and
+the two replicas end bitwise equal.
 """
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import os
-import queue
 import signal
 import time
 
@@ -36,8 +36,12 @@ SPEC = {
 }
 
 
-def _replica(index: int, count: int, lighthouse: str, out) -> None:
-    """One replica: a one-rank gloo group on a free port, the quorum, the engine's loop."""
+def _replica(index: int, count: int, lighthouse: str, outdir: str) -> None:
+    """One replica: a one-rank gloo group on a free port, the quorum, the engine's loop. It writes
+    what it saw to a file of its own (a multiprocessing queue shared with a process that is then
+    SIGKILLed can stay locked for every other writer)."""
+    import json
+
     import torch
     import torch.distributed as dist
 
@@ -49,8 +53,19 @@ def _replica(index: int, count: int, lighthouse: str, out) -> None:
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    quorum = ReplicaQuorum(index, count, lighthouse_addr=lighthouse, timeout_s=20)
+    # A replacement killed while it joins can leave the survivor waiting on its store for the
+    # manager's timeout: short here (steps take tens of milliseconds), so that costs seconds.
+    quorum = ReplicaQuorum(index, count, lighthouse_addr=lighthouse, timeout_s=5)
     pid = os.getpid()
+    sink = open(os.path.join(outdir, f"{index}-{pid}.jsonl"), "a")  # noqa: SIM115 - lives as long as the process
+
+    class _Out:
+        @staticmethod
+        def put(message) -> None:
+            sink.write(json.dumps(message) + "\n")
+            sink.flush()
+
+    out = _Out()
 
     final = {}
 
@@ -68,7 +83,7 @@ def _replica(index: int, count: int, lighthouse: str, out) -> None:
     out.put(("done", index, pid, ITERS if final else None, final.get("digest")))
 
 
-def test_ten_kills_in_a_row_neither_stop_the_survivor_nor_deadlock():
+def test_ten_kills_in_a_row_neither_stop_the_survivor_nor_deadlock(tmp_path):
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(
@@ -76,26 +91,30 @@ def test_ten_kills_in_a_row_neither_stop_the_survivor_nor_deadlock():
     )
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "engine.device", "engine.train_loop"])
-    out = ctx.Queue()
     procs = []
-    messages: list[tuple] = []
+    messages: list = []
 
     def start(index: int):
-        p = ctx.Process(target=_replica, args=(index, 2, lighthouse.address(), out), daemon=True)
+        p = ctx.Process(target=_replica, args=(index, 2, lighthouse.address(), str(tmp_path)), daemon=True)
         p.start()
         procs.append(p)
         return p
 
     def drain(until, timeout_s: float = 60.0):
         deadline = time.monotonic() + timeout_s
-        while not until():
-            left = deadline - time.monotonic()
-            if left <= 0:
+        while True:
+            messages[:] = [
+                json.loads(line) for f in sorted(tmp_path.glob("*.jsonl")) for line in f.read_text().splitlines()
+                if line.endswith("]")
+            ]
+            if until():
+                return
+            if time.monotonic() > deadline:
                 raise AssertionError(f"timed out; last messages: {messages[-5:]}")
-            try:
-                messages.append(out.get(timeout=min(left, 0.5)))
-            except queue.Empty:
-                pass
+            time.sleep(0.05)
+
+    def together_after(t: float) -> int:
+        return sum(m[0] == "record" and m[1] == 1 and m[4] == 2 and m[5] > t for m in messages)
 
     def survivor_iteration() -> int:
         return max((m[3] for m in messages if m[0] == "record" and m[1] == 0), default=0)
@@ -106,14 +125,18 @@ def test_ten_kills_in_a_row_neither_stop_the_survivor_nor_deadlock():
         drain(lambda: any(m[0] == "record" and m[4] == 2 for m in messages))
         kills = []
         for k in range(KILLS):
-            # Each replacement dies at another moment: at once, while building, while joining and
-            # healing, a few steps after it rejoined.
-            time.sleep((0.0, 0.3, 0.8, 1.5)[k % 4])
+            # Each replacement dies at another moment: as soon as its process runs, while it
+            # builds, while it joins and heals, five steps after it rejoined.
+            if k % 4 == 3:
+                since = time.time()
+                drain(lambda s=since: together_after(s) >= 5, timeout_s=60)
+            else:
+                time.sleep((0.0, 0.3, 0.8)[k % 4])
             reached = survivor_iteration()
             os.kill(victim.pid, signal.SIGKILL)
             victim.join(10)
             kills.append(reached)
-            drain(lambda r=reached: survivor_iteration() > r + 2, timeout_s=30)  # it goes on
+            drain(lambda r=reached: survivor_iteration() > r + 2, timeout_s=60)  # it goes on
             victim = start(1)
         assert survivor_iteration() < ITERS, "the survivor finished before the kills did: raise ITERS"
         drain(lambda: sum(m[0] == "done" for m in messages) == 2, timeout_s=120)
