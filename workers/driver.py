@@ -21,6 +21,10 @@ error), or fail. Each attempt is a new `fit()` under the same run name (the job 
 engine resumes from the newest committed checkpoint in the job's storage every time. Elastic
 resizes happen inside one attempt: Ray Train's controller restarts the group with another size
 (`resources.min_ranks`..`max_ranks`), and the engine resumes with another data-parallel size.
+With `resilience.on_rank_failure: replace_replica` (workers/replicas.py) the attempt runs on Ray
+Train's TorchftConfig with `max_failures` = the restarts left: the controller replaces a failed
+replica group inside the attempt while the others train on, and only an attempt that fails for
+good comes back here.
 
 Each decision is an event, sent to the control plane (workers/telemetry.py) and printed as
 `[elastron] event {...}` on stdout (the Ray Jobs log).
