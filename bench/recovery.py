@@ -132,7 +132,7 @@ SMOKE_SETTLE_S = 2.0
 SMOKE_TRAIN_ITERS = {"persistent": 60, "memory": 60}
 # mode survive (replace_replica): replica 1 killed every this many seconds, in a job this long.
 SURVIVE_KILL_EVERY_S = 30.0
-SURVIVE_TRAIN_ITERS = 700
+SURVIVE_TRAIN_ITERS = 2000
 SMOKE_SURVIVE = (2.0, 80, 1)  # one kill
 
 
@@ -340,14 +340,6 @@ def survive(
     for n, killed_at in enumerate(kills):
         until = kills[n + 1] if n + 1 < len(kills) else float("inf")
         alone = [b for _, _, b in gaps if killed_at < b["ts"] < until and b.get("replicas") == 1]
-        # Back in the quorum: the first step of two replicas after the survivor's first alone
-        # (a step that committed just after the kill was the dead replica's last).
-        back = next(
-            (b for ts, _, b in gaps if alone and alone[0]["ts"] < ts < until and b.get("replicas") == 2), None
-        )
-        window_end = back["ts"] + 2 * median if back is not None else until
-        around = [g for ts, g, _ in gaps if killed_at < ts <= window_end]
-        at_kill = [g for ts, g, _ in gaps if killed_at < ts < (back["ts"] if back is not None else until)]
         rejoined = next(
             (
                 e
@@ -356,6 +348,16 @@ def survive(
             ),
             {},
         )
+        # Back in the quorum: the first step of two replicas after the replacement healed (or
+        # after the survivors' first step alone; a step that committed just after the kill was
+        # the dead replica's last). A warm replacement can heal before the survivors step alone.
+        since = rejoined.get("ts") or (alone[0]["ts"] if alone else None)
+        back = next(
+            (b for ts, _, b in gaps if since is not None and since < ts < until and b.get("replicas") == 2), None
+        )
+        window_end = back["ts"] + 2 * median if back is not None else until
+        around = [g for ts, g, _ in gaps if killed_at < ts <= window_end]
+        at_kill = [g for ts, g, _ in gaps if killed_at < ts < (back["ts"] if back is not None else until)]
         started = next(
             (
                 e
