@@ -16,6 +16,14 @@ Figures (one JSON line each):
   build + persistent resume; the agreement over the in-memory snapshots; their restore) and
   where it recovered from; `ratio_over_cold_start`: the recovery time over the same job's cold
   start (fit() -> its first step) in the same run.
+- survive (`"mode": "survive"`, `resilience.on_rank_failure: replace_replica`): the same SMALL job
+  and persistent checkpoints as `persistent`, replica 1's rank SIGKILLed every `--kill-every`
+  seconds (default 30) while replica 0 trains on. Per kill: `survivor_stall_s` (the survivors'
+  longest step between the kill and two steps after the rejoin, less their median step before
+  the first kill; `at_kill_s` and `at_rejoin_s` split it), `rejoin_s` (kill -> the first step
+  of both replicas after the survivors' first step alone; `replacement_started_s`, `heal_s`);
+  over the run: `throughput_kept` (tokens trained per second from the first kill to the end,
+  over the steady half interval before it; `steps_kept` the same for steps).
 - snapshot_overhead: the MEDIUM job on Ray without and with `local_interval: N`
   (`--local-interval`, default 1), alternating `--rounds` times (each first in every other round): mean wall seconds per
   steady-state iteration (the snapshot is taken between steps, outside the engine's
@@ -50,12 +58,14 @@ Figures (one JSON line each):
   (target 0); medians over `--repeats`.
 
     python bench/recovery.py [--repeats 1] [--rounds 3] [--iterations 40]
-        [--skip recovery|overhead|snapshot_overhead|storage_faults] [--smoke]
+        [--skip recovery|survive|overhead|snapshot_overhead|storage_faults]
+        [--kill-every 30] [--smoke]
 
 `--smoke`: every figure above, each from the fewest steps, rounds and calls that still make it
 (one round, short jobs, the kill after SMOKE_SETTLE_S): a check that the bench runs, not a
 measurement. Most of its time is Ray: starting the local cluster, then the worker groups of
-its six Ray jobs (and the two recoveries' restarts).
+its six Ray jobs (the two recoveries' restarts and the survive job's replacement); the overhead
+figure's Ray side reuses snapshot_overhead's plain run (the same spec) there.
 """
 
 from __future__ import annotations
@@ -118,8 +128,12 @@ SETTLE_S = 15.0
 TRAIN_ITERS = {"persistent": 1500, "memory": 700}
 # --smoke: the kill after this long (warm processes may still be starting: a slower restart),
 # in jobs this long (still longer than the kill takes to land).
-SMOKE_SETTLE_S = 3.0
-SMOKE_TRAIN_ITERS = {"persistent": 100, "memory": 100}
+SMOKE_SETTLE_S = 2.0
+SMOKE_TRAIN_ITERS = {"persistent": 60, "memory": 60}
+# mode survive (replace_replica): replica 1 killed every this many seconds, in a job this long.
+SURVIVE_KILL_EVERY_S = 30.0
+SURVIVE_TRAIN_ITERS = 2000
+SMOKE_SURVIVE = (2.0, 80, 1)  # one kill
 
 
 def emit(**fields) -> None:
@@ -264,12 +278,151 @@ def recovery(
     emit(mode=mode, figure="ratio_over_cold_start", value=round(seconds / cold, 3), repeat=repeat)
 
 
+def survive(
+    receiver: Receiver,
+    workdir: Path,
+    repeat: int,
+    kill_every_s: float = SURVIVE_KILL_EVERY_S,
+    train_iters: int = SURVIVE_TRAIN_ITERS,
+    max_kills: int | None = None,
+) -> None:
+    """`resilience.on_rank_failure: replace_replica`: the SMALL job (2 replicas, persistent
+    checkpoints every 10 steps as in `persistent` mode) with replica 1's rank SIGKILLed every
+    `kill_every_s` seconds (its pid from its `replica_started` event) until the job ends. Replica
+    0 survives and reports every step; per kill: `survivor_stall_s`, `rejoin_s`; over the run:
+    `throughput_kept`. The reference throughput is the same job's own steps in the half interval
+    before the first kill (the same job and machine load, no second job; its first seconds also
+    pay for starting the warm processes)."""
+    job_id = f"survive-{repeat}"
+    spec = json.loads(json.dumps(SMALL))
+    spec["checkpoint"]["path"] = str(workdir / "ckpt")
+    spec["training"]["train_iters"] = train_iters
+    spec["resilience"] = {"on_rank_failure": "replace_replica", "max_restarts": 1000, "warm_restart": True}
+    kills: list[float] = []
+    done = threading.Event()
+
+    def replica_1_pid(after: float) -> int | None:
+        started = [
+            e
+            for e in receiver.events
+            if e["kind"] == "replica_started" and e.get("replica") == 1 and e["ts"] >= after
+        ]
+        return started[-1]["ranks"][0]["pid"] if started else None
+
+    def kill_periodically():
+        first = wait_for(lambda: receiver.records[:1])[0]["ts"]
+        while (max_kills is None or len(kills) < max_kills) and not done.wait(max(0.05, first + kill_every_s * (len(kills) + 1) - time.time())):
+            pid = replica_1_pid(kills[-1] if kills else 0.0)
+            if pid is None:  # the last replacement has not started yet: kill it once it has
+                continue
+            kills.append(time.time())
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                kills.pop()
+
+    receiver.records.clear()
+    receiver.events.clear()
+    killer = threading.Thread(target=kill_periodically, daemon=True)
+    killer.start()
+    result = run_on_ray(job_id, spec, str(workdir / "runs"))
+    done.set()
+    killer.join(timeout=60)
+    if result.exit_code != 0 or not kills:
+        raise SystemExit(f"bench: the survive job failed or was never killed: {result}, kills {kills}")
+    last = {}
+    for r in receiver.records:  # the newest report of each iteration
+        last[r["iteration"]] = r
+    recs = [last[i] for i in sorted(last)]
+    gaps = [(b["ts"], b["ts"] - a["ts"], b) for a, b in zip(recs, recs[1:], strict=False)]
+    steady_gaps = [g for ts, g, b in gaps if b["iteration"] > WARMUP and ts < kills[0]]
+    median = statistics.median(steady_gaps) if steady_gaps else statistics.median(g for _, g, _ in gaps)
+    for n, killed_at in enumerate(kills):
+        until = kills[n + 1] if n + 1 < len(kills) else float("inf")
+        alone = [b for _, _, b in gaps if killed_at < b["ts"] < until and b.get("replicas") == 1]
+        rejoined = next(
+            (
+                e
+                for e in receiver.events
+                if e["kind"] == "replica_rejoined" and "heal_s" in e and killed_at < e["ts"] < until
+            ),
+            {},
+        )
+        # Back in the quorum: the first step of two replicas after the replacement healed (or
+        # after the survivors' first step alone; a step that committed just after the kill was
+        # the dead replica's last). A warm replacement can heal before the survivors step alone.
+        since = rejoined.get("ts") or (alone[0]["ts"] if alone else None)
+        back = next(
+            (b for ts, _, b in gaps if since is not None and since < ts < until and b.get("replicas") == 2), None
+        )
+        window_end = back["ts"] + 2 * median if back is not None else until
+        around = [g for ts, g, _ in gaps if killed_at < ts <= window_end]
+        at_kill = [g for ts, g, _ in gaps if killed_at < ts < (back["ts"] if back is not None else until)]
+        started = next(
+            (
+                e
+                for e in receiver.events
+                if e["kind"] == "replica_started" and e.get("replica") == 1 and killed_at < e["ts"] < until
+            ),
+            {},
+        )
+        emit(
+            mode="survive",
+            figure="survivor_stall_s",
+            value=round(max(around) - median, 3) if around else None,
+            at_kill_s=round(max(at_kill) - median, 3) if at_kill else None,
+            at_rejoin_s=round(next(g for ts, g, b in gaps if b is back) - median, 3) if back is not None else None,
+            median_step_s=round(median, 4),
+            steps_alone=len(alone),
+            kill=n,
+            repeat=repeat,
+        )
+        emit(
+            mode="survive",
+            figure="rejoin_s",
+            value=round(back["ts"] - killed_at, 2) if back is not None else None,
+            replacement_started_s=round(started["ts"] - killed_at, 2) if started else None,
+            process_age_s=started.get("process_age_s"),
+            heal_s=rejoined.get("heal_s"),
+            kill=n,
+            repeat=repeat,
+        )
+    # The reference: the steady steps of the half interval before the first kill (the job's first
+    # seconds also pay for starting its warm processes, one torch import per rank).
+    before = [r for r in recs if WARMUP < r["iteration"] and kills[0] - kill_every_s / 2 <= r["ts"] < kills[0]]
+    after = [r for r in recs if r["ts"] >= kills[0]]
+
+    def rate(rs: list[dict]) -> tuple[float, float] | None:
+        if len(rs) < 2:
+            return None
+        wall = rs[-1]["ts"] - rs[0]["ts"]
+        return sum(r["tokens"] for r in rs[1:]) / wall, (len(rs) - 1) / wall
+
+    ref, run = rate(before), rate(after)
+    emit(
+        mode="survive",
+        figure="throughput_kept",
+        value=round(run[0] / ref[0], 3) if ref and run else None,
+        steps_kept=round(run[1] / ref[1], 3) if ref and run else None,
+        tokens_per_s_before=round(ref[0], 1) if ref else None,
+        tokens_per_s_with_kills=round(run[0], 1) if run else None,
+        kill_every_s=kill_every_s,
+        kills=len(kills),
+        seconds_with_kills=round(after[-1]["ts"] - kills[0], 1) if after else None,
+        steps_alone=sum(r.get("replicas") == 1 for r in recs),
+        repeat=repeat,
+    )
+
+
 def snapshot_overhead(
     receiver: Receiver, workdir: Path, iterations: int, rounds: int, local_interval: int = 1
-) -> None:
-    """Wall time per steady-state iteration on Ray without and with in-memory snapshots every step."""
+) -> dict[int, list[dict]]:
+    """Wall time per steady-state iteration on Ray without and with in-memory snapshots every step.
+    Returns each round's records of the run without snapshots (the overhead figure's Ray run in
+    --smoke: the same spec)."""
     base = {"model": "llama-4L-h256-s128-b8", "ranks": 2}
     walls: dict[str, list[float]] = {"none": [], "memory": []}
+    plain: dict[int, list[dict]] = {}  # round -> the records of its run without snapshots
     for r in range(rounds):
         # Each mode first in every other round: the first job of a round starts while the last
         # one's processes are still going away.
@@ -285,6 +438,8 @@ def snapshot_overhead(
             result = run_on_ray(f"snapshots-{mode}-{r}", spec, str(workdir / f"runs-{mode}-{r}"))
             if result.exit_code != 0:
                 raise SystemExit(f"bench: the Ray run failed: {result}")
+            if mode == "none":
+                plain[r] = list(receiver.records)
             step, _ = steady(receiver.records)
             # The mean, not the median: with local_interval > 1 only every N-th step snapshots.
             recs = sorted(
@@ -311,6 +466,7 @@ def snapshot_overhead(
         per_round=[round(x, 3) for x in ratios],
         rounds=rounds,
     )
+    return plain
 
 
 def snapshot_overhead_interleaved(receiver: Receiver, workdir: Path, cycles: int = 60) -> None:
@@ -373,19 +529,25 @@ def steady(records: list[dict]) -> tuple[float, float]:
     return statistics.median(r["step_time_s"] for r in recs), statistics.median(walls)
 
 
-def overhead(receiver: Receiver, workdir: Path, iterations: int, rounds: int) -> None:
-    """Local and Ray runs alternate, so load from elsewhere on the machine hits both."""
+def overhead(
+    receiver: Receiver, workdir: Path, iterations: int, rounds: int, ray_runs: dict[int, list[dict]] | None = None
+) -> None:
+    """Local and Ray runs alternate, so load from elsewhere on the machine hits both. `ray_runs`:
+    the records of Ray runs of this spec already made (--smoke: snapshot_overhead's plain run)."""
     spec = json.loads(json.dumps(MEDIUM))
     spec["training"]["train_iters"] = iterations
     base = {"model": "llama-4L-h256-s128-b8", "ranks": 2}
     ratios: dict[str, list[float]] = {"step_time_s": [], "wall_s_per_iteration": []}
     for r in range(rounds):
         local = steady(local_run(spec))
-        receiver.records.clear()
-        result = run_on_ray(f"overhead-{r}", spec, str(workdir / f"runs-{r}"))
-        if result.exit_code != 0:
-            raise SystemExit(f"bench: the Ray run failed: {result}")
-        on_ray = steady(receiver.records)
+        if ray_runs and r in ray_runs:
+            on_ray = steady(ray_runs[r])
+        else:
+            receiver.records.clear()
+            result = run_on_ray(f"overhead-{r}", spec, str(workdir / f"runs-{r}"))
+            if result.exit_code != 0:
+                raise SystemExit(f"bench: the Ray run failed: {result}")
+            on_ray = steady(receiver.records)
         for i, figure in enumerate(ratios):
             ratios[figure].append(on_ray[i] / local[i])
             emit(
@@ -606,7 +768,13 @@ def main() -> None:
         "--local-interval", type=int, default=1, help="snapshot_overhead: an in-memory snapshot every N steps"
     )
     parser.add_argument(
-        "--skip", choices=["recovery", "overhead", "snapshot_overhead", "storage_faults"], action="append", default=[]
+        "--skip",
+        choices=["recovery", "survive", "overhead", "snapshot_overhead", "storage_faults"],
+        action="append",
+        default=[],
+    )
+    parser.add_argument(
+        "--kill-every", type=float, default=SURVIVE_KILL_EVERY_S, help="mode survive: seconds between kills"
     )
     parser.add_argument("--smoke", action="store_true", help="every figure from tiny runs: a check that it runs")
     args = parser.parse_args()
@@ -648,15 +816,29 @@ def main() -> None:
                         recovery(
                             receiver, Path(tmp) / f"recovery-{mode}-{repeat}", repeat, mode, settle_s, train_iters
                         )
+
+            if "survive" not in args.skip:
+                for repeat in range(args.repeats):
+                    survive(
+                        receiver,
+                        Path(tmp) / f"survive-{repeat}",
+                        repeat,
+                        *(SMOKE_SURVIVE if args.smoke else (args.kill_every, SURVIVE_TRAIN_ITERS, None)),
+                    )
+            plain = None
             if "snapshot_overhead" not in args.skip:
                 snapshot_work(2 if args.smoke else 30)
                 # statistics.quantiles needs two cycles after the first (skipped).
                 snapshot_overhead_interleaved(receiver, Path(tmp) / "snapshots", 3 if args.smoke else 60)
-                snapshot_overhead(
+                plain = snapshot_overhead(
                     receiver, Path(tmp) / "snapshots", args.iterations, args.rounds, args.local_interval
                 )
             if "overhead" not in args.skip:
-                overhead(receiver, Path(tmp) / "overhead", args.iterations, args.rounds)
+                # --smoke: the Ray side is snapshot_overhead's plain run (the same spec), one Ray
+                # job fewer; a measurement runs its own, alternating with the local ones.
+                overhead(
+                    receiver, Path(tmp) / "overhead", args.iterations, args.rounds, plain if args.smoke else None
+                )
         finally:
             ray.shutdown()
             shutil.rmtree(ray_tmp, ignore_errors=True)

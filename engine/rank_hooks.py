@@ -13,7 +13,7 @@ import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from engine.jobspec import contract
 
@@ -53,6 +53,7 @@ class RankHooks:
     - `should_stop()`: asked on every rank before each step (give it to all ranks or none):
       when any rank says yes, every rank saves a persistent checkpoint at the current step and
       `train_rank` returns early (a scheduler's preemption: at most the step in flight is lost).
+    - `quorum`: not a hook; see its comment.
     """
 
     on_trainer: Callable[[Trainer], None] | None = None
@@ -60,3 +61,6 @@ class RankHooks:
     on_snapshot_due: Callable[[Trainer], None] | None = None
     on_event: Callable[[dict], None] | None = None
     should_stop: Callable[[], bool] | None = None
+    # Not a hook: with resilience.on_rank_failure replace_replica, this replica group's
+    # membership in the job's quorum (engine/distributed/replica_quorum.py), built by the launcher.
+    quorum: Any = None

@@ -59,6 +59,10 @@ class StepMetrics:
     # Set on the iterations that evaluate (training.eval_interval).
     valid_loss: float | None = None
     valid_ppl: float | None = None
+    # Data-parallel replicas the step's reduction averaged over: the data-parallel size, or with
+    # resilience.on_rank_failure replace_replica the replicas in the step's quorum (fewer while a
+    # replaced one rejoins: the missing ones' samples of that step are skipped).
+    replicas: int | None = None
 
 
 def progress_line(m: StepMetrics, total: int) -> str:

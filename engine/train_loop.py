@@ -98,7 +98,7 @@ def _train(
     identity: RankIdentity,
 ) -> list[dict]:
     require_loggers(job.spec.training.loggers)
-    trainer = Trainer(job, events_path=events_out, identity=identity, on_event=hooks.on_event)
+    trainer = Trainer(job, events_path=events_out, identity=identity, on_event=hooks.on_event, quorum=hooks.quorum)
     spec = trainer.spec
     is_logger = dist.get_rank() == 0
     records: list[dict] = []
@@ -143,7 +143,9 @@ def _train(
                 _save_and_stop(trainer, saved_at, quiet=quiet or not is_logger)
                 break
             m = trainer.train_step()
-            if m is None:  # the rerun state machine skipped a bad batch
+            if m is None:  # the rerun state machine skipped a bad batch (or no quorum step)
+                if trainer.quorum is not None and trainer.quorum.job_done:
+                    break  # a replacement that joined after its peers finished the job
                 continue
             trainer.evaluate_if_due(m)
             if out is not None:
@@ -172,6 +174,8 @@ def _train(
             sink.close()
         if loggers is not None:
             loggers.close()
+        if trainer.quorum is not None:
+            trainer.quorum.shutdown()
         ps.destroy_model_parallel()
     return records
 
@@ -209,6 +213,8 @@ class _RecordOut:
 def _stop_agreed(trainer: Trainer, mine: bool) -> bool:
     """Whether any rank was asked to stop: one tiny all-reduce before each step, so every rank
     stops at the same step boundary."""
+    if trainer.quorum is not None:  # replicas as fault domains: agreed through the quorum
+        return trainer.quorum.stop_agreed(mine)
     flag = torch.tensor([1.0 if mine else 0.0], device=trainer.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return bool(flag.item())
@@ -219,6 +225,8 @@ def _save_and_stop(trainer: Trainer, saved_at: int, quiet: bool) -> None:
     last step saved one already, committed before the loop returns; then the job resumes from
     here with nothing lost."""
     checkpointed = trainer.checkpointer is not None and trainer.spec.checkpoint.path is not None
+    if trainer.quorum is not None and trainer.quorum.participating_rank != 0:
+        checkpointed = False  # one replica writes the job's checkpoint
     if checkpointed and saved_at != trainer.iteration:
         trainer.phase = "checkpoint-save"
         trainer.checkpointer.save()

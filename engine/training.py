@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,9 @@ from engine.timers import Timers
 from engine.transformer.config import TransformerConfig
 from engine.transformer.moe import TopKRouter
 
+if TYPE_CHECKING:
+    from engine.distributed.replica_quorum import ReplicaQuorum
+
 
 class Trainer:
     """One rank's training state. Needs an initialised torch.distributed default group.
@@ -74,9 +78,13 @@ class Trainer:
         *,
         identity: RankIdentity | None = None,
         on_event: Callable[[dict], None] | None = None,
+        quorum: ReplicaQuorum | None = None,
     ):
         """`identity`: who runs this rank (default: this host); `on_event`: the launcher's hook
-        for every event this rank records (engine/rank_hooks.py)."""
+        for every event this rank records (engine/rank_hooks.py); `quorum`: this replica group's
+        membership when replicas are fault domains (resilience.on_rank_failure: replace_replica,
+        engine/distributed/replica_quorum.py): the group's process group holds its own ranks only,
+        the data-parallel reduction over replicas goes through the quorum."""
         self.job = job if isinstance(job, ResolvedJob) else resolve_job(job)
         self.spec = spec = self.job.spec
         p, t = spec.parallel, spec.training
@@ -116,7 +124,10 @@ class Trainer:
             device=self.device,
         )
         self.last_mtp_loss: float | None = None
-        self.microbatches = MicrobatchCalculator.from_spec(t, self.dp_size)
+        self.quorum = quorum
+        # The data this rank reads: a replica reads as data-parallel rank `index` of `count`.
+        data_dp = (quorum.count, quorum.index) if quorum is not None else (self.dp_size, self.dp_rank)
+        self.microbatches = MicrobatchCalculator.from_spec(t, data_dp[0])
         datasets = build_datasets(
             spec,
             tokenizer,
@@ -127,7 +138,7 @@ class Trainer:
         )
         self.source, self.valid_source = datasets.train, datasets.valid
         self.batches = StepBatches(
-            t.micro_batch_size, self.dp_size, self.dp_rank, self.pipeline, spec.data.packing, self.device
+            t.micro_batch_size, data_dp[0], data_dp[1], self.pipeline, spec.data.packing, self.device
         )
         self.timers = Timers(log_level=timer_level)
         self.iteration = 0
@@ -155,6 +166,8 @@ class Trainer:
         if spec.checkpoint.path or spec.checkpoint.resume_from:
             self.checkpointer = self.make_checkpointer()
             self.checkpointer.maybe_resume()  # the rerun machine's part moves it to our iteration
+        if quorum is not None:  # after the resume: what a peer heals from is this state
+            quorum.attach(self)
 
     def _will_import(self) -> bool:
         """model.init_from's weights are loaded unless the job resumes: its checkpoint has newer
@@ -231,6 +244,8 @@ class Trainer:
         c = self.spec.checkpoint
         if self.checkpointer is None or c.path is None:
             return False
+        if self.quorum is not None and self.quorum.participating_rank != 0:
+            return False  # one replica writes the job's checkpoint (each holds the whole state)
         last = self.iteration == self.spec.training.train_iters
         if last or (c.interval is not None and self.iteration % c.interval == 0):
             self.phase = "checkpoint-save"
@@ -321,6 +336,8 @@ class Trainer:
             self.phase = "grads-finalize"
             self.timers("grads-finalize", 1).start()
             finalize_model_grads(self.ddp_chunks)
+            if self.quorum is not None:  # the reduction over replicas: the managed group
+                loss = self.quorum.reduce([d.grad_buffer for d in self.ddp_chunks], loss)
             self.timers("grads-finalize", 1).stop()
             rsm.validate_result(loss, is_nan_or_inf, "loss is NaN or Inf")
             if res.spike_threshold is not None:
@@ -371,6 +388,11 @@ class Trainer:
         device.synchronize()
         device.reset_peak_memory()
         start = time.perf_counter()
+        if self.quorum is not None:
+            self.phase = "quorum"
+            # May heal: iteration and data position are the peer's.
+            if not self.quorum.start_step() or self.iteration >= self.spec.training.train_iters:
+                return None
         self.microbatches.update(self.consumed_samples)
         n, gbs = self.microbatches.num_microbatches, self.microbatches.current_global_batch_size
         lr = self.optimizer.param_groups[0]["lr"]
@@ -378,6 +400,8 @@ class Trainer:
         loss = self._validated_forward_backward(n)
         if self._act_on_rerun_decision(gbs):
             return None
+        if self.quorum is not None and not self.quorum.should_commit():
+            return None  # a replica failed during the reduction: the step is taken again
         self.phase = "optimizer"
         self.timers("optimizer", 1).start()
         result = self.optimizer.step()
@@ -394,7 +418,11 @@ class Trainer:
         self.consumed_samples += gbs
         device.synchronize()
         elapsed = time.perf_counter() - start
-        tokens = gbs * self.config.seq_length
+        # With replicas as fault domains a step may average over fewer of them: the missing
+        # replicas' samples are skipped, not re-assigned (engine/distributed/replica_quorum.py).
+        replicas = self.quorum.replicas if self.quorum is not None else self.dp_size
+        trained = gbs * replicas // self.quorum.count if self.quorum is not None else gbs
+        tokens = trained * self.config.seq_length
         flops = model_flops_per_iteration(self.config, gbs)
         self.phase = "metrics"  # the energy and timer collectives
         lap = self.energy.lap()
@@ -427,4 +455,5 @@ class Trainer:
             mtp_loss=self.last_mtp_loss,
             memory_allocated_bytes=memory[0] if memory else None,
             memory_peak_bytes=memory[1] if memory else None,
+            replicas=replicas,
         )

@@ -157,6 +157,18 @@ class JobSeries:
         recovery_s = _Family(
             "elastron_job_recovery_phase_seconds", "gauge", "Phases of the last restart's resume."
         )
+        replicas_lost = _Family(
+            "elastron_job_replicas_lost_total", "counter", "replace_replica: steps taken without a failed replica began."
+        )
+        replicas_rejoined = _Family(
+            "elastron_job_replicas_rejoined_total", "counter", "replace_replica: replaced replicas back in the quorum."
+        )
+        survivor_stall = _Family(
+            "elastron_job_survivor_stall_seconds", "gauge", "replace_replica: the survivors' last stall over a step."
+        )
+        rejoin_s = _Family(
+            "elastron_job_replica_rejoin_seconds", "gauge", "replace_replica: the last replica's time out of the quorum."
+        )
         checkpoints = _Family("elastron_job_checkpoints_total", "counter", "Checkpoint saves.")
         ckpt_retries = _Family(
             "elastron_job_checkpoint_retries_total", "counter", "Checkpoint save attempts retried after a storage error."
@@ -213,6 +225,11 @@ class JobSeries:
             for phase, value in (stats.get("recovery_s") or {}).items():
                 if _number(value) is not None:
                     recovery_s.add(f'{base},phase="{_label(phase)}"', value)
+            replicas_lost.add(base, stats.get("replicas_lost", 0))
+            replicas_rejoined.add(base, stats.get("replicas_rejoined", 0))
+            for family, key in ((survivor_stall, "survivor_stall_s"), (rejoin_s, "rejoin_s")):
+                if _number(stats.get(key)) is not None:
+                    family.add(base, stats[key])
             for result in ("success", "failure"):
                 checkpoints.add(f'{base},result="{result}"', (stats.get("checkpoints") or {}).get(result, 0))
             ckpt_retries.add(base, stats.get("ckpt_retries", 0))
@@ -248,6 +265,10 @@ class JobSeries:
             recoveries,
             steps_lost,
             recovery_s,
+            replicas_lost,
+            replicas_rejoined,
+            survivor_stall,
+            rejoin_s,
             checkpoints,
             ckpt_retries,
             ckpt_bytes,

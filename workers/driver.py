@@ -21,6 +21,10 @@ error), or fail. Each attempt is a new `fit()` under the same run name (the job 
 engine resumes from the newest committed checkpoint in the job's storage every time. Elastic
 resizes happen inside one attempt: Ray Train's controller restarts the group with another size
 (`resources.min_ranks`..`max_ranks`), and the engine resumes with another data-parallel size.
+With `resilience.on_rank_failure: replace_replica` (workers/replicas.py) the attempt runs on Ray
+Train's TorchftConfig with `max_failures` = the restarts left: the controller replaces a failed
+replica group inside the attempt while the others train on, and only an attempt that fails for
+good comes back here.
 
 Each decision is an event, sent to the control plane (workers/telemetry.py) and printed as
 `[elastron] event {...}` on stdout (the Ray Jobs log).
@@ -52,6 +56,7 @@ from workers.policy import (
     RestartPolicy,
     classify,
 )
+from workers.replicas import check_replace_replica, replace_replica
 from workers.telemetry import TelemetrySender, telemetry_settings
 
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -180,6 +185,9 @@ class JobDriver:
         self.sizes = run_sizes(spec)
         if not self.sizes:
             raise JobInputError("no rank count between resources.min_ranks and max_ranks can run this job")
+        why = check_replace_replica(spec)
+        if why is not None:
+            raise JobInputError(why)
         self.spec_dict = prepare_spec(job_id, spec, self.options.storage_path)
         self.job = resolve_job(self.spec_dict)  # what the ranks get: typed, resolved once here
         self.stop = threading.Event()
@@ -287,7 +295,12 @@ class JobDriver:
         from ray.train.torch import TorchConfig
 
         from workers.rank import rank_main
-        from workers.trainer import ElastronTorchTrainer, GracefulShutdown, WarmControllerProcesses
+        from workers.trainer import (
+            ElastronTorchTrainer,
+            GracefulShutdown,
+            WarmControllerProcesses,
+            torchft_config,
+        )
         from workers.warm_processes import rank_runtime_env, warm_restart_enabled
 
         r = self.spec.resources
@@ -306,6 +319,10 @@ class JobDriver:
         )
         step_timeout = self.spec.resilience.step_timeout_s
         setup_timeout = max(step_timeout, 600.0)
+        # A collective that outlives the step timeout is a hang: the watchdog fires first,
+        # the process group's own timeout is the backstop (also during setup).
+        pg_timeout = int(max(setup_timeout, 2 * step_timeout))
+        replicas = replace_replica(self.spec)
         return ElastronTorchTrainer(
             rank_main,
             train_loop_config={
@@ -319,14 +336,16 @@ class JobDriver:
                 "setup_timeout_s": setup_timeout,
                 "attempt_started_at": time.time(),  # a restart's phases are timed from here
             },
-            # A collective that outlives the step timeout is a hang: the watchdog fires first,
-            # the process group's own timeout is the backstop (also during setup).
-            torch_config=TorchConfig(timeout_s=int(max(setup_timeout, 2 * step_timeout))),
+            # replace_replica: one process group per replica, Ray's controller replacing a failed
+            # replica group within the attempt (each replacement counted against max_restarts;
+            # a failure of every replica restarts the group, and once the budget is spent the
+            # attempt fails here as with restart_group).
+            torch_config=torchft_config(pg_timeout) if replicas else TorchConfig(timeout_s=pg_timeout),
             scaling_config=scaling,
             run_config=RunConfig(
                 name=self.job_id,
                 storage_path=self.options.storage_path or default_storage_path(),
-                failure_config=FailureConfig(max_failures=0),
+                failure_config=FailureConfig(max_failures=max(0, self.policy.max_restarts - self.policy.restarts_used) if replicas else 0),
                 callbacks=[GracefulShutdown()]
                 + ([WarmControllerProcesses()] if warm_restart_enabled(self.spec_dict) else []),
                 # Rank processes import torch and the engine at their start, which lets a warm

@@ -134,6 +134,20 @@ def _registry(job_id: str):
         return None
 
 
+def _job_trained(registry, train_iters: int) -> bool:
+    """Whether a record of the job's last step was reported (replace_replica: a replacement
+    that joins after its peers finished has nothing left to train)."""
+    import ray
+
+    if registry is None:
+        return False
+    try:
+        reached = ray.get(registry.last_progress.remote(), timeout=5)
+    except Exception:  # noqa: BLE001 - the registry is busy or gone: keep waiting for peers
+        return False
+    return reached is not None and reached >= train_iters
+
+
 def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     """Train this rank of the job (Ray Train's train_loop_per_worker)."""
     entered = time.time()
@@ -142,9 +156,11 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     import torch.distributed as dist
 
     from engine.checkpointing.recovery import recover
+    from engine.distributed.replica_quorum import ReplicaQuorum
     from engine.rank_hooks import RankHooks, RankIdentity
     from engine.train_loop import train_rank
     from engine.watchdog import StepWatchdog
+    from workers.replicas import replace_replica, replica_job
     from workers.snapshots import HolderStore, SnapshotPusher
     from workers.telemetry import TelemetrySender
     from workers.warm_processes import prestart_after_first_step, process_was_warm, warm_restart_enabled
@@ -155,7 +171,13 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     hardware = _bind_device(config["device"], ctx.get_local_world_size())
-    identity = RankIdentity(node_id=hardware, job_id=job_id, rank=rank, world_size=world)
+    job: ResolvedJob = config["job"]
+    # replace_replica: this rank is one data-parallel replica (`rank` of `world`) on a process
+    # group of its own (workers/replicas.py); the engine sees a one-rank job.
+    replicas = replace_replica(job.spec)
+    identity = RankIdentity(
+        node_id=hardware, job_id=job_id, rank=0 if replicas else rank, world_size=1 if replicas else world
+    )
 
     me = {
         "rank": rank,
@@ -164,17 +186,20 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
         "pid": os.getpid(),
         "host": socket.gethostname(),
     }
-    everyone: list[Any] = [None] * world
+    everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, me)
     registry = _registry(job_id)
     group = None  # this worker group's number in the job (restarts and resizes each start one)
     if rank == 0 and registry is not None:
         group = ray.get(registry.group_started.remote(attempt, everyone))
 
-    job: ResolvedJob = config["job"]
-    if job.spec.resources.ranks != world:  # an elastic group of another size
-        job = job.with_ranks(world)
-    spec, dp = job.spec, job.data_parallel_size
+    if replicas:
+        job, dp = replica_job(job), world
+    else:
+        if job.spec.resources.ranks != world:  # an elastic group of another size
+            job = job.with_ranks(world)
+        dp = job.data_parallel_size
+    spec = job.spec
 
     fallback = ray.get(registry.telemetry_settings.remote()) if registry is not None else {}
     sender = TelemetrySender.from_env(
@@ -185,7 +210,19 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
         event_defaults={"attempt": attempt},
     )
     sender.start()
-    if rank == 0:
+    if replicas:  # each replica's start (a replaced one: in a warm process or not)
+        sender.event(
+            contract.EVENT_REPLICA_STARTED,
+            replica=rank,
+            replicas=world,
+            group=group,
+            # How long this process existed before it ran the rank: seconds for one started
+            # ahead (a warm process) or for a cold one's own imports alike; read with the
+            # replacement's start time, which only the controller knows.
+            process_age_s=round(entered - (process_started_at() or entered), 3),
+            **{contract.RANKS: [{**me, "rank": rank}]},
+        )
+    elif rank == 0:
         sender.event(
             contract.EVENT_RANKS_STARTED,
             group=group,
@@ -212,7 +249,19 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
             spec.checkpoint.local_replicas,
             registry,
         )
-        if spec.checkpoint.local_interval and registry is not None
+        if spec.checkpoint.local_interval and registry is not None and not replicas
+        else None
+    )
+    # replace_replica: a replaced replica heals from a live peer instead of a snapshot.
+    quorum = (
+        ReplicaQuorum(
+            rank,
+            world,
+            timeout_s=min(60.0, spec.resilience.step_timeout_s),
+            startup_wait_s=config.get("setup_timeout_s", 600.0),
+            peers_finished=lambda: _job_trained(registry, spec.training.train_iters),
+        )
+        if replicas
         else None
     )
     setup_started = time.time()
@@ -233,7 +282,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
         if warm_restart:
             prestart_after_first_step(trainer)
         restarted = attempt > 0 or (group or 0) > 0
-        if rank == 0 and (restarted or trainer.iteration > 0):
+        if rank == 0 and not replicas and (restarted or trainer.iteration > 0):
             reached = None
             if registry is not None:
                 with contextlib.suppress(Exception):
@@ -279,6 +328,8 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     checkpoint_interval = spec.checkpoint.interval
 
     def on_record(record: dict) -> None:
+        if quorum is not None and quorum.participating_rank != 0:
+            return  # the replica that is first in the step's quorum reports it
         if registry is not None:  # how far the job got, for the steps a restart loses (no wait)
             registry.progress.remote(record["iteration"], time.time())
         sender.record(
@@ -315,12 +366,13 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
             config.get("quiet", False),
             hooks=RankHooks(
                 on_trainer=on_trainer,
-                on_record=on_record if rank == 0 else None,
+                on_record=on_record if rank == 0 or replicas else None,
                 on_snapshot_due=pusher.snapshot if pusher is not None else None,
                 on_event=sender.forward_event,
                 # Rank 0's sender hears the scheduler's "stop" in its batches' answers; every
                 # rank takes part in agreeing on it (the others answer False).
                 should_stop=sender.stop_requested.is_set,
+                quorum=quorum,
             ),
             identity=identity,
         )

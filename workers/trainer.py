@@ -160,3 +160,45 @@ class WarmControllerProcesses(WorkerGroupCallback):
         from workers.warm_processes import prestart_later
 
         prestart_later(self.count, self.delay_s)
+
+
+def torchft_config(timeout_s: int, heartbeat_timeout_ms: int = 500):
+    """Ray Train's TorchftConfig for `resilience.on_rank_failure: replace_replica`: one torch
+    process group per replica group (Ray 2.60: one worker each), the controller replacing only a
+    failed replica group, and torchft's Lighthouse in an actor (engine/distributed/replica_quorum.py
+    is the replicas' side). Our backend differs from Ray's in one thing: the Lighthouse actor asks
+    for no CPU, so it fits on a head node without CPUs (as the driver and the controller do).
+
+    `heartbeat_timeout_ms`: a replica silent this long is out of the next quorum; the survivors'
+    stall after a SIGKILL is about this plus one quorum tick."""
+    # Internal: Ray exports TorchftConfig (ray.train.v2.torch) but not its backend; a public
+    # "lighthouse actor options" argument would replace this subclass.
+    from ray.train.v2.torch.torchft_config import LighthouseServerActor, TorchftConfig, _TorchftBackend
+
+    class _Backend(_TorchftBackend):
+        def _maybe_create_lighthouse_actor(self, backend_config) -> str:
+            if self.lighthouse_actor is None:
+                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+                self.lighthouse_actor = LighthouseServerActor.options(
+                    num_cpus=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(
+                        node_id=ray.get_runtime_context().get_node_id(), soft=False
+                    ),
+                ).remote(lighthouse_kwargs={"bind": "[::]:0", **backend_config.lighthouse_kwargs})
+            return ray.get(self.lighthouse_actor.address.remote())
+
+    class ElastronTorchftConfig(TorchftConfig):
+        @property
+        def backend_cls(self):
+            return _Backend
+
+    return ElastronTorchftConfig(
+        lighthouse_kwargs={
+            "min_replicas": 1,
+            "join_timeout_ms": heartbeat_timeout_ms,
+            "quorum_tick_ms": 20,
+            "heartbeat_timeout_ms": heartbeat_timeout_ms,
+        },
+        timeout_s=timeout_s,
+    )

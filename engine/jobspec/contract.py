@@ -54,3 +54,12 @@ RECOVERED_SOURCES = ("memory", "replica", "persistent")
 STEPS_LOST = "steps_lost"
 # {phase: seconds} of the restart ("seconds" alone is a number on the wire: checkpoint_saved's).
 RECOVERY_PHASES = "phase_seconds"
+
+
+# resilience.on_rank_failure replace_replica (engine/distributed/replica_quorum.py): a replica's
+# start, the survivors stepping without one (with the step's `replicas` and the survivors'
+# `stall_s`), and a replaced replica back in the quorum (`rejoin_s` from the survivors' side,
+# `heal_s` from the healed replica's).
+EVENT_REPLICA_STARTED = "replica_started"
+EVENT_REPLICA_LOST = "replica_lost"
+EVENT_REPLICA_REJOINED = "replica_rejoined"

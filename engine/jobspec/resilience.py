@@ -54,3 +54,12 @@ class ResilienceSpec(_Section):
         "with torch and the engine imported, for the ranks of the next restart (seconds less downtime; "
         "about 0.3 GB of host memory each, no GPU). Default: on with checkpoint.local_interval, off otherwise.",
     )
+    on_rank_failure: Literal["restart_group", "replace_replica"] = Field(
+        "restart_group",
+        description="restart_group: a failed rank restarts the whole worker group from the newest checkpoint "
+        "(exact: no step differs from an uninterrupted run). replace_replica (Ray): each data-parallel replica "
+        "is a fault domain; the others keep stepping while the failed one is replaced and healed from a live "
+        "peer, and the steps taken meanwhile average over fewer replicas (their missing samples are skipped; "
+        "the step record's `replicas` says how many). Needs parallel.tensor, pipeline, context and expert = 1 "
+        "and resources.ranks >= 2; each replacement counts against max_restarts.",
+    )

@@ -138,6 +138,13 @@ def _apply_events(session: Session, job: Job, events: list[dict], stats: dict, r
             phases = event.get(contract.RECOVERY_PHASES)
             if isinstance(phases, dict):  # the last recovery's phases (a gauge per phase)
                 stats["recovery_s"] = {str(k)[:32]: v for k, v in phases.items() if number(v) is not None}
+        elif kind == contract.EVENT_REPLICA_LOST:  # replace_replica: the survivors stepped without one
+            job_stats.add(stats, "replicas_lost", 1)
+            if number(event.get("stall_s")) is not None:
+                stats["survivor_stall_s"] = number(event["stall_s"])
+        elif kind == contract.EVENT_REPLICA_REJOINED and number(event.get("rejoin_s")) is not None:
+            job_stats.add(stats, "replicas_rejoined", 1)  # the survivors' side of the rejoin only
+            stats["rejoin_s"] = number(event["rejoin_s"])
         elif kind == "diagnosis" and event.get("diagnosis"):
             job_stats.count(stats, "reruns", str(event["diagnosis"]))
         elif kind in ("checkpoint_saved", "checkpoint_failed"):

@@ -307,6 +307,8 @@ def test_metrics_names_are_the_documented_ones(env, running):
             },
             {"kind": "diagnosis", "diagnosis": "transient_error", "ts": 1.0},
             {"kind": "checkpoint_saved", "iteration": 1, "seconds": 1.0, "bytes": 1, "uri": "/c", "ts": 1.0},
+            {"kind": "replica_lost", "replicas": 1, "stall_s": 0.5, "ts": 1.0},
+            {"kind": "replica_rejoined", "replicas": 2, "rejoin_s": 1.5, "ts": 1.0},
         ],
     )
     documented = set(re.findall(r"^\| `(elastron_[a-z_]+)`", METRICS_MD.read_text(), re.M))

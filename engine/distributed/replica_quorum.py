@@ -1,0 +1,244 @@
+"""Data-parallel replicas as fault domains (`resilience.on_rank_failure: replace_replica`).
+
+Each replica group runs the engine on its own torch process group (its ranks only; today one
+rank, Ray 2.60's replica groups have one worker each), and the data-parallel reduction over
+the replica dimension goes through torchft's managed, reconfigurable process group instead of
+the default group. A `torchft.Manager` per replica agrees a quorum with the others through the
+Lighthouse before every step; a replica that died is simply absent from the next quorum (the
+survivors keep stepping), and a replica that joins behind the others is healed before its first
+step from a live peer's state: the Trainer's in-memory snapshot (weights, optimizer, schedule,
+iteration and consumed samples: the data position; engine/checkpointing/memory.py), sent over
+the managed group (torchft's PGTransport).
+
+What a step with fewer replicas means: the survivors reduce over their own samples only (AVG
+over the quorum's participants); the missing replica's share of that global batch is not
+trained on and not re-assigned, and `consumed_samples` advances by the whole global batch, so
+the data position stays the uninterrupted run's. The step record's `replicas` says how many
+replicas a step averaged over (docs/architecture.md, "Replica groups as fault domains").
+
+A step whose reduction failed (a peer died during it) is not committed: `should_commit()`
+says no on every survivor, the optimizer is not stepped and the step is taken again with the
+new quorum.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.jobspec.contract import EVENT_REPLICA_LOST, EVENT_REPLICA_REJOINED
+
+if TYPE_CHECKING:
+    from engine.training import Trainer
+
+# The environment variable Ray Train's TorchftConfig sets in every worker (ray 2.60:
+# ray.train.v2._internal.constants.TORCHFT_LIGHTHOUSE_ADDR_ENV_VAR), which torchft reads too.
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+
+# Events: engine/jobspec/contract.py (the healed replica sends replica_rejoined with `heal_s`,
+# the first survivor replica_lost, and replica_rejoined with `rejoin_s` since it was missed).
+
+
+class ReplicaQuorum:
+    """One replica group's membership in the job's quorum (built by the launcher, driven by the
+    Trainer: `attach`, then per step `start_step`, `reduce`, `should_commit`).
+
+    `index`/`count`: this replica's slot and the job's replica count (its data shard, as a
+    data-parallel rank of a DP=`count` run); `emit(kind, **fields)` sends an event."""
+
+    def __init__(
+        self,
+        index: int,
+        count: int,
+        *,
+        timeout_s: float = 60.0,
+        startup_wait_s: float = 120.0,
+        peers_finished: Callable[[], bool] | None = None,
+        lighthouse_addr: str | None = None,
+        emit: Callable[..., Any] | None = None,
+        device: torch.device | None = None,
+    ):
+        self.index, self.count = index, count
+        self.timeout_s, self.startup_wait_s = timeout_s, startup_wait_s
+        # Whether the job's last step is done (a replacement that started late must not wait for
+        # peers that have finished and left): asked only until this replica's first commit.
+        self.peers_finished = peers_finished
+        self.job_done = False
+        self.lighthouse_addr = lighthouse_addr or os.environ.get(LIGHTHOUSE_ENV)
+        if not self.lighthouse_addr:
+            raise RuntimeError(
+                f"replace_replica: no torchft Lighthouse address ({LIGHTHOUSE_ENV} is not set)"
+            )
+        self.emit = emit  # default: the Trainer's event record (attach)
+        self.device = device or torch.device("cpu")
+        self.manager: Any = None
+        self.trainer: Trainer | None = None
+        self.replicas = count  # participants of the current step's quorum
+        self.healed_s: float | None = None  # how long this replica's heal took (once)
+        self.joined_at: float | None = None
+        self._lost_at: float | None = None  # when the survivors first stepped with fewer replicas
+        self._step_times: list[float] = []
+        self._step_started = 0.0
+        self._last_commit_at: float | None = None
+        self.want_stop = False
+        self._stop_seen = False
+
+    # ------------------------------------------------------------------ setup
+    def attach(self, trainer: Trainer) -> None:
+        """Join the quorum with `trainer`'s state as what a peer heals from."""
+        from torchft import Manager, ProcessGroupGloo
+        from torchft.checkpointing.pg_transport import PGTransport
+
+        self.trainer = trainer
+        if self.emit is None:
+            self.emit = trainer.events.append
+        timeout = timedelta(seconds=self.timeout_s)
+        if self.device.type == "cuda":
+            from torchft import ProcessGroupNCCL
+
+            pg = ProcessGroupNCCL(timeout=timeout)
+        else:
+            pg = ProcessGroupGloo(timeout=timeout)
+        transport = PGTransport(pg, timeout=timeout, device=self.device)
+        self.manager = Manager(
+            pg=pg,
+            min_replica_size=1,
+            load_state_dict=self._load_state,
+            state_dict=self._state,
+            # Replicas start from the same seed or the same checkpoint: no sync at step 0.
+            init_sync=False,
+            # Heal before the forward pass: the step runs on the peer's state.
+            use_async_quorum=False,
+            world_size=1,
+            rank=0,
+            replica_id=f"replica{self.index}-{os.getpid()}",
+            lighthouse_addr=self.lighthouse_addr,
+            timeout=timeout,
+            quorum_timeout=timeout,
+            connect_timeout=timeout,
+            checkpoint_transport=transport,
+        )
+        self.joined_at = time.time()
+        # Until this replica's first committed step, a step needs every replica (a job's start
+        # waits for all of them, not for the first one built); after that, or once
+        # `startup_wait_s` passed (the others finished or are gone), one is enough.
+        # Private: torchft 0.2.0 has no public setter for the per-step minimum.
+        self.manager._min_replica_size = self.count
+        self._first_commit = False
+
+    def _state(self) -> dict[str, Any]:
+        snap = self.trainer.capture_snapshot()
+        blob = bytearray(snap.to_bytes())
+        return {"snapshot": torch.frombuffer(blob, dtype=torch.uint8)}
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        started = time.perf_counter()
+        blob = state["snapshot"].cpu().numpy().tobytes()
+        self.trainer.restore_snapshot(blob)
+        self.healed_s = time.perf_counter() - started
+
+    # ------------------------------------------------------------------ per step
+    def start_step(self) -> bool:
+        """Agree this step's quorum; heal first when this replica is behind it. False when
+        this replica joined after its peers finished the job (`job_done`): nothing to train."""
+        if not self._first_commit and self.peers_finished is not None and self.peers_finished():
+            self.job_done = True
+            return False
+        self._step_started = time.perf_counter()
+        before = self.trainer.iteration
+        healing_from = time.perf_counter()
+        self.manager.start_quorum()
+        n = self.manager.num_participants()
+        if self.trainer.iteration != before:  # healed from a peer
+            self.emit(
+                EVENT_REPLICA_REJOINED,
+                replica=self.index,
+                iteration=self.trainer.iteration,
+                replicas=n,
+                heal_s=round(time.perf_counter() - healing_from, 3),
+                state_digest=self.state_digest(),
+                joined_s=round(time.time() - self.joined_at, 3) if self.joined_at else None,
+            )
+        elif n < self.replicas and self.participating_rank == 0 and self._first_commit:
+            self._lost_at = time.time()
+            # The stall: from the last committed step to now (the failed step, the quorum without
+            # the dead replica) less a normal step.
+            median = self.median_step_s() or 0.0
+            stall = time.perf_counter() - self._last_commit_at - median if self._last_commit_at else None
+            self.emit(
+                EVENT_REPLICA_LOST,
+                replica=self.index,
+                iteration=self.trainer.iteration,
+                replicas=n,
+                stall_s=round(stall, 3) if stall is not None else None,
+            )
+        elif n > self.replicas and self.participating_rank == 0 and self._lost_at is not None:
+            self.emit(
+                EVENT_REPLICA_REJOINED,
+                replica=self.index,
+                iteration=self.trainer.iteration,
+                replicas=n,
+                rejoin_s=round(time.time() - self._lost_at, 3),
+                state_digest=self.state_digest(),
+            )
+            self._lost_at = None
+        self.replicas = n
+        return True
+
+    def state_digest(self) -> str:
+        """A digest of every tensor this replica would hand a peer (weights, optimizer state, RNG):
+        the healed replica's and its peer's must be equal at the step it rejoins."""
+        import hashlib
+
+        snap = self.trainer.capture_snapshot()
+        h = hashlib.blake2b(digest_size=16)
+        h.update(str(snap.iteration).encode())
+        h.update(snap.payload)
+        return h.hexdigest()
+
+    @property
+    def participating_rank(self) -> int | None:
+        return self.manager.participating_rank() if self.manager is not None else None
+
+    @torch.no_grad()
+    def reduce(self, grad_buffers: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
+        """Average the grads (in place) and the loss over the quorum's replicas."""
+        works = [self.manager.allreduce(buf) for buf in grad_buffers]
+        # The loss and the stop flag in one: its mean over replicas is > 0 when any asked.
+        pair = torch.tensor([float(loss), 1.0 if self.want_stop else 0.0], device=grad_buffers[0].device)
+        works.append(self.manager.allreduce(pair))
+        for w in works:
+            w.wait()
+        self._stop_seen = self._stop_seen or bool(pair[1].item() > 0)
+        return pair[0].to(loss.dtype).reshape(())
+
+    def stop_agreed(self, mine: bool) -> bool:
+        """The scheduler's stop (heard by one replica) travels with the next step's reduction, so
+        every replica of the quorum stops at the same step boundary, one step after it was asked."""
+        self.want_stop = self.want_stop or mine
+        return self._stop_seen
+
+    def should_commit(self) -> bool:
+        """Every replica of the quorum reduced successfully: step the optimizer."""
+        ok = self.manager.should_commit()
+        if not self._first_commit and (ok or time.time() - self.joined_at > self.startup_wait_s):
+            self._first_commit = True
+            self.manager._min_replica_size = 1
+        if ok:
+            self._last_commit_at = time.perf_counter()
+            self._step_times.append(self._last_commit_at - self._step_started)
+        return ok
+
+    def median_step_s(self) -> float | None:
+        return statistics.median(self._step_times[-50:]) if self._step_times else None
+
+    def shutdown(self) -> None:
+        if self.manager is not None:
+            self.manager.shutdown(wait=False)
+            self.manager = None

@@ -1,0 +1,156 @@
+"""engine/distributed/replica_quorum.py without Ray: two data-parallel replicas, each a one-rank
+process group of its own (forked from a forkserver with torch and the engine imported, so a
+replacement starts in a fraction of a second), and torchft's Lighthouse in this process.
+
+Ten SIGKILLs in a row of replica 1, each replacement killed at another moment of its life (as
+soon as its process runs, while it builds, while it joins and heals, five steps after it
+rejoined): the survivor never stops stepping, nothing deadlocks, the last replacement heals and
+the two replicas end bitwise equal.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import pytest
+
+from tests.tiny_jobs import TINY_LLAMA
+
+pytest.importorskip("torchft", reason="torchft (the ray extra) is not installed")
+
+KILLS = 10
+ITERS = 400
+
+SPEC = {
+    "name": "quorum",
+    "model": dict(TINY_LLAMA),
+    "data": {"source": "text"},
+    "training": {"global_batch_size": 4, "micro_batch_size": 2, "train_iters": ITERS, "seed": 7, "log_interval": 1000},
+    "optimizer": {"lr": 2e-3, "lr_warmup_iters": 1},
+    "resilience": {"on_rank_failure": "replace_replica"},
+    "resources": {"ranks": 1, "device": "cpu"},
+}
+
+
+def _replica(index: int, count: int, lighthouse: str, outdir: str) -> None:
+    """One replica: a one-rank gloo group on a free port, the quorum, the engine's loop. It writes
+    what it saw to a file of its own (a multiprocessing queue shared with a process that is then
+    SIGKILLed can stay locked for every other writer)."""
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    from engine.distributed.replica_quorum import ReplicaQuorum
+    from engine.launcher import free_port
+    from engine.rank_hooks import RankHooks
+    from engine.train_loop import train_rank
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    # A replacement killed while it joins can leave the survivor waiting on its store for the
+    # manager's timeout: short here (steps take tens of milliseconds), so that costs seconds.
+    quorum = ReplicaQuorum(index, count, lighthouse_addr=lighthouse, timeout_s=5)
+    pid = os.getpid()
+    sink = open(os.path.join(outdir, f"{index}-{pid}.jsonl"), "a")  # noqa: SIM115 - lives as long as the process
+
+    class _Out:
+        @staticmethod
+        def put(message) -> None:
+            sink.write(json.dumps(message) + "\n")
+            sink.flush()
+
+    out = _Out()
+
+    final = {}
+
+    def on_record(r: dict) -> None:
+        out.put(("record", index, pid, r["iteration"], r["replicas"], time.time()))
+        if r["iteration"] == ITERS:  # the state after the last step (before the loop tears down)
+            final["digest"] = quorum.state_digest()
+
+    def on_event(e: dict) -> None:
+        if e["kind"] in ("replica_rejoined", "replica_lost"):
+            out.put(("event", index, pid, e))
+
+    out.put(("started", index, pid))
+    train_rank(SPEC, quiet=True, hooks=RankHooks(on_record=on_record, on_event=on_event, quorum=quorum))
+    out.put(("done", index, pid, ITERS if final else None, final.get("digest")))
+
+
+def test_ten_kills_in_a_row_neither_stop_the_survivor_nor_deadlock(tmp_path):
+    from torchft.coordination import LighthouseServer
+
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=500, quorum_tick_ms=20, heartbeat_timeout_ms=500
+    )
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "engine.device", "engine.train_loop"])
+    procs = []
+    messages: list = []
+
+    def start(index: int):
+        p = ctx.Process(target=_replica, args=(index, 2, lighthouse.address(), str(tmp_path)), daemon=True)
+        p.start()
+        procs.append(p)
+        return p
+
+    def drain(until, timeout_s: float = 60.0):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            messages[:] = [
+                json.loads(line) for f in sorted(tmp_path.glob("*.jsonl")) for line in f.read_text().splitlines()
+                if line.endswith("]")
+            ]
+            if until():
+                return
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out; last messages: {messages[-5:]}")
+            time.sleep(0.05)
+
+    def together_after(t: float) -> int:
+        return sum(m[0] == "record" and m[1] == 1 and m[4] == 2 and m[5] > t for m in messages)
+
+    def survivor_iteration() -> int:
+        return max((m[3] for m in messages if m[0] == "record" and m[1] == 0), default=0)
+
+    try:
+        start(0)
+        victim = start(1)
+        drain(lambda: any(m[0] == "record" and m[4] == 2 for m in messages))
+        kills = []
+        for k in range(KILLS):
+            # Each replacement dies at another moment: as soon as its process runs, while it
+            # builds, while it joins and heals, five steps after it rejoined.
+            if k % 4 == 3:
+                since = time.time()
+                drain(lambda s=since: together_after(s) >= 5, timeout_s=60)
+            else:
+                time.sleep((0.0, 0.3, 0.8)[k % 4])
+            reached = survivor_iteration()
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.join(10)
+            kills.append(reached)
+            drain(lambda r=reached: survivor_iteration() > r + 2, timeout_s=60)  # it goes on
+            victim = start(1)
+        assert survivor_iteration() < ITERS, "the survivor finished before the kills did: raise ITERS"
+        drain(lambda: sum(m[0] == "done" for m in messages) == 2, timeout_s=120)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        lighthouse.shutdown()
+
+    done = {m[1]: m for m in messages if m[0] == "done"}
+    assert done[0][3] == done[1][3] == ITERS
+    assert done[0][4] == done[1][4], "the replicas ended with different states"
+    healed = [m[3] for m in messages if m[0] == "event" and m[1] == 1 and m[3]["kind"] == "replica_rejoined"]
+    assert healed and healed[-1]["heal_s"] is not None
+    alone = [m for m in messages if m[0] == "record" and m[1] == 0 and m[4] == 1]
+    assert alone, "the survivor never stepped alone"
+    assert len(kills) == KILLS and kills == sorted(kills)
