@@ -88,6 +88,7 @@ class ReplicaQuorum:
         self._last_commit_at: float | None = None
         self.want_stop = False
         self._stop_seen = False
+        self._served_heal = False  # a peer healed from this replica's state in this quorum
 
     # ------------------------------------------------------------------ setup
     def attach(self, trainer: Trainer) -> None:
@@ -133,6 +134,8 @@ class ReplicaQuorum:
         self._first_commit = False
 
     def _state(self) -> dict[str, Any]:
+        # torchft asks for it only to send it to a replica that heals from this one.
+        self._served_heal = True
         snap = self.trainer.capture_snapshot()
         blob = bytearray(snap.to_bytes())
         return {"snapshot": torch.frombuffer(blob, dtype=torch.uint8)}
@@ -178,16 +181,20 @@ class ReplicaQuorum:
                 replicas=n,
                 stall_s=round(stall, 3) if stall is not None else None,
             )
-        elif n > self.replicas and self.participating_rank == 0 and self._lost_at is not None:
+        elif self._served_heal or (n > self.replicas and self.participating_rank == 0 and self._lost_at is not None):
+            # The survivors' side, from the one that served the heal: its digest is the one the
+            # healed replica must equal. rejoin_s is None when the replacement came back before
+            # the survivors had dropped the dead replica (a warm process can: no step alone).
             self.emit(
                 EVENT_REPLICA_REJOINED,
                 replica=self.index,
                 iteration=self.trainer.iteration,
                 replicas=n,
-                rejoin_s=round(time.time() - self._lost_at, 3),
+                rejoin_s=round(time.time() - self._lost_at, 3) if self._lost_at is not None else None,
                 state_digest=self.state_digest(),
             )
             self._lost_at = None
+        self._served_heal = False
         self.replicas = n
         return True
 

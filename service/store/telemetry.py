@@ -142,9 +142,10 @@ def _apply_events(session: Session, job: Job, events: list[dict], stats: dict, r
             job_stats.add(stats, "replicas_lost", 1)
             if number(event.get("stall_s")) is not None:
                 stats["survivor_stall_s"] = number(event["stall_s"])
-        elif kind == contract.EVENT_REPLICA_REJOINED and number(event.get("rejoin_s")) is not None:
+        elif kind == contract.EVENT_REPLICA_REJOINED and "heal_s" not in event:
             job_stats.add(stats, "replicas_rejoined", 1)  # the survivors' side of the rejoin only
-            stats["rejoin_s"] = number(event["rejoin_s"])
+            if number(event.get("rejoin_s")) is not None:  # None: back before it was missed
+                stats["rejoin_s"] = number(event["rejoin_s"])
         elif kind == "diagnosis" and event.get("diagnosis"):
             job_stats.count(stats, "reruns", str(event["diagnosis"]))
         elif kind in ("checkpoint_saved", "checkpoint_failed"):

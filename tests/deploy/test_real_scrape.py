@@ -239,6 +239,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory, prometheus_bin: Path) -> Ite
                     "phase_seconds": {"group_start": 4.2, "restore": 0.02},
                 },
                 {"kind": "diagnosis", "iteration": 8, "diagnosis": "persistent_error", "rank": 1},
+                # replace_replica: the survivors stepped without a replica, then it rejoined
+                {"kind": "replica_lost", "iteration": 8, "replicas": 1, "stall_s": 0.6},
+                {"kind": "replica_rejoined", "iteration": 9, "replicas": 2, "rejoin_s": 1.4},
                 {
                     "kind": "checkpoint_saved",
                     "iteration": 10,

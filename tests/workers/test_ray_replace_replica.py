@@ -82,11 +82,16 @@ def test_a_killed_replica_is_replaced_while_the_other_keeps_stepping(ray_cluster
     threading.Thread(target=interfere, daemon=True).start()
     result = run(job_id, _spec(tmp_path, on_rank_failure="replace_replica", warm_restart=True), tmp_path / "runs")
     assert result.exit_code == 0, result.reason
-    assert seen.get("survivor_steps_alone"), seen
+    # The survivor stepped on its own while replica 1 was out: steps averaged over one replica.
+    # (After the first kill a warm replacement can rejoin before the survivor has dropped the dead
+    # replica from its quorum: CI saw it back in 1.06 s, no step alone. The later replacements
+    # start cold, seconds each, so the survivor steps alone then on any machine.)
+    alone = [i for i, r in telemetry.final_records(job_id).items() if r["replicas"] == 1]
+    assert alone, seen
     assert seen.get("done") and len(seen["kills"]) == KILLS, seen
     rejoined = telemetry.events(job_id, "replica_rejoined")
     healed = [e for e in rejoined if "heal_s" in e]
-    survivors = [e for e in rejoined if "rejoin_s" in e]
+    survivors = [e for e in rejoined if "heal_s" not in e]  # the replica that served the heal
     assert healed and survivors, rejoined
     # Bitwise: the healed replica's state and its peer's at the step it rejoined.
     by_step = {e["iteration"]: e["state_digest"] for e in survivors}
