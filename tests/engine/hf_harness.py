@@ -100,26 +100,30 @@ def job(folder, ranks: int = 1, **sections) -> dict:
     return spec
 
 
-def _full_logits(trainer: Trainer, tokens: torch.Tensor) -> torch.Tensor | None:
-    """Logits [b, s, vocab] of `tokens`, whole on the last pipeline stage's TP rank 0."""
+def full_logits(trainer: Trainer, tokens: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor | None:
+    """Logits [b, s, vocab] of `tokens` (and the model's further keyword `inputs`: masks, token
+    types, decoder ids), whole on the last pipeline stage (None on the first of two)."""
     chunk = trainer.model_chunks[0].eval()
     pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
+    tp = ps.get_tensor_model_parallel_world_size()
     with torch.no_grad():
         if pp == 1:
-            out = chunk(tokens)
+            out = chunk(tokens, **inputs)
         else:  # two stages: hidden states go from rank 0's stage to the next by hand
             peer = dist.get_global_rank(ps.get_group("pp"), 1 - stage)
             if stage == 0:
-                dist.send(chunk(tokens).contiguous(), peer)
+                dist.send(chunk(tokens, **inputs).contiguous(), peer)
+                chunk.train()
                 return None
-            hidden = torch.empty(tokens.shape[1], tokens.shape[0], trainer.config.hidden_size)
+            seq = tokens.shape[1] // tp if trainer.config.sequence_parallel else tokens.shape[1]
+            hidden = torch.empty(seq, tokens.shape[0], trainer.config.hidden_size)
             dist.recv(hidden, peer)
-            out = chunk(hidden)
-        tp = ps.get_tensor_model_parallel_world_size()
+            out = chunk(hidden, **inputs)
         if tp > 1:
             parts = [torch.empty_like(out) for _ in range(tp)]
             dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
             out = torch.cat(parts, dim=-1)
+    chunk.train()
     return out.float()
 
 
@@ -127,7 +131,7 @@ def import_forward_step(spec: dict, vocab: int) -> dict:
     """On every rank: import, the logits of the job's first micro-batch, one training step."""
     trainer = Trainer(parse_job(spec))
     tokens, _ = batch(vocab, spec["training"]["micro_batch_size"])
-    logits = _full_logits(trainer, tokens)
+    logits = full_logits(trainer, tokens)
     step = trainer.train_step()
     report = trainer.hf_import
     ps.destroy_model_parallel()
@@ -149,7 +153,7 @@ def train_then_logits(spec: dict, vocab: int, stop_at: int | None = None) -> dic
         trainer.save_checkpoint_if_due()
     trainer.checkpointer.wait()
     tokens, _ = batch(vocab, spec["training"]["micro_batch_size"])
-    logits = _full_logits(trainer, tokens)
+    logits = full_logits(trainer, tokens)
     ps.destroy_model_parallel()
     return {"logits": logits, "losses": losses, "imported": trainer.hf_import is not None}
 
@@ -161,7 +165,7 @@ def import_save_step(spec: dict, vocab: int) -> dict:
     trainer.checkpointer.save()
     trainer.checkpointer.wait()
     tokens, _ = batch(vocab, spec["training"]["micro_batch_size"])
-    logits = _full_logits(trainer, tokens)
+    logits = full_logits(trainer, tokens)
     step = trainer.train_step()
     ps.destroy_model_parallel()
     return {"logits": logits, "loss": step.loss}

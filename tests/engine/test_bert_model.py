@@ -66,29 +66,13 @@ def _inputs() -> dict[str, torch.Tensor]:
 def _full_logits(trainer: Trainer, batch: dict) -> torch.Tensor | None:
     """Logits [b, s, vocab] of `batch`, whole on the last pipeline stage (None elsewhere); with a
     binary head, (those, the next-sentence logits [b, 2])."""
-    chunk = trainer.model_chunks[0].eval()
-    kwargs = {"attention_mask": batch["attention_mask"], "token_type_ids": batch["token_type_ids"]}
-    pp, stage = ps.get_pipeline_model_parallel_world_size(), ps.get_pipeline_model_parallel_rank()
-    with torch.no_grad():
-        if pp == 1:
-            out = chunk(batch["tokens"], **kwargs)
-        else:
-            peer = dist.get_global_rank(ps.get_group("pp"), 1 - stage)
-            if stage == 0:
-                dist.send(chunk(batch["tokens"], **kwargs).contiguous(), peer)
-                return None
-            hidden = torch.empty(SEQ, 2, trainer.config.hidden_size)
-            dist.recv(hidden, peer)
-            out = chunk(hidden, **kwargs)
-        tp = ps.get_tensor_model_parallel_world_size()
-        if tp > 1:
-            parts = [torch.empty_like(out) for _ in range(tp)]
-            dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
-            out = torch.cat(parts, dim=-1)
-    chunk.train()
-    if chunk.binary_head is not None:
-        return out.float(), chunk.binary_head.last_logits.float()
-    return out.float()
+    out = h.full_logits(
+        trainer, batch["tokens"], attention_mask=batch["attention_mask"], token_type_ids=batch["token_type_ids"]
+    )
+    chunk = trainer.model_chunks[0]
+    if out is not None and chunk.binary_head is not None:
+        return out, chunk.binary_head.last_logits.float()
+    return out
 
 
 def _import_job(folder, ranks: int, checkpoint=None, data=MLM_DATA, **sections) -> dict:

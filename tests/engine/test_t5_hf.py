@@ -20,7 +20,6 @@ import json
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import save_file
 
 from engine import parallel_state as ps
@@ -30,6 +29,7 @@ from engine.hf.exporter import export_hf
 from engine.jobspec import parse_job
 from engine.launcher import spawn
 from engine.training import Trainer
+from tests.engine.hf_harness import full_logits
 from tests.engine.parallel_harness import LOSS_RTOL
 
 transformers = pytest.importorskip("transformers")
@@ -144,30 +144,10 @@ def _fields() -> dict:
 
 def _full_logits(trainer: Trainer, batch) -> torch.Tensor | None:
     """Logits [b, s, vocab] of `batch`, whole on the last stage's TP rank 0 (None elsewhere)."""
-    chunk = trainer.model_chunks[0].eval()
-    inputs = batch.inputs
-    with torch.no_grad():
-        if ps.get_pipeline_model_parallel_world_size() == 1:
-            out = chunk(batch.tokens, **inputs)
-        else:  # encoder stage -> decoder stage by hand: the hidden state is the encoder output
-            stage = ps.get_pipeline_model_parallel_rank()
-            peer = dist.get_global_rank(ps.get_group("pp"), 1 - stage)
-            if stage == 0:
-                dist.send(chunk(batch.tokens, **inputs).contiguous(), peer)
-                return None
-            seq = SEQ // ps.get_tensor_model_parallel_world_size() if trainer.config.sequence_parallel else SEQ
-            hidden = torch.empty(seq, batch.tokens.shape[0], trainer.config.hidden_size)
-            dist.recv(hidden, peer)
-            out = chunk(hidden, **inputs)
-        tp = ps.get_tensor_model_parallel_world_size()
-        if tp > 1:
-            parts = [torch.empty_like(out) for _ in range(tp)]
-            dist.all_gather(parts, out.contiguous(), group=ps.get_tensor_model_parallel_group())
-            out = torch.cat(parts, dim=-1)
-    chunk.train()
-    if ps.get_tensor_model_parallel_rank() != 0:
+    out = full_logits(trainer, batch.tokens, **batch.inputs)
+    if out is None or ps.get_tensor_model_parallel_rank() != 0:
         return None
-    return out[..., :VOCAB].float()
+    return out[..., :VOCAB]
 
 
 def run_jobs(specs: list[dict], pairs_path: str) -> list[dict]:
