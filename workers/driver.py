@@ -340,7 +340,8 @@ class JobDriver:
             # replica group within the attempt (each replacement counted against max_restarts;
             # a failure of every replica restarts the group, and once the budget is spent the
             # attempt fails here as with restart_group).
-            torch_config=torchft_config(pg_timeout) if replicas else TorchConfig(timeout_s=pg_timeout),
+            torch_config=torchft_config(pg_timeout, self.spec.resilience.replica_heartbeat_timeout_ms)
+            if replicas else TorchConfig(timeout_s=pg_timeout),
             scaling_config=scaling,
             run_config=RunConfig(
                 name=self.job_id,

@@ -260,6 +260,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
             timeout_s=min(60.0, spec.resilience.step_timeout_s),
             startup_wait_s=config.get("setup_timeout_s", 600.0),
             peers_finished=lambda: _job_trained(registry, spec.training.train_iters),
+            heartbeat_timeout_ms=spec.resilience.replica_heartbeat_timeout_ms,
         )
         if replicas
         else None

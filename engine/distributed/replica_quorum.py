@@ -63,6 +63,7 @@ class ReplicaQuorum:
         lighthouse_addr: str | None = None,
         emit: Callable[..., Any] | None = None,
         device: torch.device | None = None,
+        heartbeat_timeout_ms: int = 500,
     ):
         self.index, self.count = index, count
         self.timeout_s, self.startup_wait_s = timeout_s, startup_wait_s
@@ -77,6 +78,9 @@ class ReplicaQuorum:
             )
         self.emit = emit  # default: the Trainer's event record (attach)
         self.device = device or torch.device("cpu")
+        # Five heartbeats per timeout (the Lighthouse's, resilience.replica_heartbeat_timeout_ms):
+        # one late heartbeat does not drop a live replica.
+        self.heartbeat_interval = timedelta(milliseconds=max(4, heartbeat_timeout_ms // 5))
         self.manager: Any = None
         self.trainer: Trainer | None = None
         self.replicas = count  # participants of the current step's quorum
@@ -124,6 +128,7 @@ class ReplicaQuorum:
             quorum_timeout=timeout,
             connect_timeout=timeout,
             checkpoint_transport=transport,
+            heartbeat_interval=self.heartbeat_interval,
         )
         self.joined_at = time.time()
         # Until this replica's first committed step, a step needs every replica (a job's start

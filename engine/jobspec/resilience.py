@@ -63,3 +63,12 @@ class ResilienceSpec(_Section):
         "the step record's `replicas` says how many). Needs parallel.tensor, pipeline, context and expert = 1 "
         "and resources.ranks >= 2; each replacement counts against max_restarts.",
     )
+    replica_heartbeat_timeout_ms: int = Field(
+        500,
+        ge=20,
+        le=60_000,
+        description="replace_replica: a replica whose heartbeats (sent every fifth of this) stop for this long is "
+        "dropped from the next quorum. It is the floor of the survivors' stall after a replica dies; lower it "
+        "toward your step time on a quiet network, raise it where a loaded host can miss heartbeats (a live "
+        "replica dropped by mistake heals and rejoins, costing a step).",
+    )
