@@ -130,6 +130,12 @@ class ReplicaQuorum:
             checkpoint_transport=transport,
             heartbeat_interval=self.heartbeat_interval,
         )
+        # torchft's step is the quorum's measure of who is behind (the replica whose step is below
+        # the quorum's highest heals): it must be the Trainer's iteration, not commits since this
+        # process started. Two replicas that started from different checkpoints (one built
+        # before a newer one was committed, when the last replica died too) would otherwise both
+        # count from 0 and train on different states side by side.
+        self.manager.load_state_dict({"step": trainer.iteration, "batches_committed": 0})
         self.joined_at = time.time()
         # Until this replica's first committed step, a step needs every replica (a job's start
         # waits for all of them, not for the first one built); after that, or once
