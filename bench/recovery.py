@@ -285,6 +285,7 @@ def survive(
     kill_every_s: float = SURVIVE_KILL_EVERY_S,
     train_iters: int = SURVIVE_TRAIN_ITERS,
     max_kills: int | None = None,
+    heartbeat_timeout_ms: int | None = None,
 ) -> None:
     """`resilience.on_rank_failure: replace_replica`: the SMALL job (2 replicas, persistent
     checkpoints every 10 steps as in `persistent` mode) with replica 1's rank SIGKILLed every
@@ -298,6 +299,9 @@ def survive(
     spec["checkpoint"]["path"] = str(workdir / "ckpt")
     spec["training"]["train_iters"] = train_iters
     spec["resilience"] = {"on_rank_failure": "replace_replica", "max_restarts": 1000, "warm_restart": True}
+    if heartbeat_timeout_ms is not None:
+        spec["resilience"]["replica_heartbeat_timeout_ms"] = heartbeat_timeout_ms
+    hb = spec["resilience"].get("replica_heartbeat_timeout_ms", 500)
     kills: list[float] = []
     done = threading.Event()
 
@@ -373,6 +377,7 @@ def survive(
             at_kill_s=round(max(at_kill) - median, 3) if at_kill else None,
             at_rejoin_s=round(next(g for ts, g, b in gaps if b is back) - median, 3) if back is not None else None,
             median_step_s=round(median, 4),
+            heartbeat_timeout_ms=hb,
             steps_alone=len(alone),
             kill=n,
             repeat=repeat,
@@ -407,6 +412,7 @@ def survive(
         tokens_per_s_before=round(ref[0], 1) if ref else None,
         tokens_per_s_with_kills=round(run[0], 1) if run else None,
         kill_every_s=kill_every_s,
+        heartbeat_timeout_ms=hb,
         kills=len(kills),
         seconds_with_kills=round(after[-1]["ts"] - kills[0], 1) if after else None,
         steps_alone=sum(r.get("replicas") == 1 for r in recs),

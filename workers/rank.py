@@ -134,18 +134,18 @@ def _registry(job_id: str):
         return None
 
 
-def _job_trained(registry, train_iters: int) -> bool:
-    """Whether a record of the job's last step was reported (replace_replica: a replacement
-    that joins after its peers finished has nothing left to train)."""
+def _replicas_ended(registry, attempt: int) -> bool:
+    """replace_replica: whether the replicas of this attempt left the training loop (the job's
+    last step, or a preemption's stop): a replacement that joins after that has nothing left to
+    train, and waiting for its peers would hold the job's end (or its preemption) up."""
     import ray
 
     if registry is None:
         return False
     try:
-        reached = ray.get(registry.last_progress.remote(), timeout=5)
+        return ray.get(registry.replicas_ended.remote(attempt), timeout=5) is not None
     except Exception:  # noqa: BLE001 - the registry is busy or gone: keep waiting for peers
         return False
-    return reached is not None and reached >= train_iters
 
 
 def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
@@ -259,7 +259,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
             world,
             timeout_s=min(60.0, spec.resilience.step_timeout_s),
             startup_wait_s=config.get("setup_timeout_s", 600.0),
-            peers_finished=lambda: _job_trained(registry, spec.training.train_iters),
+            peers_finished=lambda: _replicas_ended(registry, attempt),
             heartbeat_timeout_ms=spec.resilience.replica_heartbeat_timeout_ms,
         )
         if replicas
@@ -378,6 +378,8 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
             identity=identity,
         )
         finished = True
+        if replicas and registry is not None:  # a replacement still joining must not wait for us
+            registry.replica_ended.remote(attempt, records[-1]["iteration"] if records else 0)
     finally:
         if pusher is not None:
             pusher.wait()

@@ -40,6 +40,7 @@ class JobRegistry:
         self._watchdog: list[dict[str, Any]] = []
         self._progress: tuple[int, float] | None = None  # rank 0's newest iteration, when
         self._holders: list[Any] = []  # every snapshot holder handle this actor obtained
+        self._replica_ends: dict[int, int] = {}  # replace_replica: attempt -> iteration a replica ended at
 
     def ping(self) -> bool:
         return True
@@ -77,6 +78,15 @@ class JobRegistry:
 
     def last_progress(self) -> int | None:
         return self._progress[0] if self._progress is not None else None
+
+    def replica_ended(self, attempt: int, iteration: int) -> None:
+        """replace_replica: a replica left the training loop on its own (the last step, or a stop
+        the quorum agreed on): every replica of the quorum left at that step, so a replacement
+        still joining has nothing to train and must not wait for them."""
+        self._replica_ends.setdefault(attempt, iteration)
+
+    def replicas_ended(self, attempt: int) -> int | None:
+        return self._replica_ends.get(attempt)
 
     def snapshot_holders(self, node_ids: list[str]) -> dict[str, Any]:
         """node id -> handle of this job's snapshot holder there (started by this actor, which
