@@ -93,6 +93,7 @@ class ReplicaQuorum:
         self.want_stop = False
         self._stop_seen = False
         self._served_heal = False  # a peer healed from this replica's state in this quorum
+        self._served: Any = None  # the snapshot it healed from
 
     # ------------------------------------------------------------------ setup
     def attach(self, trainer: Trainer) -> None:
@@ -147,7 +148,7 @@ class ReplicaQuorum:
     def _state(self) -> dict[str, Any]:
         # torchft asks for it only to send it to a replica that heals from this one.
         self._served_heal = True
-        snap = self.trainer.capture_snapshot()
+        snap = self._served = self.trainer.capture_snapshot()  # its digest goes with replica_rejoined
         blob = bytearray(snap.to_bytes())
         return {"snapshot": torch.frombuffer(blob, dtype=torch.uint8)}
 
@@ -202,21 +203,23 @@ class ReplicaQuorum:
                 iteration=self.trainer.iteration,
                 replicas=n,
                 rejoin_s=round(time.time() - self._lost_at, 3) if self._lost_at is not None else None,
-                state_digest=self.state_digest(),
+                state_digest=self.state_digest(self._served),
             )
             self._lost_at = None
-        self._served_heal = False
+        self._served_heal, self._served = False, None
         self.replicas = n
         return True
 
-    def state_digest(self) -> str:
+    def state_digest(self, snap: Any = None) -> str:
         """A digest of every tensor this replica would hand a peer (weights, optimizer state, RNG):
-        the healed replica's and its peer's must be equal at the step it rejoins."""
-        import hashlib
+        the healed replica's and its peer's must be equal at the step it rejoins. `snap`: the
+        snapshot this replica just sent a healing peer (the same state, not captured twice)
+        while both wait for each other. XXH3-128: it runs at memory speed, a cryptographic hash
+        would add seconds per gigabyte of state to every heal."""
+        import xxhash
 
-        snap = self.trainer.capture_snapshot()
-        h = hashlib.blake2b(digest_size=16)
-        h.update(str(snap.iteration).encode())
+        snap = snap if snap is not None else self.trainer.capture_snapshot()
+        h = xxhash.xxh3_128(str(snap.iteration).encode())
         h.update(snap.payload)
         return h.hexdigest()
 
