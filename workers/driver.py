@@ -346,7 +346,7 @@ class JobDriver:
             run_config=RunConfig(
                 name=self.job_id,
                 storage_path=self.options.storage_path or default_storage_path(),
-                failure_config=FailureConfig(max_failures=max(0, self.policy.max_restarts - self.policy.restarts_used) if replicas else 0),
+                failure_config=FailureConfig(max_failures=self._replica_budget() if replicas else 0),
                 callbacks=[GracefulShutdown()]
                 + ([WarmControllerProcesses()] if warm_restart_enabled(self.spec_dict) else []),
                 # Rank processes import torch and the engine at their start, which lets a warm
@@ -357,6 +357,11 @@ class JobDriver:
             blocked_nodes=blocked,
             on_stop=self._on_stop,
         )
+
+    def _replica_budget(self) -> int:
+        """replace_replica: the restarts left, which Ray Train's controller spends on replacing
+        replicas within the attempt (a failed attempt has spent them all: workers/policy.py)."""
+        return max(0, self.policy.max_restarts - self.policy.restarts_used)
 
     def _placement(self, attempt: int, blocked: set[str], elastic: bool):
         """Label selectors of the attempt's workers (workers/placement.py): where the scheduler
@@ -411,7 +416,10 @@ class JobDriver:
             }
             self.lost_nodes = lost_nodes({r["node_id"] for r in group["ranks"]})
             causes = classify(err.worker_failures, ranks, dogs, self.lost_nodes)
-            return Outcome(causes=causes, nodes={r["node_id"] for r in group["ranks"]}), None
+            # replace_replica: Ray Train raises only once its max_failures (the restarts left)
+            # are spent on replacements; without this charge each attempt would get them anew.
+            spent = self._replica_budget() if replace_replica(self.spec) else 0
+            return Outcome(causes=causes, nodes={r["node_id"] for r in group["ranks"]}, restarts_spent=spent), None
         except ControllerError as err:
             if self.stop.is_set():
                 return Outcome(cancelled=True), None

@@ -208,6 +208,9 @@ class Outcome:
     causes: list[RankCause] = field(default_factory=list)
     nodes: set[str] = field(default_factory=set)  # the nodes the failed group ran on
     error: str | None = None  # a failure outside the worker group (controller, cluster)
+    # Restarts the attempt spent inside itself (replace_replica: Ray Train replaced failed
+    # replicas within the attempt, each one of resilience.max_restarts).
+    restarts_spent: int = 0
 
     def summary(self) -> str:
         if self.causes:
@@ -311,7 +314,7 @@ class RestartPolicy:
         )
 
     def _failure(self, outcome: Outcome) -> Decision:
-        self.restarts_used += 1
+        self.restarts_used += 1 + outcome.restarts_spent
         left = self.max_restarts - self.restarts_used
         if left < 0:
             return Decision(

@@ -84,6 +84,17 @@ def test_failures_restart_within_the_budget_then_fail_with_the_cause():
     assert "max_restarts = 1" in second.reason and "rank 0" in second.reason and "bad data" in second.reason
 
 
+def test_replacements_inside_an_attempt_spend_the_same_budget():
+    """replace_replica: Ray Train replaced replicas within the attempt until its max_failures
+    (the restarts left) ran out; the attempt's failure then finds the budget spent, not renewed."""
+    p = policy(max_restarts=3)
+    died = classify({1: ActorDiedError("died")}, RANKS)
+    first = p.decide(Outcome(causes=died, restarts_spent=1))  # one replacement, then a failure
+    assert first.action == "restart" and p.restarts_used == 2
+    spent = p.decide(Outcome(causes=died, restarts_spent=1))  # Ray spent the one left
+    assert spent.action == "fail" and "max_restarts = 3" in spent.reason
+
+
 def test_checkpoint_storage_failing_fails_the_job_without_a_restart():
     """Issue 34: the engine already retried and skipped; a restart would save, fail and restart
     again (a crash loop). The reason names the storage error; peers' losses come after it."""
