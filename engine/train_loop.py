@@ -109,7 +109,11 @@ def _train(
         sink = open(metrics_out, "a" if trainer.iteration else "w")  # noqa: SIM115 - closed below
     loggers = None
     try:
-        if is_logger:  # TensorBoard / MLflow / W&B (training.loggers): rank 0 writes, like the records
+        # TensorBoard / MLflow / W&B (training.loggers): rank 0 writes, like the records; with
+        # replicas as fault domains, replica 0's (each is a rank 0 of its own group, and two
+        # writers of one run would duplicate or clash: the steps replica 0 misses while it is
+        # replaced are in the job's records, not in these).
+        if is_logger and (trainer.quorum is None or trainer.quorum.index == 0):
             loggers = open_loggers(spec.model_dump(mode="json"), identity.job_id)
         if hooks.on_trainer is not None:
             hooks.on_trainer(trainer)
