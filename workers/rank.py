@@ -215,6 +215,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
             contract.EVENT_REPLICA_STARTED,
             replica=rank,
             replicas=world,
+            world_size=world,  # Ray's workers in the group, the service's placement (one rank each)
             group=group,
             # How long this process existed before it ran the rank: seconds for one started
             # ahead (a warm process) or for a cold one's own imports alike; read with the

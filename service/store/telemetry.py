@@ -154,6 +154,28 @@ def _apply_events(session: Session, job: Job, events: list[dict], stats: dict, r
             placed = ranks_per_node(event.get(contract.RANKS))
             if placed:  # the scheduler counts where Ray put the ranks, not where it meant them to go
                 job.placement = placed
+        elif kind == contract.EVENT_REPLICA_STARTED and job.state not in FINAL:
+            _place_replica(job, event, stats)
+
+
+def _place_replica(job: Job, event: dict, stats: dict) -> None:
+    """replace_replica: each rank (a replica's, or a replacement's) reports its own start, with
+    no ranks_started for the group. The newest node of every rank is kept in the job's stats;
+    once each of the group's ranks has reported, the placement the scheduler counts is theirs
+    (a replacement Ray put on another node moves its rank there)."""
+    world = event.get("world_size", event.get("replicas"))
+    ranks = event.get(contract.RANKS)
+    if not isinstance(world, int) or not ranks_per_node(ranks):
+        return
+    nodes = dict(stats.get("rank_nodes") or {})
+    for r in ranks:
+        if isinstance(r.get("rank"), int):
+            nodes[str(r["rank"])] = r["node_id"]
+    # A group of another size (an elastic resize) starts a new map.
+    nodes = {k: v for k, v in nodes.items() if int(k) < world}
+    stats["rank_nodes"] = nodes
+    if len(nodes) == world:
+        job.placement = ranks_per_node([{"node_id": n} for n in nodes.values()])
 
 
 def ranks_per_node(ranks: Any) -> dict[str, int] | None:

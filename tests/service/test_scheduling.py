@@ -373,6 +373,35 @@ def test_an_elastic_job_shrinks_for_an_urgent_one_and_grows_back(start_env, fake
     ).text
 
 
+def test_replicas_started_one_by_one_move_the_placement_with_their_replacements(start_env, fake):
+    """replace_replica: no ranks_started; each replica reports its own start, and a replacement
+    Ray put on another node moves that replica's rank there in what the scheduler counts."""
+    env = start_env(fake)
+    scheduled(env)
+    a = submit(env, spec("a", ranks=2))
+    env.wait_state(a, "starting")
+    ((meant, _),) = events(env, a, "admitted")[0]["data"]["placement"].items()
+    other = next(n.id for n in NODES if n.id != meant)
+
+    def started(eid: str, rank: int, node: str) -> None:
+        event = {"kind": "replica_started", "id": eid, "replica": rank, "world_size": 2,
+                 "ranks": [{"rank": rank, "node_id": node, "pid": 100 + rank}]}
+        with env.client("admin") as c:
+            r = c.post(f"/v1/internal/jobs/{a}/telemetry", json={"events": [event]})
+        assert r.status_code == 200, r.text
+
+    def placement():
+        with env.server.ctx.sessions() as s:
+            return s.scalars(select(Job.placement).where(Job.id == a)).one()
+
+    started("r0", 0, meant)
+    assert placement() == {meant: 2}  # one replica reported: the admission's placement stands
+    started("r1", 1, meant)
+    assert placement() == {meant: 2}
+    started("r1-again", 1, other)  # replica 1 replaced on another node
+    assert placement() == {meant: 1, other: 1}
+
+
 def test_the_scheduler_counts_where_ray_put_the_ranks(start_env, fake):
     """The admission says where a job should go; its ranks_started event says where Ray put it,
     and from then on the scheduler counts that (a rank group Ray placed elsewhere, or an
