@@ -36,10 +36,10 @@ SPEC = {
 }
 
 
-def _replica(index: int, count: int, lighthouse: str, outdir: str) -> None:
+def _replica(index: int, count: int, lighthouse: str, outdir: str, spec: dict | None = None) -> None:
     """One replica: a one-rank gloo group on a free port, the quorum, the engine's loop. It writes
     what it saw to a file of its own (a multiprocessing queue shared with a process that is then
-    SIGKILLed can stay locked for every other writer)."""
+    SIGKILLed can stay locked for every other writer). `spec`: SPEC unless given."""
     import json
 
     import torch
@@ -71,16 +71,18 @@ def _replica(index: int, count: int, lighthouse: str, outdir: str) -> None:
 
     def on_record(r: dict) -> None:
         out.put(("record", index, pid, r["iteration"], r["replicas"], time.time()))
-        if r["iteration"] == ITERS:  # the state after the last step (before the loop tears down)
+        if r["iteration"] == (spec or SPEC)["training"]["train_iters"]:  # the state after the last step
             final["digest"] = quorum.state_digest()
 
     def on_event(e: dict) -> None:
         if e["kind"] in ("replica_rejoined", "replica_lost"):
             out.put(("event", index, pid, e))
 
+    spec = spec or SPEC
+    iters = spec["training"]["train_iters"]
     out.put(("started", index, pid))
-    train_rank(SPEC, quiet=True, hooks=RankHooks(on_record=on_record, on_event=on_event, quorum=quorum))
-    out.put(("done", index, pid, ITERS if final else None, final.get("digest")))
+    train_rank(spec, quiet=True, hooks=RankHooks(on_record=on_record, on_event=on_event, quorum=quorum))
+    out.put(("done", index, pid, iters if final else None, final.get("digest")))
 
 
 def test_ten_kills_in_a_row_neither_stop_the_survivor_nor_deadlock(tmp_path):
@@ -154,3 +156,67 @@ def test_ten_kills_in_a_row_neither_stop_the_survivor_nor_deadlock(tmp_path):
     alone = [m for m in messages if m[0] == "record" and m[1] == 0 and m[4] == 1]
     assert alone, "the survivor never stepped alone"
     assert len(kills) == KILLS and kills == sorted(kills)
+
+
+def _alone(spec: dict) -> None:
+    """The job on one rank without a quorum (restart_group): a checkpoint to resume from."""
+    import torch.distributed as dist
+
+    from engine.launcher import free_port
+    from engine.train_loop import train_rank
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    train_rank(spec, quiet=True)
+
+
+def test_a_replica_resumed_from_an_older_checkpoint_heals_from_the_newer_one(tmp_path):
+    """Both replicas dead at once (or a replacement that built before a newer checkpoint was
+    committed): each resumes whatever checkpoint it finds. The quorum must see who is behind by
+    the iteration it trains, not by the steps its process took: replica 1, which found none, heals
+    from replica 0 (resumed at iteration 6) and the two end equal. Only replica 0 writes the
+    TensorBoard run (each replica is rank 0 of its own group)."""
+    from torchft.coordination import LighthouseServer
+
+    def spec(folder: str, iters: int, **resilience) -> dict:
+        out = json.loads(json.dumps(SPEC))
+        out["training"].update(train_iters=iters, loggers=["tensorboard"])
+        out["checkpoint"] = {"path": str(tmp_path / folder), "interval": 1000}
+        out["resilience"] = resilience or out["resilience"]
+        return out
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "engine.device", "engine.train_loop"])
+    ahead = ctx.Process(target=_alone, args=(spec("a", 6, on_rank_failure="restart_group"),))
+    ahead.start()
+    ahead.join(120)
+    assert ahead.exitcode == 0
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=500, quorum_tick_ms=20, heartbeat_timeout_ms=500
+    )
+    out = tmp_path / "out"
+    out.mkdir()
+    procs = [
+        ctx.Process(target=_replica, args=(i, 2, lighthouse.address(), str(out), spec(folder, 12)), daemon=True)
+        for i, folder in enumerate(("a", "b"))
+    ]
+    try:
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+        lighthouse.shutdown()
+    messages = [json.loads(line) for f in sorted(out.glob("*.jsonl")) for line in f.read_text().splitlines()]
+    done = {m[1]: m for m in messages if m[0] == "done"}
+    assert done[0][3] == done[1][3] == 12, done
+    assert done[0][4] == done[1][4], "the replicas ended with different states"
+    healed = [m[3] for m in messages if m[0] == "event" and m[1] == 1 and "heal_s" in m[3]]
+    assert healed and healed[0]["iteration"] == 6, healed
+    first = min(m[3] for m in messages if m[0] == "record" and m[1] == 1)
+    assert first == 7  # replica 1 never trained iterations 1-6 itself
+    # TensorBoard: replica 0's run only (the first launch alone wrote its own there too).
+    assert (tmp_path / "a" / "tensorboard").is_dir() and not (tmp_path / "b" / "tensorboard").exists()
