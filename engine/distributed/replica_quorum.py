@@ -131,12 +131,15 @@ class ReplicaQuorum:
             checkpoint_transport=transport,
             heartbeat_interval=self.heartbeat_interval,
         )
-        # torchft's step is the quorum's measure of who is behind (the replica whose step is below
-        # the quorum's highest heals): it must be the Trainer's iteration, not commits since this
-        # process started. Two replicas that started from different checkpoints (one built
-        # before a newer one was committed, when the last replica died too) would otherwise both
-        # count from 0 and train on different states side by side.
-        self.manager.load_state_dict({"step": trainer.iteration, "batches_committed": 0})
+        # torchft's step is the quorum's measure of who is behind (a replica whose step is below
+        # the quorum's highest heals): it must follow the Trainer's iteration, not the commits
+        # since this process started. Two replicas that started from different checkpoints (one
+        # built before a newer one was committed, when the last replica died too) would
+        # otherwise both count from 0 and train on different states side by side. One below the
+        # iteration: a replacement that resumed the checkpoint of the survivors' very step still
+        # heals from them (a live peer's state, and its digest, rather than trusting that the
+        # checkpoint equals it), while replicas that all start from one checkpoint stay equal.
+        self.manager.load_state_dict({"step": max(0, trainer.iteration - 1), "batches_committed": 0})
         self.joined_at = time.time()
         # Until this replica's first committed step, a step needs every replica (a job's start
         # waits for all of them, not for the first one built); after that, or once
