@@ -23,10 +23,21 @@ must find each other again every time one of them is new. They do it here:
    for every group rank), or at the rendezvous. So each rank watches its peers from the start:
    a posted receive from every peer on a gloo group of its own fails the moment that peer's
    process dies, and a poll of the rendezvous notices a newer round of its own replica (a node
-   lost without a TCP reset). Either way the rank exits (`on_lost`, default `os._exit`), so the
-   launcher replaces it as well and the replica is formed anew, healing from a live replica.
-   A rank that finished cleanly says goodbye on that group first (`close`), so its peers'
-   watchers end without a failure.
+   lost without a TCP reset). Then the rank leaves the quorum at once (`on_lost` hooks: its
+   torchft Manager stops, so the other replicas stop waiting for this one), waits until the
+   dead peer's replacement has joined the next round (at most `replace_wait_s`) and exits
+   (`exit_process`), so the launcher replaces it as well and the new round heals from a live
+   replica. A rank whose main thread failed meanwhile (a collective with the dead peer) holds
+   there (`hold_if_lost`) instead of failing at once.
+
+   Why wait for the replacement before exiting: Ray 2.60's controller replaces failed replica
+   groups one by one, and while replacing the first it asks every other group that has not been
+   replaced yet to clear its results, which fails on a second dead one and ends the attempt
+   (worker_group.py `_replace_replica_group_impl`: `ray.get(clear_tasks)`). Two ranks of a
+   replica dying within one health-check poll (a lost node) still end the attempt: the job
+   then restarts the whole group (`restart_group`'s path) from the newest checkpoint.
+4. A rank that finished cleanly says goodbye on the watchers' group first (`close`), so its
+   peers' watchers end without a failure.
 """
 
 from __future__ import annotations
@@ -38,10 +49,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol
+from functools import partial
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported where it is used: `ReplicaRounds` is hosted by the job registry actor,
+# which has no other use for it.
 
 # The round a rank belongs to is checked this often (the rendezvous poll; a dead peer's socket
 # is noticed at once, without it).
@@ -105,12 +120,25 @@ class ReplicaMembership:
     store: Any = field(repr=False, default=None)
     liveness: Any = field(repr=False, default=None)
     closing: threading.Event = field(default_factory=threading.Event)
+    lost: threading.Event = field(default_factory=threading.Event)  # a peer of this round is gone
+    # Called (once, from a watcher) when the round lost a member: what must stop at once (this
+    # rank's torchft Manager: the other replicas must not wait for this one).
+    on_lost: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _threads: list[threading.Thread] = field(default_factory=list, repr=False)
+    _lost_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def replica_id(self) -> str:
         """torchft's replica id of this replica in this round (the same on its ranks)."""
         return f"replica{self.replica}-{self.round}"
+
+    def hold_if_lost(self, grace_s: float = 2.0) -> None:
+        """The main thread failed: when a peer of this round is gone (or is noticed gone within
+        `grace_s`), block: the watcher ends the process once the peer was replaced (see the
+        module docstring for why not at once). Returns when no peer is lost (a failure of its own)."""
+        if self.lost.wait(grace_s):
+            while True:
+                time.sleep(60)
 
     def close(self) -> None:
         """A clean end: stop watching, and tell every peer (its watcher of this rank ends quietly)."""
@@ -119,6 +147,8 @@ class ReplicaMembership:
         self.closing.set()
         if self.liveness is None:
             return
+        import torch
+
         bye = torch.ones(1)
         works = []
         for peer in range(self.size):
@@ -134,7 +164,8 @@ class ReplicaMembership:
                 pass
 
 
-def _default_on_lost(message: str) -> None:
+def exit_process(message: str) -> None:
+    """The default end of a rank whose replica lost a member."""
     print(f"[elastron] {message}; exiting so that this rank is replaced too", file=sys.stderr, flush=True)
     os._exit(75)
 
@@ -149,13 +180,16 @@ def form_replica_group(
     host: str,
     timeout: timedelta,
     setup_timeout_s: float = 600.0,
-    on_lost: Callable[[str], None] | None = None,
+    replace_wait_s: float = 60.0,
+    exit: Callable[[str], None] = exit_process,
 ) -> ReplicaMembership:
     """Join replica `replica` as `shard_rank` of `size`, wait for its round to be complete and
     make the round's process group the default one (the launcher's default group, if any, is
-    destroyed first). `on_lost(message)` is called from a watcher thread when a peer of the
-    round dies or the round is superseded; it must end the process."""
-    on_lost = on_lost or _default_on_lost
+    destroyed first). When a peer of the round dies or the round is superseded, a watcher runs
+    the membership's `on_lost` hooks, waits for the dead peer's replacement (at most
+    `replace_wait_s`) and calls `exit(message)`, which must end the process."""
+    import torch.distributed as dist
+
     store = None
     address = None
     if shard_rank == 0:
@@ -180,6 +214,7 @@ def form_replica_group(
     if store is None:
         store = dist.TCPStore(store_addr, store_port, is_master=False, wait_for_workers=False, timeout=timeout)
     membership = ReplicaMembership(replica, shard_rank, size, number, store_addr, store_port, store)
+    on_lost = partial(_lose, membership, rounds, replace_wait_s, exit)
     _watch_round(membership, rounds, on_lost)
     if dist.is_initialized():
         dist.destroy_process_group()
@@ -194,6 +229,27 @@ def form_replica_group(
         if peer != shard_rank:
             _watch_peer(membership, peer, on_lost)
     return membership
+
+
+def _lose(m: ReplicaMembership, rounds: RoundsClient, wait_s: float, exit: Callable[[str], None], message: str) -> None:
+    with m._lost_lock:
+        if m.lost.is_set() or m.closing.is_set():
+            return
+        m.lost.set()
+    for hook in m.on_lost:
+        try:
+            hook()
+        except Exception:  # noqa: BLE001 - leaving the quorum failed: the exit below ends it anyway
+            pass
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            if rounds.round(m.replica, m.round)["superseded"]:
+                break
+        except Exception:  # noqa: BLE001 - the rendezvous' host is busy or gone: keep the bound
+            pass
+        time.sleep(0.05)
+    exit(message)
 
 
 def _watch_round(m: ReplicaMembership, rounds: RoundsClient, on_lost: Callable[[str], None]) -> None:
@@ -213,6 +269,8 @@ def _watch_round(m: ReplicaMembership, rounds: RoundsClient, on_lost: Callable[[
 
 
 def _watch_peer(m: ReplicaMembership, peer: int, on_lost: Callable[[str], None]) -> None:
+    import torch
+
     buf = torch.zeros(1)
     work = m.liveness.recv([buf], peer, _BYE_TAG)
 

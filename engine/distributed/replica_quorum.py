@@ -143,6 +143,8 @@ class ReplicaQuorum:
             checkpoint_transport=transport,
             heartbeat_interval=self.heartbeat_interval,
         )
+        if self.group is not None:  # a peer of this replica died: leave the quorum at once
+            self.group.on_lost.append(self.shutdown)
         self.joined_at = time.time()
         # Until this replica's first committed step, a step needs every replica (a job's start
         # waits for all of them, not for the first one built); after that, or once
@@ -296,6 +298,7 @@ class ReplicaQuorum:
         return statistics.median(self._step_times[-50:]) if self._step_times else None
 
     def shutdown(self) -> None:
-        if self.manager is not None:
-            self.manager.shutdown(wait=False)
-            self.manager = None
+        """Leave the quorum (the loop's end, or a watcher's: replica_group.py)."""
+        manager, self.manager = self.manager, None
+        if manager is not None:
+            manager.shutdown(wait=False)

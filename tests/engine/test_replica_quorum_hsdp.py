@@ -99,9 +99,15 @@ def _rank(replica: int, shard: int, lighthouse: str, rounds_at: tuple, outdir: s
         if e["kind"] in ("replica_rejoined", "replica_lost"):
             put("event", replica, shard, pid, e)
 
-    train_rank(
-        replica_job(resolve_job(SPEC)), quiet=True, hooks=RankHooks(on_record=on_record, on_event=on_event, quorum=quorum)
-    )
+    try:
+        train_rank(
+            replica_job(resolve_job(SPEC)),
+            quiet=True,
+            hooks=RankHooks(on_record=on_record, on_event=on_event, quorum=quorum),
+        )
+    except BaseException:
+        group.hold_if_lost()  # as workers/rank.py: exit once the dead peer was replaced
+        raise
     group.close()
     put("done", replica, shard, pid, _Quorum.final.get("digest"))
 
