@@ -13,8 +13,9 @@ Ray 2.60's replica groups have one worker each (its WorkerGroup builds them with
 `replica_group_size=1`), so Ray replaces single workers: each gets Ray's one-rank process group,
 which a replica of S > 1 ranks replaces with its own, formed by rounds through the job registry
 (`form_replica`, engine/distributed/replica_group.py). When one rank of such a replica dies, its
-peers exit at once (their watchers), Ray replaces them as well, and the new round heals from a
-live replica.
+peers notice at once (their watchers), leave the quorum and exit as soon as the dead rank's
+replacement has joined (Ray 2.60 cannot replace two failed replica groups of one poll); Ray
+replaces them as well, and the new round heals from a live replica.
 """
 
 from __future__ import annotations

@@ -248,3 +248,20 @@ def test_hsdp_replica_loses_a_rank_the_other_replica_goes_on_and_the_rebuilt_one
     got = [together[i][6] for i in first]
     assert first == list(range(1, len(first) + 1))
     assert got == pytest.approx(reference[: len(got)], rel=1e-6, abs=1e-6)
+
+
+def test_rounds_a_rejoining_shard_rank_starts_the_next_round_and_supersedes_the_last():
+    from engine.distributed.replica_group import ReplicaRounds
+
+    rounds = ReplicaRounds()
+    assert rounds.join(1, 1, 2, None) == 0
+    assert not rounds.round(1, 0)["complete"]
+    assert rounds.join(1, 0, 2, ("h", 5)) == 0
+    assert rounds.round(1, 0) == {"complete": True, "superseded": False, "store": ("h", 5)}
+    assert rounds.join(0, 0, 2, ("g", 6)) == 0  # replicas are independent
+    # Shard rank 1 died and its replacement joins: a new round, the old one is superseded.
+    assert rounds.join(1, 1, 2, None) == 1
+    assert rounds.round(1, 0)["superseded"] and not rounds.round(1, 1)["complete"]
+    assert rounds.join(1, 0, 2, ("h", 7)) == 1
+    assert rounds.round(1, 1) == {"complete": True, "superseded": False, "store": ("h", 7)}
+    assert rounds.round(1, 5) == {"complete": False, "superseded": False, "store": None}
