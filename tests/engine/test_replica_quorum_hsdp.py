@@ -3,9 +3,10 @@ replica_quorum.py): two replicas of two ranks each (HSDP 2x2, ZeRO-1 inside each
 rank a process of its own on gloo, the rendezvous of rounds served from this process (as the job
 registry does on Ray), torchft's Lighthouse here too.
 
-SIGKILL one rank of replica 1: its peer in replica 1 exits by itself (no hang), replica 0 keeps
-stepping alone, the two replacements (started as Ray would: one right after the kill, one once
-the peer is gone) form a new round, heal rank for rank from replica 0 and rejoin; both replicas
+SIGKILL one rank of replica 1 (shard rank 0: its store and torchft server die with it): its peer
+in replica 1 leaves the quorum and exits by itself once the dead rank's replacement joined (no
+hang), replica 0 keeps stepping alone, the two replacements (started as Ray would: one right
+after the kill, one once the peer is gone) form a new round, heal rank for rank from replica 0 and rejoin; both replicas
 end bitwise equal shard rank for shard rank. Before the kill, the run's losses equal the plain
 HSDP 2x2 engine run's (the same data per rank, grads averaged over the same four ranks).
 About 15 s on 2 cores.
@@ -198,16 +199,18 @@ def test_hsdp_replica_loses_a_rank_the_other_replica_goes_on_and_the_rebuilt_one
             for s in range(S):
                 start(r, s)
         drain(lambda: reached(0) >= KILL_AT, what=f"iteration {KILL_AT}")
-        victim, peer = procs[(1, 1)][0], procs[(1, 0)][0]
+        # Shard rank 0: the one that hosts the replica's store and its torchft ManagerServer
+        # (tests/workers/test_ray_replace_replica_hsdp.py kills shard rank 1).
+        victim, peer = procs[(1, 0)][0], procs[(1, 1)][0]
         before = reached(0)
         killed_at = time.monotonic()
         os.kill(victim.pid, signal.SIGKILL)
         victim.join(10)
-        start(1, 1)  # Ray replaces the dead worker at once
+        start(1, 0)  # Ray replaces the dead worker at once
         peer.join(15)
         peer_exit_s = time.monotonic() - killed_at
         assert peer.exitcode is not None, "replica 1's surviving rank hung instead of exiting"
-        start(1, 0)  # and then the one that exited
+        start(1, 1)  # and then the one that exited once its peer's replacement had joined
         drain(lambda: reached(0) > before + 3, what="replica 0 stepping on")
         drain(
             lambda: sum(m[0] == "done" for m in messages) == 2 * S,
