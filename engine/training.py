@@ -33,6 +33,7 @@ from engine.checkpointing.stateful import (
 from engine.data.builder import build_datasets
 from engine.data.tokenizer import build_tokenizer
 from engine.distributed.finalize_grads import finalize_model_grads
+from engine.distributed.replica_group import shard_grad_views
 from engine.energy_monitor import EnergyMonitor
 from engine.evaluation import evaluate
 from engine.flops import mfu, model_flops_per_iteration, peak_flops
@@ -125,8 +126,13 @@ class Trainer:
         )
         self.last_mtp_loss: float | None = None
         self.quorum = quorum
-        # The data this rank reads: a replica reads as data-parallel rank `index` of `count`.
-        data_dp = (quorum.count, quorum.index) if quorum is not None else (self.dp_size, self.dp_rank)
+        # The data this rank reads: a replica's rank reads as data-parallel rank
+        # index * S + shard rank of count * S (S: the replica's ranks, its DP group here).
+        data_dp = (
+            (quorum.count * self.dp_size, quorum.index * self.dp_size + self.dp_rank)
+            if quorum is not None
+            else (self.dp_size, self.dp_rank)
+        )
         self.microbatches = MicrobatchCalculator.from_spec(t, data_dp[0])
         datasets = build_datasets(
             spec,
@@ -245,7 +251,7 @@ class Trainer:
         if self.checkpointer is None or c.path is None:
             return False
         if self.quorum is not None and self.quorum.participating_rank != 0:
-            return False  # one replica writes the job's checkpoint (each holds the whole state)
+            return False  # one replica writes the job's checkpoint (each holds the whole state over its ranks)
         last = self.iteration == self.spec.training.train_iters
         if last or (c.interval is not None and self.iteration % c.interval == 0):
             self.phase = "checkpoint-save"
@@ -337,7 +343,7 @@ class Trainer:
             self.timers("grads-finalize", 1).start()
             finalize_model_grads(self.ddp_chunks)
             if self.quorum is not None:  # the reduction over replicas: the managed group
-                loss = self.quorum.reduce([d.grad_buffer for d in self.ddp_chunks], loss)
+                loss = self.quorum.reduce(shard_grad_views(self.ddp_chunks), loss)
             self.timers("grads-finalize", 1).stop()
             rsm.validate_result(loss, is_nan_or_inf, "loss is NaN or Inf")
             if res.spike_threshold is not None:

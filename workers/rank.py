@@ -26,6 +26,11 @@ call this function:
    sending the `recovered` event with its phases;
 7. returns rank 0's last record, which the driver reports as the job's outcome.
 
+With `resilience.on_rank_failure: replace_replica` each rank belongs to a data-parallel replica
+(workers/replicas.py): the engine runs the replica's job on the replica's own process group
+(Ray's one-rank group, or for HSDP replicas of S ranks a group formed through the job registry,
+which replaces Ray's) and takes part in the job's torchft quorum (`ReplicaQuorum`).
+
 The job arrives typed and resolved (`engine.jobspec.ResolvedJob`, made once by the driver);
 only an elastic group of another size resolves it again, on its rank count.
 """
@@ -160,7 +165,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     from engine.rank_hooks import RankHooks, RankIdentity
     from engine.train_loop import train_rank
     from engine.watchdog import StepWatchdog
-    from workers.replicas import replace_replica, replica_job
+    from workers.replicas import form_replica, replace_replica, replica_job, replica_size
     from workers.snapshots import HolderStore, SnapshotPusher
     from workers.telemetry import TelemetrySender
     from workers.warm_processes import prestart_after_first_step, process_was_warm, warm_restart_enabled
@@ -172,11 +177,17 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     hardware = _bind_device(config["device"], ctx.get_local_world_size())
     job: ResolvedJob = config["job"]
-    # replace_replica: this rank is one data-parallel replica (`rank` of `world`) on a process
-    # group of its own (workers/replicas.py); the engine sees a one-rank job.
+    # replace_replica: this rank is shard rank `shard` of data-parallel replica `replica` (of
+    # `count`), which runs on a process group of its own (workers/replicas.py); the engine sees
+    # a job of the replica's ranks (one, or HSDP's shard group).
     replicas = replace_replica(job.spec)
+    size = replica_size(job.spec) if replicas else 1
+    replica, shard, count = rank // size, rank % size, world // size
     identity = RankIdentity(
-        node_id=hardware, job_id=job_id, rank=0 if replicas else rank, world_size=1 if replicas else world
+        node_id=hardware,
+        job_id=job_id,
+        rank=shard if replicas else rank,
+        world_size=size if replicas else world,
     )
 
     me = {
@@ -192,6 +203,18 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     group = None  # this worker group's number in the job (restarts and resizes each start one)
     if rank == 0 and registry is not None:
         group = ray.get(registry.group_started.remote(attempt, everyone))
+
+    # Closed over by the replica's watchers (a peer gone: this rank exits too, its telemetry
+    # delivered first where it can be).
+    lost = SimpleNamespace(sender=None)
+    membership = form_replica(registry, replica, shard, size, config, lost) if replicas and size > 1 else None
+    if membership is not None and config["device"] == "cpu":
+        # Ray's replica groups each count one local rank, so _bind_device gave this rank every
+        # core of the node; its replica's ranks share them: the CPUs Ray assigned it.
+        import torch
+
+        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
+        torch.set_num_threads(max(1, int(cpus)))
 
     if replicas:
         job, dp = replica_job(job), world
@@ -210,13 +233,15 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
         event_defaults={"attempt": attempt},
     )
     sender.start()
+    lost.sender = sender
     if replicas:  # each replica's start (a replaced one: in a warm process or not)
         sender.event(
             contract.EVENT_REPLICA_STARTED,
-            replica=rank,
-            replicas=world,
+            replica=replica,
+            replicas=count,
             world_size=world,  # Ray's workers in the group, the service's placement (one rank each)
             group=group,
+            **({"shard_rank": shard, "round": membership.round} if membership is not None else {}),
             # How long this process existed before it ran the rank: seconds for one started
             # ahead (a warm process) or for a cold one's own imports alike; read with the
             # replacement's start time, which only the controller knows.
@@ -256,8 +281,9 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     # replace_replica: a replaced replica heals from a live peer instead of a snapshot.
     quorum = (
         ReplicaQuorum(
-            rank,
-            world,
+            replica,
+            count,
+            group=membership,
             timeout_s=min(60.0, spec.resilience.step_timeout_s),
             startup_wait_s=config.get("setup_timeout_s", 600.0),
             peers_finished=lambda: _replicas_ended(registry, attempt),
@@ -381,6 +407,12 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
         finished = True
         if replicas and registry is not None:  # a replacement still joining must not wait for us
             registry.replica_ended.remote(attempt, records[-1]["iteration"] if records else 0)
+        if membership is not None:  # its peers' watchers of this rank end quietly
+            membership.close()
+    except BaseException:
+        if membership is not None:  # a peer died: exit once it was replaced (replica_group.py)
+            membership.hold_if_lost()
+        raise
     finally:
         if pusher is not None:
             pusher.wait()

@@ -12,6 +12,9 @@ read from here:
 - `telemetry_settings()`: where to send telemetry, for ranks whose environment does not say.
 - `progress(iteration, ts)` / `last_progress()`: rank 0's newest finished step, so a restart can
   say how many steps it lost.
+- `replica_join(...)` / `replica_round(...)`: `resilience.on_rank_failure: replace_replica` with
+  replicas of several ranks (HSDP): the rendezvous by rounds through which a replica's ranks form
+  their process group again after one of them was replaced (engine/distributed/replica_group.py).
 - `snapshot_holders(node_ids)`: the in-memory snapshots' holder on each node, started here when
   missing, so that the driver's side owns them (workers/snapshots.py): they outlive the ranks and
   die with the driver.
@@ -41,6 +44,7 @@ class JobRegistry:
         self._progress: tuple[int, float] | None = None  # rank 0's newest iteration, when
         self._holders: list[Any] = []  # every snapshot holder handle this actor obtained
         self._replica_ends: dict[int, int] = {}  # replace_replica: attempt -> iteration a replica ended at
+        self._rounds: Any = None  # replace_replica with HSDP: the replicas' rendezvous
 
     def ping(self) -> bool:
         return True
@@ -87,6 +91,17 @@ class JobRegistry:
 
     def replicas_ended(self, attempt: int) -> int | None:
         return self._replica_ends.get(attempt)
+    def replica_join(self, replica: int, shard_rank: int, size: int, address: tuple[str, int] | None) -> int:
+        from engine.distributed.replica_group import ReplicaRounds
+
+        if self._rounds is None:
+            self._rounds = ReplicaRounds()
+        return self._rounds.join(replica, shard_rank, size, address)
+
+    def replica_round(self, replica: int, number: int) -> dict[str, Any]:
+        from engine.distributed.replica_group import ReplicaRounds
+
+        return (self._rounds or ReplicaRounds()).round(replica, number)
 
     def snapshot_holders(self, node_ids: list[str]) -> dict[str, Any]:
         """node id -> handle of this job's snapshot holder there (started by this actor, which

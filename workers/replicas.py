@@ -1,21 +1,41 @@
 """`resilience.on_rank_failure: replace_replica` on Ray: what a job must look like for its
-data-parallel replicas to be fault domains, and the engine job one replica runs.
+data-parallel replicas to be fault domains, the engine job one replica runs, and how a replica
+of several ranks forms its process group.
 
-Ray Train 2.60's replica groups have one worker each (its WorkerGroup builds them with
-`replica_group_size=1`), so a replica is one rank: the job must have no tensor, pipeline,
-context or expert parallelism (HSDP's replica dimension over shard groups of several ranks
-would need replica groups of several workers, which this Ray cannot replace). Each replica
-runs the engine on its own one-rank process group, reading its share of every global batch as
-data-parallel rank `index` of `count` (engine/distributed/replica_quorum.py).
+A replica is data-parallel ranks only: one rank, or with HSDP (`parallel.data_parallel_shard_size`
+S) one shard group of S ranks, so the job must have no tensor, pipeline, context or expert
+parallelism. Replica r is Ray world ranks r*S .. r*S+S-1 (shard rank = world rank % S) and runs
+the engine as a job of S ranks (its DP=S sharding) on a process group of its own; its ranks read
+their share of every global batch as data-parallel ranks r*S + shard rank of replicas*S
+(engine/distributed/replica_quorum.py).
+
+Ray 2.60's replica groups have one worker each (its WorkerGroup builds them with
+`replica_group_size=1`), so Ray replaces single workers: each gets Ray's one-rank process group,
+which a replica of S > 1 ranks replaces with its own, formed by rounds through the job registry
+(`form_replica`, engine/distributed/replica_group.py). When one rank of such a replica dies, its
+peers notice at once (their watchers), leave the quorum and exit as soon as the dead rank's
+replacement has joined (Ray 2.60 cannot replace two failed replica groups of one poll); Ray
+replaces them as well, and the new round heals from a live replica.
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from datetime import timedelta
+from typing import Any
 
 from engine.jobspec import JobSpec, ResolvedJob, resolve_job
 
 
 def replace_replica(spec: JobSpec) -> bool:
     return spec.resilience.on_rank_failure == "replace_replica"
+
+
+def replica_size(spec: JobSpec) -> int:
+    """The ranks of one replica: HSDP's shard group, else one."""
+    return spec.parallel.data_parallel_shard_size or 1
 
 
 def check_replace_replica(spec: JobSpec) -> str | None:
@@ -28,26 +48,80 @@ def check_replace_replica(spec: JobSpec) -> str | None:
     for name in ("tensor", "pipeline", "context", "expert"):
         if getattr(p, name) != 1:
             return (
-                f"{field} needs parallel.{name} = 1 (each data-parallel replica is one rank on Ray 2.60); "
-                f"set parallel.{name}: 1 or resilience.on_rank_failure: restart_group"
+                f"{field} needs parallel.{name} = 1 (a replica is data-parallel ranks only: one, or "
+                f"HSDP's parallel.data_parallel_shard_size); set parallel.{name}: 1 or "
+                "resilience.on_rank_failure: restart_group"
             )
-    if (p.data_parallel_shard_size or 1) != 1:
-        return (
-            f"{field}: replicas of several ranks (HSDP, parallel.data_parallel_shard_size) cannot be replaced "
-            "one by one on Ray 2.60; remove data_parallel_shard_size or use restart_group"
-        )
+    size = replica_size(spec)
     smallest = r.min_ranks if r.elastic and r.min_ranks else r.ranks
-    if smallest < 2:
-        return f"{field} needs at least 2 data-parallel replicas (resources.ranks >= 2); use restart_group"
+    if smallest < 2 * size:
+        need = "resources.ranks >= 2" if size == 1 else f"resources.ranks >= 2 x parallel.data_parallel_shard_size = {2 * size}"
+        return f"{field} needs at least 2 data-parallel replicas ({need}); use restart_group"
     return None
 
 
 def replica_job(job: ResolvedJob) -> ResolvedJob:
-    """The engine job one replica runs: the job on one rank (its own process group)."""
+    """The engine job one replica runs: the job on the replica's ranks (its own process group),
+    sharded over all of them (HSDP's shard group is the replica's whole DP group)."""
     data = job.spec.model_dump(mode="json")
     resources = data["resources"]
-    resources["ranks"] = 1
+    resources["ranks"] = replica_size(job.spec)
     for key in ("min_ranks", "max_ranks"):
         resources.pop(key, None)
     data["parallel"]["data_parallel_shard_size"] = None
     return resolve_job(data)
+
+
+class _RegistryRounds:
+    """The job registry's rendezvous methods, called synchronously (replica_group.RoundsClient)."""
+
+    def __init__(self, registry) -> None:
+        self.registry = registry
+
+    def join(self, replica: int, shard_rank: int, size: int, address) -> int:
+        import ray
+
+        return ray.get(self.registry.replica_join.remote(replica, shard_rank, size, address), timeout=60)
+
+    def round(self, replica: int, number: int) -> dict[str, Any]:
+        import ray
+
+        return ray.get(self.registry.replica_round.remote(replica, number), timeout=10)
+
+
+def form_replica(registry, replica: int, shard: int, size: int, config: dict[str, Any], lost) -> Any:
+    """Replace Ray's one-rank process group of this worker with its replica's (`size` ranks),
+    formed by rounds through the job registry. `lost.sender`: this rank's telemetry sender once
+    there is one, flushed before the process exits because a peer of its round is gone."""
+    import ray
+    import torch.distributed as dist
+
+    from engine.distributed.replica_group import form_replica_group
+
+    if registry is None:
+        raise RuntimeError("replace_replica with data_parallel_shard_size needs the job registry (workers/registry.py)")
+    step_timeout = config["job"].spec.resilience.step_timeout_s
+    setup_timeout = config.get("setup_timeout_s", max(step_timeout, 600.0))
+
+    def exit(message: str) -> None:
+        print(f"[elastron] {message}; exiting so that Ray replaces this rank too", file=sys.stderr, flush=True)
+        if lost.sender is not None:
+            with contextlib.suppress(Exception):
+                lost.sender.flush(1.0)
+        os._exit(75)
+
+    return form_replica_group(
+        _RegistryRounds(registry),
+        replica,
+        shard,
+        size,
+        backend=dist.get_backend(),
+        host=ray.util.get_node_ip_address(),
+        # The driver's process-group timeout (workers/driver.py): the watchdog fires first.
+        timeout=timedelta(seconds=max(setup_timeout, 2 * step_timeout)),
+        setup_timeout_s=setup_timeout,
+        # How long a rank that lost its peer waits for the peer's replacement before it exits
+        # (Ray 2.60 replaces two failed replica groups of one poll badly: replica_group.py).
+        replace_wait_s=60.0,
+        exit=exit,
+    )

@@ -1,9 +1,13 @@
 """Data-parallel replicas as fault domains (`resilience.on_rank_failure: replace_replica`).
 
-Each replica group runs the engine on its own torch process group (its ranks only; today one
-rank, Ray 2.60's replica groups have one worker each), and the data-parallel reduction over
-the replica dimension goes through torchft's managed, reconfigurable process group instead of
-the default group. A `torchft.Manager` per replica agrees a quorum with the others through the
+Each replica group runs the engine on its own torch process group (its ranks only: one rank,
+or HSDP's shard group of S ranks, formed by engine/distributed/replica_group.py), and the
+data-parallel reduction over the replica dimension goes through torchft's managed,
+reconfigurable process group instead of the default group. With S > 1 every rank of a replica
+has a Manager (group rank = its shard rank, world S, the replica's store); each shard rank
+reduces only its own gradient shard, with the same shard rank of the other replicas, heals
+from the same shard rank of a live replica (each rank's snapshot is its own shard state), and
+torchft agrees `should_commit` within the replica. A `torchft.Manager` per replica agrees a quorum with the others through the
 Lighthouse before every step; a replica that died is simply absent from the next quorum (the
 survivors keep stepping), and a replica that joins behind the others is healed before its first
 step from a live peer's state: the Trainer's in-memory snapshot (weights, optimizer, schedule,
@@ -35,6 +39,7 @@ import torch
 from engine.jobspec.contract import EVENT_REPLICA_LOST, EVENT_REPLICA_REJOINED
 
 if TYPE_CHECKING:
+    from engine.distributed.replica_group import ReplicaMembership
     from engine.training import Trainer
 
 # The environment variable Ray Train's TorchftConfig sets in every worker (ray 2.60:
@@ -50,7 +55,9 @@ class ReplicaQuorum:
     Trainer: `attach`, then per step `start_step`, `reduce`, `should_commit`).
 
     `index`/`count`: this replica's slot and the job's replica count (its data shard, as a
-    data-parallel rank of a DP=`count` run); `emit(kind, **fields)` sends an event."""
+    data-parallel rank of a DP=`count` run); `emit(kind, **fields)` sends an event; `group`:
+    the replica's process group when it has several ranks (replica_group.py), whose shard rank
+    this rank is (then it reads as data-parallel rank index*S + shard rank of count*S)."""
 
     def __init__(
         self,
@@ -64,8 +71,12 @@ class ReplicaQuorum:
         emit: Callable[..., Any] | None = None,
         device: torch.device | None = None,
         heartbeat_timeout_ms: int = 500,
+        group: ReplicaMembership | None = None,
     ):
         self.index, self.count = index, count
+        self.group = group
+        self.shard_size = group.size if group is not None else 1
+        self.shard_rank = group.shard_rank if group is not None else 0
         self.timeout_s, self.startup_wait_s = timeout_s, startup_wait_s
         # Whether the job's last step is done (a replacement that started late must not wait for
         # peers that have finished and left): asked only until this replica's first commit.
@@ -121,9 +132,11 @@ class ReplicaQuorum:
             init_sync=False,
             # Heal before the forward pass: the step runs on the peer's state.
             use_async_quorum=False,
-            world_size=1,
-            rank=0,
-            replica_id=f"replica{self.index}-{os.getpid()}",
+            world_size=self.shard_size,
+            rank=self.shard_rank,
+            replica_id=self.group.replica_id if self.group is not None else f"replica{self.index}-{os.getpid()}",
+            store_addr=self.group.store_addr if self.group is not None else None,
+            store_port=self.group.store_port if self.group is not None else None,
             lighthouse_addr=self.lighthouse_addr,
             timeout=timeout,
             quorum_timeout=timeout,
@@ -140,6 +153,8 @@ class ReplicaQuorum:
         # heals from them (a live peer's state, and its digest, rather than trusting that the
         # checkpoint equals it), while replicas that all start from one checkpoint stay equal.
         self.manager.load_state_dict({"step": max(0, trainer.iteration - 1), "batches_committed": 0})
+        if self.group is not None:  # a peer of this replica died: leave the quorum at once
+            self.group.on_lost.append(self.shutdown)
         self.joined_at = time.time()
         # Until this replica's first committed step, a step needs every replica (a job's start
         # waits for all of them, not for the first one built); after that, or once
@@ -165,7 +180,7 @@ class ReplicaQuorum:
     def start_step(self) -> bool:
         """Agree this step's quorum; heal first when this replica is behind it. False when
         this replica joined after its peers finished the job (`job_done`): nothing to train."""
-        if not self._first_commit and self.peers_finished is not None and self.peers_finished():
+        if not self._first_commit and self.peers_finished is not None and self._agreed(self.peers_finished()):
             self.job_done = True
             return False
         self._step_started = time.perf_counter()
@@ -180,10 +195,11 @@ class ReplicaQuorum:
                 iteration=self.trainer.iteration,
                 replicas=n,
                 heal_s=round(time.perf_counter() - healing_from, 3),
+                **self._shard_fields(),
                 state_digest=self.state_digest(),
                 joined_s=round(time.time() - self.joined_at, 3) if self.joined_at else None,
             )
-        elif n < self.replicas and self.participating_rank == 0 and self._first_commit:
+        elif n < self.replicas and self.participating_rank == 0 and self.shard_rank == 0 and self._first_commit:
             self._lost_at = time.time()
             # The stall: from the last committed step to now (the failed step, the quorum without
             # the dead replica) less a normal step.
@@ -196,7 +212,9 @@ class ReplicaQuorum:
                 replicas=n,
                 stall_s=round(stall, 3) if stall is not None else None,
             )
-        elif self._served_heal or (n > self.replicas and self.participating_rank == 0 and self._lost_at is not None):
+        elif self._served_heal or (
+            n > self.replicas and self.participating_rank == 0 and self.shard_rank == 0 and self._lost_at is not None
+        ):
             # The survivors' side, from the one that served the heal: its digest is the one the
             # healed replica must equal. rejoin_s is None when the replacement came back before
             # the survivors had dropped the dead replica (a warm process can: no step alone).
@@ -206,12 +224,26 @@ class ReplicaQuorum:
                 iteration=self.trainer.iteration,
                 replicas=n,
                 rejoin_s=round(time.time() - self._lost_at, 3) if self._lost_at is not None else None,
+                **self._shard_fields(),
                 state_digest=self.state_digest(self._served),
             )
             self._lost_at = None
         self._served_heal, self._served = False, None
         self.replicas = n
         return True
+
+    def _shard_fields(self) -> dict[str, int]:
+        """A replica of several ranks: each rank's event says which shard it is (its digest is
+        of its own shard's state, equal to the same shard rank's of its peer replica)."""
+        return {"shard_rank": self.shard_rank} if self.shard_size > 1 else {}
+
+    def _agreed(self, flag: bool) -> bool:
+        """`flag` on any rank of this replica (its own group, one tiny all-reduce)."""
+        if self.shard_size == 1:
+            return flag
+        t = torch.tensor([1.0 if flag else 0.0], device=self.device)
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+        return bool(t.item() > 0)
 
     def state_digest(self, snap: Any = None) -> str:
         """A digest of every tensor this replica would hand a peer (weights, optimizer state, RNG):
@@ -231,15 +263,29 @@ class ReplicaQuorum:
         return self.manager.participating_rank() if self.manager is not None else None
 
     @torch.no_grad()
-    def reduce(self, grad_buffers: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
-        """Average the grads (in place) and the loss over the quorum's replicas."""
-        works = [self.manager.allreduce(buf) for buf in grad_buffers]
+    def reduce(self, grads: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
+        """Average the grads (in place) and the loss over the quorum's replicas. `grads`: what
+        this rank holds of the reduced gradient (the whole buffers on a one-rank replica; this
+        rank's shard ranges in a replica of several: engine/distributed/replica_group.py's
+        `shard_grad_views`), reduced with the same shard rank of every other replica."""
+        flat = None
+        if len(grads) > 1 and self.shard_size > 1:  # one collective for the shard's ranges
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            works = [self.manager.allreduce(flat)]
+        else:
+            works = [self.manager.allreduce(buf) for buf in grads]
         # The loss and the stop flag in one: its mean over replicas is > 0 when any asked.
-        pair = torch.tensor([float(loss), 1.0 if self.want_stop else 0.0], device=grad_buffers[0].device)
+        pair = torch.tensor([float(loss), 1.0 if self.want_stop else 0.0], device=grads[0].device)
         works.append(self.manager.allreduce(pair))
         for w in works:
             w.wait()
-        self._stop_seen = self._stop_seen or bool(pair[1].item() > 0)
+        if flat is not None:
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
+        # Each shard rank heard its own peers' flags: the replica stops as one.
+        self._stop_seen = self._stop_seen or self._agreed(bool(pair[1].item() > 0))
         return pair[0].to(loss.dtype).reshape(())
 
     def stop_agreed(self, mine: bool) -> bool:
@@ -250,8 +296,9 @@ class ReplicaQuorum:
 
     def should_commit(self) -> bool:
         """Every replica of the quorum reduced successfully: step the optimizer."""
-        ok = self.manager.should_commit()
-        if not self._first_commit and (ok or time.time() - self.joined_at > self.startup_wait_s):
+        ok = self.manager.should_commit()  # agreed by torchft within the replica
+        # The wait for every replica's first step ends on every rank of the replica at once.
+        if not self._first_commit and (ok or self._agreed(time.time() - self.joined_at > self.startup_wait_s)):
             self._first_commit = True
             self.manager._min_replica_size = 1
         if ok:
@@ -263,6 +310,7 @@ class ReplicaQuorum:
         return statistics.median(self._step_times[-50:]) if self._step_times else None
 
     def shutdown(self) -> None:
-        if self.manager is not None:
-            self.manager.shutdown(wait=False)
-            self.manager = None
+        """Leave the quorum (the loop's end, or a watcher's: replica_group.py)."""
+        manager, self.manager = self.manager, None
+        if manager is not None:
+            manager.shutdown(wait=False)

@@ -60,8 +60,11 @@ class ResilienceSpec(_Section):
         "(exact: no step differs from an uninterrupted run). replace_replica (Ray): each data-parallel replica "
         "is a fault domain; the others keep stepping while the failed one is replaced and healed from a live "
         "peer, and the steps taken meanwhile average over fewer replicas (their missing samples are skipped; "
-        "the step record's `replicas` says how many). Needs parallel.tensor, pipeline, context and expert = 1 "
-        "and resources.ranks >= 2; each replacement counts against max_restarts.",
+        "the step record's `replicas` says how many). A replica is one rank, or with "
+        "parallel.data_parallel_shard_size (HSDP) one shard group of that many ranks, which is rebuilt as a "
+        "whole when one of its ranks dies. Needs parallel.tensor, pipeline, context and expert = 1 and at "
+        "least 2 replicas (resources.ranks >= 2 x data_parallel_shard_size); each replaced rank counts "
+        "against max_restarts.",
     )
     replica_heartbeat_timeout_ms: int = Field(
         500,

@@ -129,11 +129,18 @@ def test_jobs_replace_replica_cannot_run_are_refused_naming_the_field():
     assert why() is None
     assert check_replace_replica(parse_job(job(parallel={"tensor": 2}))) is None  # restart_group: no rule
     assert "parallel.tensor" in why(parallel={"tensor": 2})
+    # HSDP: a replica is one shard group (tests/workers/test_ray_replace_replica_hsdp.py); two of them at least.
     hsdp = {"data_parallel_shard_size": 2, "data_parallel_sharding": "optim_grads_params"}
-    assert "data_parallel_shard_size" in why(parallel=hsdp, resources={"ranks": 4}, training={"global_batch_size": 8})
+    assert why(parallel=hsdp, resources={"ranks": 4}, training={"global_batch_size": 8}) is None
+    assert "resources.ranks >= 2 x parallel.data_parallel_shard_size = 4" in why(parallel=hsdp, resources={"ranks": 2})
+    assert "parallel.tensor" in why(parallel={**hsdp, "tensor": 2}, resources={"ranks": 8}, training={"global_batch_size": 8})
     assert "resources.ranks >= 2" in why(resources={"ranks": 1})
     one = replica_job(resolve_job(job(resilience={"on_rank_failure": "replace_replica"})))
     assert one.spec.resources.ranks == 1 and one.data_parallel_size == 1
+    two = replica_job(resolve_job(job(parallel=hsdp, resources={"ranks": 4}, training={"global_batch_size": 8},
+                                      resilience={"on_rank_failure": "replace_replica"})))
+    assert two.spec.resources.ranks == 2 and two.data_parallel_size == 2
+    assert two.spec.parallel.data_parallel_shard_size is None  # sharded over the whole replica
 
 
 def test_the_ray_internals_the_torchft_config_overrides_exist():
