@@ -208,9 +208,10 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     # delivered first where it can be).
     lost = SimpleNamespace(sender=None)
     membership = form_replica(registry, replica, shard, size, config, lost) if replicas and size > 1 else None
-    if membership is not None and config["device"] == "cpu":
+    if replicas and config["device"] == "cpu":
         # Ray's replica groups each count one local rank, so _bind_device gave this rank every
-        # core of the node; its replica's ranks share them: the CPUs Ray assigned it.
+        # core of the node, which the node's other replicas (and a replica's other ranks) share:
+        # the CPUs Ray assigned it.
         import torch
 
         cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
