@@ -59,7 +59,7 @@ Figures (one JSON line each):
 
     python bench/recovery.py [--repeats 1] [--rounds 3] [--iterations 40]
         [--skip recovery|survive|overhead|snapshot_overhead|storage_faults]
-        [--kill-every 30] [--smoke]
+        [--kill-every 30] [--heartbeat-timeout-ms MS ...] [--smoke]
 
 `--smoke`: every figure above, each from the fewest steps, rounds and calls that still make it
 (one round, short jobs, the kill after SMOKE_SETTLE_S): a check that the bench runs, not a
@@ -132,7 +132,7 @@ SMOKE_SETTLE_S = 2.0
 SMOKE_TRAIN_ITERS = {"persistent": 60, "memory": 60}
 # mode survive (replace_replica): replica 1 killed every this many seconds, in a job this long.
 SURVIVE_KILL_EVERY_S = 30.0
-SURVIVE_TRAIN_ITERS = 2000
+SURVIVE_TRAIN_ITERS = 8000  # ~110 s at the SMALL job's ~13 ms step on 2 cores: three kills
 SMOKE_SURVIVE = (2.0, 80, 1)  # one kill
 
 
@@ -782,6 +782,13 @@ def main() -> None:
     parser.add_argument(
         "--kill-every", type=float, default=SURVIVE_KILL_EVERY_S, help="mode survive: seconds between kills"
     )
+    parser.add_argument(
+        "--heartbeat-timeout-ms",
+        type=int,
+        action="append",
+        default=None,
+        help="mode survive: resilience.replica_heartbeat_timeout_ms (repeat it for one survive job each; default the spec's)",
+    )
     parser.add_argument("--smoke", action="store_true", help="every figure from tiny runs: a check that it runs")
     args = parser.parse_args()
     if args.smoke:
@@ -825,12 +832,14 @@ def main() -> None:
 
             if "survive" not in args.skip:
                 for repeat in range(args.repeats):
-                    survive(
-                        receiver,
-                        Path(tmp) / f"survive-{repeat}",
-                        repeat,
-                        *(SMOKE_SURVIVE if args.smoke else (args.kill_every, SURVIVE_TRAIN_ITERS, None)),
-                    )
+                    for hb in args.heartbeat_timeout_ms or [None]:
+                        survive(
+                            receiver,
+                            Path(tmp) / f"survive-{repeat}-{hb}",
+                            repeat,
+                            *(SMOKE_SURVIVE if args.smoke else (args.kill_every, SURVIVE_TRAIN_ITERS, None)),
+                            heartbeat_timeout_ms=hb,
+                        )
             plain = None
             if "snapshot_overhead" not in args.skip:
                 snapshot_work(2 if args.smoke else 30)

@@ -105,6 +105,7 @@ class ReplicaQuorum:
         self._stop_seen = False
         self._served_heal = False  # a peer healed from this replica's state in this quorum
         self._served: Any = None  # the snapshot it healed from
+        self._healed = False  # this step's quorum healed this replica
 
     # ------------------------------------------------------------------ setup
     def attach(self, trainer: Trainer) -> None:
@@ -175,6 +176,7 @@ class ReplicaQuorum:
         blob = state["snapshot"].cpu().numpy().tobytes()
         self.trainer.restore_snapshot(blob)
         self.healed_s = time.perf_counter() - started
+        self._healed = True
 
     # ------------------------------------------------------------------ per step
     def start_step(self) -> bool:
@@ -184,11 +186,12 @@ class ReplicaQuorum:
             self.job_done = True
             return False
         self._step_started = time.perf_counter()
-        before = self.trainer.iteration
+        self._healed = False
         healing_from = time.perf_counter()
         self.manager.start_quorum()
         n = self.manager.num_participants()
-        if self.trainer.iteration != before:  # healed from a peer
+        # Healed from a peer (at the same iteration too: it resumed the checkpoint of that step).
+        if self._healed:
             self.emit(
                 EVENT_REPLICA_REJOINED,
                 replica=self.index,
