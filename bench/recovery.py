@@ -294,7 +294,7 @@ def survive(
     `throughput_kept`. The reference throughput is the same job's own steps in the half interval
     before the first kill (the same job and machine load, no second job; its first seconds also
     pay for starting the warm processes)."""
-    job_id = f"survive-{repeat}"
+    job_id = f"survive-{repeat}-{heartbeat_timeout_ms or 0}"
     spec = json.loads(json.dumps(SMALL))
     spec["checkpoint"]["path"] = str(workdir / "ckpt")
     spec["training"]["train_iters"] = train_iters
