@@ -133,7 +133,7 @@ SMOKE_TRAIN_ITERS = {"persistent": 60, "memory": 60}
 # mode survive (replace_replica): replica 1 killed every this many seconds, in a job this long.
 SURVIVE_KILL_EVERY_S = 30.0
 SURVIVE_TRAIN_ITERS = 8000  # ~110 s at the SMALL job's ~13 ms step on 2 cores: three kills
-SMOKE_SURVIVE = (2.0, 80, 1)  # one kill
+SMOKE_SURVIVE = (2.0, 400, 1)  # one kill, while the job still runs (~13 ms steps on an idle machine)
 
 
 def emit(**fields) -> None:
