@@ -176,7 +176,6 @@ def test_a_replica_resumed_from_an_older_checkpoint_heals_from_the_newer_one(tmp
     the iteration it trains, not by the steps its process took: replica 1, which found none, heals
     from replica 0 (resumed at iteration 6) and the two end equal. Only replica 0 writes the
     TensorBoard run (each replica is rank 0 of its own group)."""
-    from torchft.coordination import LighthouseServer
 
     def spec(folder: str, iters: int, **resilience) -> dict:
         out = json.loads(json.dumps(SPEC))
@@ -191,26 +190,7 @@ def test_a_replica_resumed_from_an_older_checkpoint_heals_from_the_newer_one(tmp
     ahead.start()
     ahead.join(120)
     assert ahead.exitcode == 0
-    lighthouse = LighthouseServer(
-        bind="[::]:0", min_replicas=1, join_timeout_ms=500, quorum_tick_ms=20, heartbeat_timeout_ms=500
-    )
-    out = tmp_path / "out"
-    out.mkdir()
-    procs = [
-        ctx.Process(target=_replica, args=(i, 2, lighthouse.address(), str(out), spec(folder, 12)), daemon=True)
-        for i, folder in enumerate(("a", "b"))
-    ]
-    try:
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        lighthouse.shutdown()
-    messages = [json.loads(line) for f in sorted(out.glob("*.jsonl")) for line in f.read_text().splitlines()]
+    messages = _run_replicas([spec("a", 12), spec("b", 12)], tmp_path / "out")
     done = {m[1]: m for m in messages if m[0] == "done"}
     assert done[0][3] == done[1][3] == 12, done
     assert done[0][4] == done[1][4], "the replicas ended with different states"
@@ -222,8 +202,8 @@ def test_a_replica_resumed_from_an_older_checkpoint_heals_from_the_newer_one(tmp
     assert (tmp_path / "a" / "tensorboard").is_dir() and not (tmp_path / "b" / "tensorboard").exists()
 
 
-def _run_replicas(tmp_path, count: int, spec: dict, outdir) -> list:
-    """`count` replicas of `spec` to its end, with no failure; the messages they wrote."""
+def _run_replicas(specs: list[dict], outdir) -> list:
+    """One replica per spec (of `len(specs)`), each to its end; the messages they wrote."""
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(
@@ -233,8 +213,8 @@ def _run_replicas(tmp_path, count: int, spec: dict, outdir) -> list:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "engine.device", "engine.train_loop"])
     procs = [
-        ctx.Process(target=_replica, args=(i, count, lighthouse.address(), str(outdir), spec), daemon=True)
-        for i in range(count)
+        ctx.Process(target=_replica, args=(i, len(specs), lighthouse.address(), str(outdir), spec), daemon=True)
+        for i, spec in enumerate(specs)
     ]
     try:
         for p in procs:
@@ -269,7 +249,7 @@ def test_replicas_resume_on_another_count_with_the_losses_of_data_parallelism(tm
 
     got = {}
     for count, iters in ((2, 8), (3, 16)):
-        messages = _run_replicas(tmp_path, count, spec("c", iters, 1, "replace_replica"), tmp_path / f"out{count}")
+        messages = _run_replicas([spec("c", iters, 1, "replace_replica")] * count, tmp_path / f"out{count}")
         done = {m[1]: m for m in messages if m[0] == "done"}
         assert sorted(done) == list(range(count)) and {m[3] for m in done.values()} == {iters}, done
         assert len({m[4] for m in done.values()}) == 1, "the replicas ended with different states"
