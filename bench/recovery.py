@@ -59,7 +59,8 @@ Figures (one JSON line each):
 
     python bench/recovery.py [--repeats 1] [--rounds 3] [--iterations 40]
         [--skip recovery|survive|overhead|snapshot_overhead|storage_faults]
-        [--kill-every 30] [--heartbeat-timeout-ms MS ...] [--smoke]
+        [--kill-every 30] [--heartbeat-timeout-ms MS ...] [--survive-job small|medium]
+        [--survive-iters N] [--smoke]
 
 `--smoke`: every figure above, each from the fewest steps, rounds and calls that still make it
 (one round, short jobs, the kill after SMOKE_SETTLE_S): a check that the bench runs, not a
@@ -286,6 +287,7 @@ def survive(
     train_iters: int = SURVIVE_TRAIN_ITERS,
     max_kills: int | None = None,
     heartbeat_timeout_ms: int | None = None,
+    job: str = "small",
 ) -> None:
     """`resilience.on_rank_failure: replace_replica`: the SMALL job (2 replicas, persistent
     checkpoints every 10 steps as in `persistent` mode) with replica 1's rank SIGKILLed every
@@ -294,9 +296,9 @@ def survive(
     `throughput_kept`. The reference throughput is the same job's own steps in the half interval
     before the first kill (the same job and machine load, no second job; its first seconds also
     pay for starting the warm processes)."""
-    job_id = f"survive-{repeat}-{heartbeat_timeout_ms or 0}"
-    spec = json.loads(json.dumps(SMALL))
-    spec["checkpoint"]["path"] = str(workdir / "ckpt")
+    job_id = f"survive-{job}-{repeat}-{heartbeat_timeout_ms or 0}"
+    spec = json.loads(json.dumps(SMALL if job == "small" else MEDIUM))
+    spec["checkpoint"] = {"interval": 10, "path": str(workdir / "ckpt")}
     spec["training"]["train_iters"] = train_iters
     spec["resilience"] = {"on_rank_failure": "replace_replica", "max_restarts": 1000, "warm_restart": True}
     if heartbeat_timeout_ms is not None:
@@ -372,6 +374,7 @@ def survive(
         )
         emit(
             mode="survive",
+            job=job,
             figure="survivor_stall_s",
             value=round(max(around) - median, 3) if around else None,
             at_kill_s=round(max(at_kill) - median, 3) if at_kill else None,
@@ -384,6 +387,7 @@ def survive(
         )
         emit(
             mode="survive",
+            job=job,
             figure="rejoin_s",
             value=round(back["ts"] - killed_at, 2) if back is not None else None,
             replacement_started_s=round(started["ts"] - killed_at, 2) if started else None,
@@ -406,6 +410,7 @@ def survive(
     ref, run = rate(before), rate(after)
     emit(
         mode="survive",
+        job=job,
         figure="throughput_kept",
         value=round(run[0] / ref[0], 3) if ref and run else None,
         steps_kept=round(run[1] / ref[1], 3) if ref and run else None,
@@ -789,6 +794,13 @@ def main() -> None:
         default=None,
         help="mode survive: resilience.replica_heartbeat_timeout_ms (repeat it for one survive job each; default the spec's)",
     )
+    parser.add_argument(
+        "--survive-job",
+        choices=["small", "medium"],
+        default="small",
+        help="mode survive: the SMALL job (~13 ms steps here) or the MEDIUM one (steps ~10x longer)",
+    )
+    parser.add_argument("--survive-iters", type=int, default=SURVIVE_TRAIN_ITERS, help="mode survive: the job's steps")
     parser.add_argument("--smoke", action="store_true", help="every figure from tiny runs: a check that it runs")
     args = parser.parse_args()
     if args.smoke:
@@ -837,8 +849,9 @@ def main() -> None:
                             receiver,
                             Path(tmp) / f"survive-{repeat}-{hb}",
                             repeat,
-                            *(SMOKE_SURVIVE if args.smoke else (args.kill_every, SURVIVE_TRAIN_ITERS, None)),
+                            *(SMOKE_SURVIVE if args.smoke else (args.kill_every, args.survive_iters, None)),
                             heartbeat_timeout_ms=hb,
+                            job=args.survive_job,
                         )
             plain = None
             if "snapshot_overhead" not in args.skip:
