@@ -36,7 +36,9 @@ SPEC = {
 }
 
 
-def _replica(index: int, count: int, lighthouse: str, outdir: str, spec: dict | None = None) -> None:
+def _replica(
+    index: int, count: int, lighthouse: str, outdir: str, spec: dict | None = None, timeout_s: float = 5.0
+) -> None:
     """One replica: a one-rank gloo group on a free port, the quorum, the engine's loop. It writes
     what it saw to a file of its own (a multiprocessing queue shared with a process that is then
     SIGKILLed can stay locked for every other writer). `spec`: SPEC unless given."""
@@ -55,7 +57,7 @@ def _replica(index: int, count: int, lighthouse: str, outdir: str, spec: dict | 
     dist.init_process_group("gloo", rank=0, world_size=1)
     # A replacement killed while it joins can leave the survivor waiting on its store for the
     # manager's timeout: short here (steps take tens of milliseconds), so that costs seconds.
-    quorum = ReplicaQuorum(index, count, lighthouse_addr=lighthouse, timeout_s=5)
+    quorum = ReplicaQuorum(index, count, lighthouse_addr=lighthouse, timeout_s=timeout_s)
     pid = os.getpid()
     sink = open(os.path.join(outdir, f"{index}-{pid}.jsonl"), "a")  # noqa: SIM115 - lives as long as the process
 
@@ -203,7 +205,9 @@ def test_a_replica_resumed_from_an_older_checkpoint_heals_from_the_newer_one(tmp
 
 
 def _run_replicas(specs: list[dict], outdir) -> list:
-    """One replica per spec (of `len(specs)`), each to its end; the messages they wrote."""
+    """One replica per spec (of `len(specs)`), each to its end; the messages they wrote. The
+    quorum waits up to 60 s (not the kill test's 5): on a loaded CI machine the last of three
+    replicas can take longer than 5 s to build, and the others' first quorum then fails."""
     from torchft.coordination import LighthouseServer
 
     lighthouse = LighthouseServer(
@@ -213,7 +217,7 @@ def _run_replicas(specs: list[dict], outdir) -> list:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "engine.device", "engine.train_loop"])
     procs = [
-        ctx.Process(target=_replica, args=(i, len(specs), lighthouse.address(), str(outdir), spec), daemon=True)
+        ctx.Process(target=_replica, args=(i, len(specs), lighthouse.address(), str(outdir), spec, 60.0), daemon=True)
         for i, spec in enumerate(specs)
     ]
     try:

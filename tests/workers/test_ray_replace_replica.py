@@ -22,7 +22,8 @@ from tests.workers.ray_helpers import elastron_train, run
 # Three kills on Ray (each replacement a new Ray worker process: ~5 s apiece on 2 cores once the
 # warm process is used up); ten in a row are tests/engine/test_replica_quorum.py's, without Ray
 # (FT_KILLS=10 FT_ITERS=600 runs ten here).
-ITERS = int(os.environ.get("FT_ITERS", 250))
+# Steps are ~15 ms on an idle 2-core machine: the survivor must outlast the three replacements.
+ITERS = int(os.environ.get("FT_ITERS", 1000))
 KILLS = int(os.environ.get("FT_KILLS", 3))
 
 
