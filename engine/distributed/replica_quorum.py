@@ -278,7 +278,9 @@ class ReplicaQuorum:
         else:
             works = [self.manager.allreduce(buf) for buf in grads]
         # The loss and the stop flag in one: its mean over replicas is > 0 when any asked.
-        pair = torch.tensor([float(loss), 1.0 if self.want_stop else 0.0], device=grads[0].device)
+        # Built on the device: no host sync for the loss (the stop flag below is the step's one).
+        stop = torch.full((1,), 1.0 if self.want_stop else 0.0, device=grads[0].device)
+        pair = torch.cat([loss.detach().reshape(1).float(), stop])
         works.append(self.manager.allreduce(pair))
         for w in works:
             w.wait()
