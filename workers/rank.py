@@ -148,7 +148,7 @@ def _replicas_ended(registry, attempt: int) -> bool:
     if registry is None:
         return False
     try:
-        return ray.get(registry.replicas_ended.remote(attempt), timeout=5) is not None
+        return ray.get(registry.replicas_ended.remote(attempt), timeout=5)
     except Exception:  # noqa: BLE001 - the registry is busy or gone: keep waiting for peers
         return False
 
@@ -407,7 +407,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
         )
         finished = True
         if replicas and registry is not None:  # a replacement still joining must not wait for us
-            registry.replica_ended.remote(attempt, records[-1]["iteration"] if records else 0)
+            registry.replica_ended.remote(attempt)
         if membership is not None:  # its peers' watchers of this rank end quietly
             membership.close()
     except BaseException:

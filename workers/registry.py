@@ -43,7 +43,7 @@ class JobRegistry:
         self._watchdog: list[dict[str, Any]] = []
         self._progress: tuple[int, float] | None = None  # rank 0's newest iteration, when
         self._holders: list[Any] = []  # every snapshot holder handle this actor obtained
-        self._replica_ends: dict[int, int] = {}  # replace_replica: attempt -> iteration a replica ended at
+        self._replicas_ended: set[int] = set()  # replace_replica: attempts whose replicas left the loop
         self._rounds: Any = None  # replace_replica with HSDP: the replicas' rendezvous
 
     def ping(self) -> bool:
@@ -83,14 +83,14 @@ class JobRegistry:
     def last_progress(self) -> int | None:
         return self._progress[0] if self._progress is not None else None
 
-    def replica_ended(self, attempt: int, iteration: int) -> None:
+    def replica_ended(self, attempt: int) -> None:
         """replace_replica: a replica left the training loop on its own (the last step, or a stop
         the quorum agreed on): every replica of the quorum left at that step, so a replacement
         still joining has nothing to train and must not wait for them."""
-        self._replica_ends.setdefault(attempt, iteration)
+        self._replicas_ended.add(attempt)
 
-    def replicas_ended(self, attempt: int) -> int | None:
-        return self._replica_ends.get(attempt)
+    def replicas_ended(self, attempt: int) -> bool:
+        return attempt in self._replicas_ended
     def replica_join(self, replica: int, shard_rank: int, size: int, address: tuple[str, int] | None) -> int:
         from engine.distributed.replica_group import ReplicaRounds
 

@@ -20,10 +20,8 @@ replaces them as well, and the new round heals from a live replica.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from engine.jobspec import JobSpec, ResolvedJob, resolve_job
@@ -96,19 +94,16 @@ def form_replica(registry, replica: int, shard: int, size: int, config: dict[str
     import ray
     import torch.distributed as dist
 
-    from engine.distributed.replica_group import form_replica_group
+    from engine.distributed.replica_group import exit_process, form_replica_group
 
     if registry is None:
         raise RuntimeError("replace_replica with data_parallel_shard_size needs the job registry (workers/registry.py)")
     step_timeout = config["job"].spec.resilience.step_timeout_s
     setup_timeout = config.get("setup_timeout_s", max(step_timeout, 600.0))
 
-    def exit(message: str) -> None:
-        print(f"[elastron] {message}; exiting so that Ray replaces this rank too", file=sys.stderr, flush=True)
+    def flush_telemetry() -> None:
         if lost.sender is not None:
-            with contextlib.suppress(Exception):
-                lost.sender.flush(1.0)
-        os._exit(75)
+            lost.sender.flush(1.0)
 
     return form_replica_group(
         _RegistryRounds(registry),
@@ -123,5 +118,5 @@ def form_replica(registry, replica: int, shard: int, size: int, config: dict[str
         # How long a rank that lost its peer waits for the peer's replacement before it exits
         # (Ray 2.60 replaces two failed replica groups of one poll badly: replica_group.py).
         replace_wait_s=60.0,
-        exit=exit,
+        exit=partial(exit_process, before=flush_telemetry),
     )

@@ -164,9 +164,15 @@ class ReplicaMembership:
                 pass
 
 
-def exit_process(message: str) -> None:
-    """The default end of a rank whose replica lost a member."""
+def exit_process(message: str, before: Callable[[], None] | None = None) -> None:
+    """The end of a rank whose replica lost a member: `before` (e.g. its telemetry flushed), then
+    exit 75 so that the launcher replaces this rank too."""
     print(f"[elastron] {message}; exiting so that this rank is replaced too", file=sys.stderr, flush=True)
+    if before is not None:
+        try:
+            before()
+        except Exception:  # noqa: BLE001 - the exit matters more
+            pass
     os._exit(75)
 
 
