@@ -18,6 +18,7 @@ import time
 
 import pytest
 
+from tests.engine.replica_messages import drain_until, read_messages
 from tests.tiny_jobs import TINY_LLAMA
 
 pytest.importorskip("torchft", reason="torchft (the ray extra) is not installed")
@@ -105,17 +106,7 @@ def test_ten_kills_in_a_row_neither_stop_the_survivor_nor_deadlock(tmp_path):
         return p
 
     def drain(until, timeout_s: float = 60.0):
-        deadline = time.monotonic() + timeout_s
-        while True:
-            messages[:] = [
-                json.loads(line) for f in sorted(tmp_path.glob("*.jsonl")) for line in f.read_text().splitlines()
-                if line.endswith("]")
-            ]
-            if until():
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out; last messages: {messages[-5:]}")
-            time.sleep(0.05)
+        drain_until(tmp_path, messages, until, timeout_s)
 
     def together_after(t: float) -> int:
         return sum(m[0] == "record" and m[1] == 1 and m[4] == 2 and m[5] > t for m in messages)
@@ -230,7 +221,7 @@ def _run_replicas(specs: list[dict], outdir) -> list:
             if p.is_alive():
                 p.kill()
         lighthouse.shutdown()
-    return [json.loads(line) for f in sorted(outdir.glob("*.jsonl")) for line in f.read_text().splitlines()]
+    return read_messages(outdir)
 
 
 def test_replicas_resume_on_another_count_with_the_losses_of_data_parallelism(tmp_path):

@@ -27,6 +27,7 @@ from multiprocessing.managers import BaseManager
 import pytest
 
 from engine.distributed.replica_quorum import ReplicaQuorum
+from tests.engine.replica_messages import drain_until
 from tests.tiny_jobs import TINY_LLAMA
 
 pytest.importorskip("torchft", reason="torchft (the ray extra) is not installed")
@@ -174,19 +175,7 @@ def test_hsdp_replica_loses_a_rank_the_other_replica_goes_on_and_the_rebuilt_one
         return p
 
     def drain(until, timeout_s: float = 60.0, what: str = ""):
-        deadline = time.monotonic() + timeout_s
-        while True:
-            messages[:] = [
-                json.loads(line)
-                for f in sorted(tmp_path.glob("*.jsonl"))
-                for line in f.read_text().splitlines()
-                if line.endswith("]")
-            ]
-            if until():
-                return
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what}; last messages: {messages[-6:]}")
-            time.sleep(0.05)
+        drain_until(tmp_path, messages, until, timeout_s, what)
 
     def records(replica: int) -> list:
         return [m for m in messages if m[0] == "record" and m[1] == replica]
