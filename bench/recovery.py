@@ -23,7 +23,9 @@ Figures (one JSON line each):
   the first kill; `at_kill_s` and `at_rejoin_s` split it), `rejoin_s` (kill -> the first step
   of both replicas after the survivors' first step alone; `replacement_started_s`, `heal_s`);
   over the run: `throughput_kept` (tokens trained per second from the first kill to the end,
-  over the steady half interval before it; `steps_kept` the same for steps).
+  over the same job's uninterrupted run, first in the same bench, from the same moment on;
+  `steps_kept` the same for steps; `vs_before_first_kill` over the run's own half interval
+  before its first kill).
 - snapshot_overhead: the MEDIUM job on Ray without and with `local_interval: N`
   (`--local-interval`, default 1), alternating `--rounds` times (each first in every other round): mean wall seconds per
   steady-state iteration (the snapshot is taken between steps, outside the engine's
@@ -293,9 +295,11 @@ def survive(
     checkpoints every 10 steps as in `persistent` mode) with replica 1's rank SIGKILLed every
     `kill_every_s` seconds (its pid from its `replica_started` event) until the job ends. Replica
     0 survives and reports every step; per kill: `survivor_stall_s`, `rejoin_s`; over the run:
-    `throughput_kept`. The reference throughput is the same job's own steps in the half interval
-    before the first kill (the same job and machine load, no second job; its first seconds also
-    pay for starting the warm processes)."""
+    `throughput_kept`. Its reference is the same job run first without kills, in the same
+    bench: its tokens/s from the same moment on as the first kill of the run with kills (both
+    windows start after the warm processes have started). `vs_before_first_kill` keeps the older
+    reference, the run's own steps in the half interval before the first kill: a window of a few
+    seconds, noisier on a shared machine."""
     job_id = f"survive-{job}-{repeat}-{heartbeat_timeout_ms or 0}"
     spec = json.loads(json.dumps(SMALL if job == "small" else MEDIUM))
     spec["checkpoint"] = {"interval": 10, "path": str(workdir / "ckpt")}
@@ -327,6 +331,11 @@ def survive(
             except ProcessLookupError:
                 kills.pop()
 
+    receiver.records.clear()
+    uninterrupted = run_on_ray(f"{job_id}-ref", spec, str(workdir / "runs-ref"))
+    if uninterrupted.exit_code != 0:
+        raise SystemExit(f"bench: the survive job's uninterrupted reference run failed: {uninterrupted}")
+    reference_recs = sorted(receiver.records, key=lambda r: r["iteration"])
     receiver.records.clear()
     receiver.events.clear()
     killer = threading.Thread(target=kill_periodically, daemon=True)
@@ -407,14 +416,19 @@ def survive(
         wall = rs[-1]["ts"] - rs[0]["ts"]
         return sum(r["tokens"] for r in rs[1:]) / wall, (len(rs) - 1) / wall
 
-    ref, run = rate(before), rate(after)
+    # The uninterrupted run's steps from as long after its first step as the first kill came.
+    offset = kills[0] - recs[0]["ts"]
+    same_window = [r for r in reference_recs if r["ts"] >= reference_recs[0]["ts"] + offset] if reference_recs else []
+    ref, before_rate, run = rate(same_window), rate(before), rate(after)
     emit(
         mode="survive",
         job=job,
         figure="throughput_kept",
         value=round(run[0] / ref[0], 3) if ref and run else None,
         steps_kept=round(run[1] / ref[1], 3) if ref and run else None,
-        tokens_per_s_before=round(ref[0], 1) if ref else None,
+        vs_before_first_kill=round(run[0] / before_rate[0], 3) if before_rate and run else None,
+        tokens_per_s_uninterrupted=round(ref[0], 1) if ref else None,
+        tokens_per_s_before=round(before_rate[0], 1) if before_rate else None,
         tokens_per_s_with_kills=round(run[0], 1) if run else None,
         kill_every_s=kill_every_s,
         heartbeat_timeout_ms=hb,

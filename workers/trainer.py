@@ -24,6 +24,7 @@ or changes its signature, rather than a job failing (or quietly losing a stop si
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -162,31 +163,64 @@ class WarmControllerProcesses(WorkerGroupCallback):
         prestart_later(self.count, self.delay_s)
 
 
+def _set_env(name: str, value: str) -> None:
+    os.environ[name] = value
+
+
+class _LighthouseActor:
+    """The job's Lighthouse with its liveness relay (engine/distributed/lighthouse.py), as a Ray
+    actor: Ray's own LighthouseServerActor hosts torchft's server alone."""
+
+    def __init__(self, lighthouse_kwargs: dict):
+        from engine.distributed.lighthouse import Lighthouse
+
+        self.lighthouse = Lighthouse(**lighthouse_kwargs)
+
+    def address(self) -> str:
+        return self.lighthouse.address()
+
+    def liveness_address(self) -> str:
+        return self.lighthouse.liveness_address()
+
+
 def torchft_config(timeout_s: int, heartbeat_timeout_ms: int = 500):
     """Ray Train's TorchftConfig for `resilience.on_rank_failure: replace_replica`: one torch
     process group per replica group (Ray 2.60: one worker each), the controller replacing only a
-    failed replica group, and torchft's Lighthouse in an actor (engine/distributed/replica_quorum.py
-    is the replicas' side). Our backend differs from Ray's in one thing: the Lighthouse actor asks
-    for no CPU, so it fits on a head node without CPUs (as the driver and the controller do).
+    failed replica group, and the Lighthouse in an actor (engine/distributed/replica_quorum.py
+    is the replicas' side). Our backend differs from Ray's in two things: the Lighthouse actor asks
+    for no CPU, so it fits on a head node without CPUs (as the driver and the controller do), and
+    it is ours: torchft's Lighthouse with the liveness relay, whose address every worker gets in
+    LIVENESS_ENV beside torchft's TORCHFT_LIGHTHOUSE.
 
-    `heartbeat_timeout_ms`: a replica silent this long is out of the next quorum; the survivors'
-    stall after a SIGKILL is about this plus one quorum tick."""
+    `heartbeat_timeout_ms`: a replica whose host goes silent this long is out of the next quorum;
+    one whose process dies is out within the relay's RELAY_TIMEOUT_MS."""
     # Internal: Ray exports TorchftConfig (ray.train.v2.torch) but not its backend; a public
-    # "lighthouse actor options" argument would replace this subclass.
-    from ray.train.v2.torch.torchft_config import LighthouseServerActor, TorchftConfig, _TorchftBackend
+    # "lighthouse actor" argument would replace this subclass.
+    from ray.train.v2.torch.torchft_config import TorchftConfig, _TorchftBackend
+
+    from engine.distributed.lighthouse import LIVENESS_ENV
 
     class _Backend(_TorchftBackend):
         def _maybe_create_lighthouse_actor(self, backend_config) -> str:
             if self.lighthouse_actor is None:
                 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-                self.lighthouse_actor = LighthouseServerActor.options(
-                    num_cpus=0,
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(
-                        node_id=ray.get_runtime_context().get_node_id(), soft=False
-                    ),
-                ).remote(lighthouse_kwargs={"bind": "[::]:0", **backend_config.lighthouse_kwargs})
+                self.lighthouse_actor = (
+                    ray.remote(num_cpus=0, max_restarts=0)(_LighthouseActor)
+                    .options(
+                        scheduling_strategy=NodeAffinitySchedulingStrategy(
+                            node_id=ray.get_runtime_context().get_node_id(), soft=False
+                        ),
+                    )
+                    .remote(backend_config.lighthouse_kwargs)
+                )
             return ray.get(self.lighthouse_actor.address.remote())
+
+        def on_start(self, worker_group, backend_config):
+            self._maybe_create_lighthouse_actor(backend_config)
+            liveness = ray.get(self.lighthouse_actor.liveness_address.remote())
+            worker_group.execute(_set_env, LIVENESS_ENV, liveness)
+            super().on_start(worker_group, backend_config)
 
     class ElastronTorchftConfig(TorchftConfig):
         @property
@@ -194,11 +228,6 @@ def torchft_config(timeout_s: int, heartbeat_timeout_ms: int = 500):
             return _Backend
 
     return ElastronTorchftConfig(
-        lighthouse_kwargs={
-            "min_replicas": 1,
-            "join_timeout_ms": heartbeat_timeout_ms,
-            "quorum_tick_ms": 20,
-            "heartbeat_timeout_ms": heartbeat_timeout_ms,
-        },
+        lighthouse_kwargs={"silent_timeout_ms": heartbeat_timeout_ms, "join_timeout_ms": heartbeat_timeout_ms},
         timeout_s=timeout_s,
     )

@@ -7,12 +7,18 @@ reconfigurable process group instead of the default group. With S > 1 every rank
 has a Manager (group rank = its shard rank, world S, the replica's store); each shard rank
 reduces only its own gradient shard, with the same shard rank of the other replicas, heals
 from the same shard rank of a live replica (each rank's snapshot is its own shard state), and
-torchft agrees `should_commit` within the replica. A `torchft.Manager` per replica agrees a quorum with the others through the
-Lighthouse before every step; a replica that died is simply absent from the next quorum (the
-survivors keep stepping), and a replica that joins behind the others is healed before its first
-step from a live peer's state: the Trainer's in-memory snapshot (weights, optimizer, schedule,
+torchft agrees `should_commit` within the replica. A `torchft.Manager` per replica agrees a
+quorum with the others through the Lighthouse (engine/distributed/lighthouse.py: torchft's, with
+a liveness relay that drops a replica whose process died at once) for every step; a replica
+that died is simply absent from the next quorum (the survivors keep stepping). The quorum is
+asked for at the step's start and answered on torchft's thread while the forward and backward
+run (its asynchronous quorum). A replica that joins behind the others receives a live peer's
+state on that thread meanwhile: the Trainer's in-memory snapshot (weights, optimizer, schedule,
 iteration and consumed samples: the data position; engine/checkpointing/memory.py), sent over
-the managed group (torchft's PGTransport).
+the managed group (torchft's PGTransport). It gives zeros to that step's reduction, loads the
+state after it, and applies the quorum's gradients to it with its optimizer step, as the peers
+do: its own forward and backward of that step, on its old state, are thrown away. The peers wait
+for the transfer only where it outlasts their forward and backward.
 
 What a step with fewer replicas means: the survivors reduce over their own samples only (AVG
 over the quorum's participants); the missing replica's share of that global batch is not
@@ -36,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from engine.distributed.lighthouse import LIVENESS_ENV, LivenessLink
 from engine.jobspec.contract import EVENT_REPLICA_LOST, EVENT_REPLICA_REJOINED
 
 if TYPE_CHECKING:
@@ -68,6 +75,7 @@ class ReplicaQuorum:
         startup_wait_s: float = 120.0,
         peers_finished: Callable[[], bool] | None = None,
         lighthouse_addr: str | None = None,
+        liveness_addr: str | None = None,
         emit: Callable[..., Any] | None = None,
         device: torch.device | None = None,
         heartbeat_timeout_ms: int = 500,
@@ -87,6 +95,10 @@ class ReplicaQuorum:
             raise RuntimeError(
                 f"replace_replica: no torchft Lighthouse address ({LIGHTHOUSE_ENV} is not set)"
             )
+        # The Lighthouse's liveness relay (engine/distributed/lighthouse.py): without one (a bare
+        # torchft Lighthouse) a death is noticed by the heartbeat timeout alone.
+        self.liveness_addr = liveness_addr or os.environ.get(LIVENESS_ENV)
+        self._link: LivenessLink | None = None
         self.emit = emit  # default: the Trainer's event record (attach)
         self.device = device or torch.device("cpu")
         # Five heartbeats per timeout (the Lighthouse's, resilience.replica_heartbeat_timeout_ms):
@@ -105,6 +117,7 @@ class ReplicaQuorum:
         self._stop_seen = False
         self._served_heal = False  # a peer healed from this replica's state in this quorum
         self._served: Any = None  # the snapshot it healed from
+        self._heal_buffer: bytearray | None = None  # what the last snapshot served was captured into
         self._healed = False  # this step's quorum healed this replica
 
     # ------------------------------------------------------------------ setup
@@ -131,8 +144,9 @@ class ReplicaQuorum:
             state_dict=self._state,
             # Replicas start from the same seed or the same checkpoint: no sync at step 0.
             init_sync=False,
-            # Heal before the forward pass: the step runs on the peer's state.
-            use_async_quorum=False,
+            # The quorum and a heal run beside the forward and backward: the survivors do not wait
+            # for a joiner's transfer on top of their step (the joiner sits that step out).
+            use_async_quorum=True,
             world_size=self.shard_size,
             rank=self.shard_rank,
             replica_id=self.group.replica_id if self.group is not None else f"replica{self.index}-{os.getpid()}",
@@ -154,6 +168,11 @@ class ReplicaQuorum:
         # heals from them (a live peer's state, and its digest, rather than trusting that the
         # checkpoint equals it), while replicas that all start from one checkpoint stay equal.
         self.manager.load_state_dict({"step": max(0, trainer.iteration - 1), "batches_committed": 0})
+        if self.liveness_addr and self.shard_rank == 0:  # the rank whose ManagerServer heartbeats
+            from torchft.manager import REPLICA_ID_KEY
+
+            replica_id = self.manager._store.get(REPLICA_ID_KEY).decode()  # with torchft's uuid
+            self._link = LivenessLink(self.liveness_addr, replica_id, self.heartbeat_interval.total_seconds())
         if self.group is not None:  # a peer of this replica died: leave the quorum at once
             self.group.on_lost.append(self.shutdown)
         self.joined_at = time.time()
@@ -165,47 +184,46 @@ class ReplicaQuorum:
         self._first_commit = False
 
     def _state(self) -> dict[str, Any]:
-        # torchft asks for it only to send it to a replica that heals from this one.
+        # torchft asks for it only to send it to a replica that heals from this one. The tensor
+        # is a view of the captured block (no copy: a copy per heal is a pass over the whole
+        # state with the survivors waiting), in a buffer kept for the next heal.
         self._served_heal = True
-        snap = self._served = self.trainer.capture_snapshot()  # its digest goes with replica_rejoined
-        blob = bytearray(snap.to_bytes())
-        return {"snapshot": torch.frombuffer(blob, dtype=torch.uint8)}
+        snap = self._served = self.trainer.capture_snapshot(self._heal_buffer)
+        self._heal_buffer = snap.block.obj if snap.block is not None else None
+        return {"snapshot": torch.frombuffer(snap.seal(), dtype=torch.uint8)}
 
     def _load_state(self, state: dict[str, Any]) -> None:
         started = time.perf_counter()
-        blob = state["snapshot"].cpu().numpy().tobytes()
-        self.trainer.restore_snapshot(blob)
+        # A view of the received tensor, parsed and checked (checksum, rank, layout) in place.
+        self.trainer.restore_snapshot(memoryview(state["snapshot"].cpu().numpy()))
         self.healed_s = time.perf_counter() - started
         self._healed = True
 
     # ------------------------------------------------------------------ per step
     def start_step(self) -> bool:
-        """Agree this step's quorum; heal first when this replica is behind it. False when
-        this replica joined after its peers finished the job (`job_done`): nothing to train."""
+        """Ask for this step's quorum; torchft answers it, and sends or receives a heal, on its
+        own thread while the forward and backward run (`reduce` waits for it). False when this
+        replica joined after its peers finished the job (`job_done`): nothing to train."""
         if not self._first_commit and self.peers_finished is not None and self._agreed(self.peers_finished()):
             self.job_done = True
             return False
         self._step_started = time.perf_counter()
         self._healed = False
-        healing_from = time.perf_counter()
         self.manager.start_quorum()
+        return True
+
+    def _quorum_answered(self) -> None:
+        """The quorum of this step is known: its replicas, and the events its change calls for
+        (the healed replica's own comes from `_heal`, once its state is loaded)."""
+        self.manager.wait_quorum()
+        # Replicas that train this step: a replica healing in it counts from its next step.
         n = self.manager.num_participants()
-        # Healed from a peer (at the same iteration too: it resumed the checkpoint of that step).
-        if self._healed:
-            self.emit(
-                EVENT_REPLICA_REJOINED,
-                replica=self.index,
-                iteration=self.trainer.iteration,
-                replicas=n,
-                heal_s=round(time.perf_counter() - healing_from, 3),
-                **self._shard_fields(),
-                state_digest=self.state_digest(),
-                joined_s=round(time.time() - self.joined_at, 3) if self.joined_at else None,
-            )
+        if self.manager._healing:  # torchft 0.2.0 has no public "healing" flag
+            pass
         elif n < self.replicas and self.participating_rank == 0 and self.shard_rank == 0 and self._first_commit:
             self._lost_at = time.time()
             # The stall: from the last committed step to now (the failed step, the quorum without
-            # the dead replica) less a normal step.
+            # the dead replica, this step's forward and backward) less a normal step.
             median = self.median_step_s() or 0.0
             stall = time.perf_counter() - self._last_commit_at - median if self._last_commit_at else None
             self.emit(
@@ -233,7 +251,26 @@ class ReplicaQuorum:
             self._lost_at = None
         self._served_heal, self._served = False, None
         self.replicas = n
-        return True
+
+    def _heal(self) -> None:
+        """Load the state received from a peer, after this step's reduction (to which this
+        replica gave zeros) and before its optimizer step: the step then applies the quorum's
+        gradients to the peer's state, as the peer does. The forward and backward this replica
+        ran on its old state are thrown away."""
+        self.manager._apply_pending_state_dict()  # calls _load_state; as torchft's own sync path
+        self.manager._healing = False
+        if not self._healed:  # the transfer failed: the step is not committed, the next one heals
+            return
+        self.emit(
+            EVENT_REPLICA_REJOINED,
+            replica=self.index,
+            iteration=self.trainer.iteration,
+            replicas=self.replicas,
+            heal_s=round(time.perf_counter() - self._step_started, 3),
+            **self._shard_fields(),
+            state_digest=self.state_digest(),
+            joined_s=round(time.time() - self.joined_at, 3) if self.joined_at else None,
+        )
 
     def _shard_fields(self) -> dict[str, int]:
         """A replica of several ranks: each rank's event says which shard it is (its digest is
@@ -271,6 +308,7 @@ class ReplicaQuorum:
         this rank holds of the reduced gradient (the whole buffers on a one-rank replica; this
         rank's shard ranges in a replica of several: engine/distributed/replica_group.py's
         `shard_grad_views`), reduced with the same shard rank of every other replica."""
+        self._quorum_answered()
         flat = None
         if len(grads) > 1 and self.shard_size > 1:  # one collective for the shard's ranges
             flat = torch.cat([g.reshape(-1) for g in grads])
@@ -291,6 +329,8 @@ class ReplicaQuorum:
                 offset += g.numel()
         # Each shard rank heard its own peers' flags: the replica stops as one.
         self._stop_seen = self._stop_seen or self._agreed(bool(pair[1].item() > 0))
+        if self.manager._healing:
+            self._heal()
         return pair[0].to(loss.dtype).reshape(())
 
     def stop_agreed(self, mine: bool) -> bool:
@@ -301,9 +341,13 @@ class ReplicaQuorum:
 
     def should_commit(self) -> bool:
         """Every replica of the quorum reduced successfully: step the optimizer."""
+        if not self._first_commit:
+            # A job's first step needs every replica in the quorum, training or healing (torchft
+            # counts only those that train); the wait ends on every rank of the replica at once.
+            waited = self._agreed(time.time() - self.joined_at > self.startup_wait_s)
+            self.manager._min_replica_size = 1 if waited or self._members() >= self.count else self.count
         ok = self.manager.should_commit()  # agreed by torchft within the replica
-        # The wait for every replica's first step ends on every rank of the replica at once.
-        if not self._first_commit and (ok or self._agreed(time.time() - self.joined_at > self.startup_wait_s)):
+        if ok and not self._first_commit:
             self._first_commit = True
             self.manager._min_replica_size = 1
         if ok:
@@ -311,11 +355,21 @@ class ReplicaQuorum:
             self._step_times.append(self._last_commit_at - self._step_started)
         return ok
 
+    def _members(self) -> int:
+        """Replicas in this step's quorum, healing ones included (its process group's size)."""
+        try:
+            return self.manager._pg.size()
+        except (AssertionError, RuntimeError):  # not configured: the quorum failed
+            return 0
+
     def median_step_s(self) -> float | None:
         return statistics.median(self._step_times[-50:]) if self._step_times else None
 
     def shutdown(self) -> None:
         """Leave the quorum (the loop's end, or a watcher's: replica_group.py)."""
         manager, self.manager = self.manager, None
+        link, self._link = self._link, None
+        if link is not None:
+            link.close()
         if manager is not None:
             manager.shutdown(wait=False)

@@ -25,6 +25,7 @@ pytest.importorskip("torchft", reason="torchft (the ray extra) is not installed"
 
 KILLS = 10
 ITERS = 400
+SILENT_MS = 30_000  # a replica silent this long is dropped: far beyond the wait after a kill
 
 SPEC = {
     "name": "quorum",
@@ -38,11 +39,12 @@ SPEC = {
 
 
 def _replica(
-    index: int, count: int, lighthouse: str, outdir: str, spec: dict | None = None, timeout_s: float = 5.0
+    index: int, count: int, lighthouse: tuple[str, str], outdir: str, spec: dict | None = None, timeout_s: float = 5.0
 ) -> None:
     """One replica: a one-rank gloo group on a free port, the quorum, the engine's loop. It writes
     what it saw to a file of its own (a multiprocessing queue shared with a process that is then
-    SIGKILLed can stay locked for every other writer). `spec`: SPEC unless given."""
+    SIGKILLed can stay locked for every other writer). `lighthouse`: torchft's address and the
+    liveness relay's (engine/distributed/lighthouse.py); `spec`: SPEC unless given."""
     import json
 
     import torch
@@ -58,7 +60,9 @@ def _replica(
     dist.init_process_group("gloo", rank=0, world_size=1)
     # A replacement killed while it joins can leave the survivor waiting on its store for the
     # manager's timeout: short here (steps take tens of milliseconds), so that costs seconds.
-    quorum = ReplicaQuorum(index, count, lighthouse_addr=lighthouse, timeout_s=timeout_s)
+    quorum = ReplicaQuorum(
+        index, count, lighthouse_addr=lighthouse[0], liveness_addr=lighthouse[1], timeout_s=timeout_s
+    )
     pid = os.getpid()
     sink = open(os.path.join(outdir, f"{index}-{pid}.jsonl"), "a")  # noqa: SIM115 - lives as long as the process
 
@@ -88,19 +92,24 @@ def _replica(
     out.put(("done", index, pid, iters if final else None, final.get("digest")))
 
 
-def test_ten_kills_in_a_row_neither_stop_the_survivor_nor_deadlock(tmp_path):
-    from torchft.coordination import LighthouseServer
+def _addresses(lighthouse) -> tuple[str, str]:
+    return lighthouse.address(), lighthouse.liveness_address()
 
-    lighthouse = LighthouseServer(
-        bind="[::]:0", min_replicas=1, join_timeout_ms=500, quorum_tick_ms=20, heartbeat_timeout_ms=500
-    )
+
+def test_ten_kills_in_a_row_neither_stop_the_survivor_nor_deadlock(tmp_path):
+    """The Lighthouse would keep a silent replica for SILENT_MS (the job's
+    replica_heartbeat_timeout_ms): the survivor goes on within seconds of each kill only because
+    the killed process's closed connection to the liveness relay ends its heartbeats at once."""
+    from engine.distributed.lighthouse import Lighthouse
+
+    lighthouse = Lighthouse(silent_timeout_ms=SILENT_MS, join_timeout_ms=500)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "engine.device", "engine.train_loop"])
     procs = []
     messages: list = []
 
     def start(index: int):
-        p = ctx.Process(target=_replica, args=(index, 2, lighthouse.address(), str(tmp_path)), daemon=True)
+        p = ctx.Process(target=_replica, args=(index, 2, _addresses(lighthouse), str(tmp_path)), daemon=True)
         p.start()
         procs.append(p)
         return p
@@ -131,7 +140,8 @@ def test_ten_kills_in_a_row_neither_stop_the_survivor_nor_deadlock(tmp_path):
             os.kill(victim.pid, signal.SIGKILL)
             victim.join(10)
             kills.append(reached)
-            drain(lambda r=reached: survivor_iteration() > r + 2, timeout_s=60)  # it goes on
+            # It goes on: well before the Lighthouse would have dropped a silent replica.
+            drain(lambda r=reached: survivor_iteration() > r + 2, timeout_s=SILENT_MS / 1000 / 2)
             victim = start(1)
         assert survivor_iteration() < ITERS, "the survivor finished before the kills did: raise ITERS"
         drain(lambda: sum(m[0] == "done" for m in messages) == 2, timeout_s=120)
@@ -199,16 +209,14 @@ def _run_replicas(specs: list[dict], outdir) -> list:
     """One replica per spec (of `len(specs)`), each to its end; the messages they wrote. The
     quorum waits up to 60 s (not the kill test's 5): on a loaded CI machine the last of three
     replicas can take longer than 5 s to build, and the others' first quorum then fails."""
-    from torchft.coordination import LighthouseServer
+    from engine.distributed.lighthouse import Lighthouse
 
-    lighthouse = LighthouseServer(
-        bind="[::]:0", min_replicas=1, join_timeout_ms=500, quorum_tick_ms=20, heartbeat_timeout_ms=500
-    )
+    lighthouse = Lighthouse(silent_timeout_ms=500)
     outdir.mkdir()
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "engine.device", "engine.train_loop"])
     procs = [
-        ctx.Process(target=_replica, args=(i, len(specs), lighthouse.address(), str(outdir), spec, 60.0), daemon=True)
+        ctx.Process(target=_replica, args=(i, len(specs), _addresses(lighthouse), str(outdir), spec, 60.0), daemon=True)
         for i, spec in enumerate(specs)
     ]
     try:

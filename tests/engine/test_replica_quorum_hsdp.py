@@ -64,7 +64,7 @@ class _Quorum(ReplicaQuorum):
         super().shutdown()
 
 
-def _rank(replica: int, shard: int, lighthouse: str, rounds_at: tuple, outdir: str) -> None:
+def _rank(replica: int, shard: int, lighthouse: tuple[str, str], rounds_at: tuple, outdir: str) -> None:
     """One rank of one replica: joins its replica's round, trains; writes what it saw to a file
     of its own (a queue shared with a SIGKILLed process can stay locked)."""
     import torch
@@ -92,7 +92,9 @@ def _rank(replica: int, shard: int, lighthouse: str, rounds_at: tuple, outdir: s
         setup_timeout_s=60,
     )
     put("formed", replica, shard, pid, group.round)
-    quorum = _Quorum(replica, 2, lighthouse_addr=lighthouse, timeout_s=5, group=group)
+    quorum = _Quorum(
+        replica, 2, lighthouse_addr=lighthouse[0], liveness_addr=lighthouse[1], timeout_s=5, group=group
+    )
 
     def on_record(r: dict) -> None:
         put("record", replica, shard, pid, r["iteration"], r["replicas"], r["loss"], r["tokens"], time.time())
@@ -132,8 +134,7 @@ def _reference(steps: int) -> list[float] | None:
 
 
 def test_hsdp_replica_loses_a_rank_the_other_replica_goes_on_and_the_rebuilt_one_heals(tmp_path):
-    from torchft.coordination import LighthouseServer
-
+    from engine.distributed.lighthouse import Lighthouse
     from engine.distributed.replica_group import ReplicaRounds
     from engine.launcher import spawn
 
@@ -158,9 +159,7 @@ def test_hsdp_replica_loses_a_rank_the_other_replica_goes_on_and_the_rebuilt_one
             server.serve_forever()
 
     threading.Thread(target=serve, daemon=True).start()
-    lighthouse = LighthouseServer(
-        bind="[::]:0", min_replicas=1, join_timeout_ms=500, quorum_tick_ms=20, heartbeat_timeout_ms=500
-    )
+    lighthouse = Lighthouse(silent_timeout_ms=500)
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "engine.device", "engine.train_loop"])
     procs: dict[tuple[int, int], list] = {}
@@ -168,7 +167,8 @@ def test_hsdp_replica_loses_a_rank_the_other_replica_goes_on_and_the_rebuilt_one
 
     def start(replica: int, shard: int):
         p = ctx.Process(
-            target=_rank, args=(replica, shard, lighthouse.address(), server.address, str(tmp_path)), daemon=True
+            target=_rank,
+            args=(replica, shard, (lighthouse.address(), lighthouse.liveness_address()), server.address, str(tmp_path)), daemon=True
         )
         p.start()
         procs.setdefault((replica, shard), []).append(p)

@@ -153,14 +153,22 @@ def test_jobs_replace_replica_cannot_run_are_refused_naming_the_field():
 
 def test_the_ray_internals_the_torchft_config_overrides_exist():
     """workers/trainer.py's torchft_config subclasses Ray's private _TorchftBackend and replaces
-    its `_maybe_create_lighthouse_actor`: an upgrade that moves them fails here, naming Ray."""
+    its `_maybe_create_lighthouse_actor` and extends `on_start` (the liveness relay's address to
+    every worker): an upgrade that moves them fails here, naming Ray."""
+    import inspect
+
     import ray
     from ray.train.v2.torch import torchft_config as ft
 
-    assert hasattr(ft, "_TorchftBackend") and hasattr(ft, "LighthouseServerActor"), ray.__version__
+    from engine.distributed.lighthouse import Lighthouse
+
+    assert hasattr(ft, "_TorchftBackend"), ray.__version__
     assert hasattr(ft._TorchftBackend, "_maybe_create_lighthouse_actor"), ray.__version__
+    assert "lighthouse_actor" in inspect.getsource(ft._TorchftBackend.__init__), ray.__version__
     from workers.trainer import torchft_config
 
-    config = torchft_config(60)
+    config = torchft_config(60, heartbeat_timeout_ms=300)
     assert issubclass(config.backend_cls, ft._TorchftBackend)
-    assert config.lighthouse_kwargs["min_replicas"] == 1
+    # The kwargs are our Lighthouse's: the job's timeout is the silent one, not the relay's.
+    assert set(config.lighthouse_kwargs) <= set(inspect.signature(Lighthouse).parameters)
+    assert config.lighthouse_kwargs["silent_timeout_ms"] == 300

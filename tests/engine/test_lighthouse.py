@@ -1,0 +1,78 @@
+"""engine/distributed/lighthouse.py's liveness relay, with the real torchft Lighthouse.
+
+- A linked process that is SIGKILLed stops being heartbeated as soon as its connection closes.
+- A link that stays open but stops pinging (its host is gone) is dropped after the silent
+  timeout, and not before.
+- A live link stays, and the Lighthouse itself counts it as healthy: a quorum with it forms.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import socket
+import time
+from datetime import timedelta
+
+import pytest
+
+pytest.importorskip("torchft", reason="torchft (the ray extra) is not installed")
+
+from engine.distributed.lighthouse import RELAY_TIMEOUT_MS, Lighthouse, LivenessLink  # noqa: E402
+
+
+def _linked_until_killed(address: str, ready) -> None:
+    LivenessLink(address, "doomed", interval_s=0.05)
+    ready.set()
+    time.sleep(600)
+
+
+def _wait(predicate, timeout_s: float) -> float:
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout_s, "timed out"
+        time.sleep(0.01)
+    return time.monotonic() - start
+
+
+def test_a_killed_process_is_unlinked_at_once_and_a_silent_one_after_the_timeout():
+    # A quorum waits this long for a replica that heartbeats but does not ask to join: the quorum
+    # at the end forms only if the dead and the silent ones are out of the Lighthouse's view.
+    lighthouse = Lighthouse(silent_timeout_ms=2000, join_timeout_ms=60_000)
+    try:
+        ctx = mp.get_context("spawn")
+        ready = ctx.Event()
+        doomed = ctx.Process(target=_linked_until_killed, args=(lighthouse.liveness_address(), ready), daemon=True)
+        doomed.start()
+        assert ready.wait(60)
+        alive = LivenessLink(lighthouse.liveness_address(), "alive", interval_s=0.05)
+        # A host that vanished: the id, then nothing (no FIN reaches the relay).
+        host, port = lighthouse.liveness_address().rsplit(":", 1)
+        silent = socket.create_connection((host.strip("[]"), int(port)))
+        silent.sendall(b"silent\n")
+        silent_since = time.monotonic()
+        _wait(lambda: set(lighthouse.linked()) == {"doomed", "alive", "silent"}, 10)
+
+        os.kill(doomed.pid, signal.SIGKILL)
+        gone_after = _wait(lambda: "doomed" not in lighthouse.linked(), 10)
+        assert gone_after < 1.0, f"the killed process stayed linked {gone_after:.2f} s (silent timeout 2 s)"
+        assert {"alive", "silent"} <= set(lighthouse.linked())
+
+        _wait(lambda: "silent" not in lighthouse.linked(), 10)
+        silent_for = time.monotonic() - silent_since
+        assert 1.9 < silent_for < 5, f"a link silent for 2 s was dropped after {silent_for:.2f} s"
+        assert lighthouse.linked() == ["alive"]
+
+        time.sleep(3 * RELAY_TIMEOUT_MS / 1000)
+        from torchft.coordination import LighthouseClient
+
+        quorum = LighthouseClient(lighthouse.address(), connect_timeout=timedelta(seconds=5)).quorum(
+            replica_id="alive", timeout=timedelta(seconds=5), address="a", store_address="s", step=0, world_size=1
+        )
+        assert [p.replica_id for p in quorum.participants] == ["alive"]
+        alive.close()
+        _wait(lambda: lighthouse.linked() == [], 5)
+        silent.close()
+    finally:
+        lighthouse.shutdown()
