@@ -70,8 +70,9 @@ class ResilienceSpec(_Section):
         500,
         ge=20,
         le=60_000,
-        description="replace_replica: a replica whose heartbeats (sent every fifth of this) stop for this long is "
-        "dropped from the next quorum. It is the floor of the survivors' stall after a replica dies; lower it "
-        "toward your step time on a quiet network, raise it where a loaded host can miss heartbeats (a live "
-        "replica dropped by mistake heals and rejoins, costing a step).",
+        description="replace_replica: a replica whose host goes silent for this long (a lost node, a cut network: "
+        "no ping, sent every fifth of this, reaches the Lighthouse) is dropped from the next quorum. A replica "
+        "whose process dies is dropped within about 0.1 s whatever this is (its connection to the Lighthouse's "
+        "liveness relay closes). Raise it where a loaded host or network can miss pings (a live replica dropped "
+        "by mistake heals and rejoins, costing a step); lower it to notice a lost node sooner.",
     )
