@@ -77,7 +77,8 @@ def _replica(
     final = {}
 
     def on_record(r: dict) -> None:
-        out.put(("record", index, pid, r["iteration"], r["replicas"], time.time(), r["loss"]))
+        # mfu x step time: the step's FLOPs over its devices' peak (each replica's own time).
+        out.put(("record", index, pid, r["iteration"], r["replicas"], time.time(), r["loss"], r["mfu"] * r["step_time_s"]))
         if r["iteration"] == (spec or SPEC)["training"]["train_iters"]:  # the state after the last step
             final["digest"] = quorum.state_digest()
 
@@ -261,10 +262,13 @@ def test_replicas_resume_on_another_count_with_the_losses_of_data_parallelism(tm
         got.update({m[3]: m for m in records if m[1] == 0})
     assert sorted(got) == list(range(1, 17))  # the second launch resumed at 8, nothing repeated
 
-    want = {}
+    want, work = {}, {}
     for ranks, iters in ((2, 8), (3, 16)):
         (records, *_) = spawn(train_rank, ranks, (spec("ref", iters, ranks, "restart_group"), None, True))
         want.update({r["iteration"]: r["loss"] for r in records})
+        work.update({r["iteration"]: r["mfu"] * r["step_time_s"] for r in records})
+    # MFU counts every replica's devices, as data parallelism counts its ranks.
+    assert all(abs(got[i][7] - work[i]) <= 1e-9 * work[i] for i in work), (got, work)
     losses = {i: m[6] for i, m in got.items()}
     gap = max(abs(losses[i] - want[i]) for i in want)
     print(f"largest loss difference over 16 steps: {gap:.2e}")
