@@ -304,6 +304,10 @@ class Trainer:
         scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
         for ddp in self.ddp_chunks:
             ddp.start_step(num_microbatches)
+        if self.quorum is not None and self.quorum.sits_out:
+            # This replica heals in this step and gives zeros to its reduction
+            # (engine/distributed/replica_quorum.py): nothing to compute.
+            return torch.zeros((), device=self.device)
         with self.timers("data", 1):
             batches = self.batches.read(self.source, self.consumed_samples, num_microbatches)
         loss_fn = self.objective.begin_step([b.labels for b in batches], scale, num_microbatches)

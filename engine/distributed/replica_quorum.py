@@ -119,6 +119,7 @@ class ReplicaQuorum:
         self._served: Any = None  # the snapshot it healed from
         self._heal_buffer: bytearray | None = None  # what the last snapshot served was captured into
         self._healed = False  # this step's quorum healed this replica
+        self.sits_out = False  # it heals in this step: no forward and backward (the Trainer asks)
 
     # ------------------------------------------------------------------ setup
     def attach(self, trainer: Trainer) -> None:
@@ -210,6 +211,13 @@ class ReplicaQuorum:
         self._step_started = time.perf_counter()
         self._healed = False
         self.manager.start_quorum()
+        # Until it has stepped with the others (a replacement, or a job's start) a replica waits
+        # for its quorum here: when it heals in this step, a forward and backward on its old
+        # state would be thrown away, and would hold the others up at the reduction.
+        self.sits_out = False
+        if not self._first_commit:
+            self.manager.wait_quorum()
+            self.sits_out = bool(self.manager._healing)
         return True
 
     def _quorum_answered(self) -> None:

@@ -24,7 +24,7 @@ from tests.tiny_jobs import TINY_LLAMA
 pytest.importorskip("torchft", reason="torchft (the ray extra) is not installed")
 
 KILLS = 10
-ITERS = 400
+ITERS = 1000  # the survivor must not finish before the tenth kill: ~10 ms steps idle
 SILENT_MS = 30_000  # a replica silent this long is dropped: far beyond the wait after a kill
 
 SPEC = {
