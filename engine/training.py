@@ -429,7 +429,10 @@ class Trainer:
         replicas = self.quorum.replicas if self.quorum is not None else self.dp_size
         trained = gbs * replicas // self.quorum.count if self.quorum is not None else gbs
         tokens = trained * self.config.seq_length
-        flops = model_flops_per_iteration(self.config, gbs)
+        # MFU: the FLOPs of the samples trained over the devices that trained them. A replica's
+        # process group is its own ranks only; the step's quorum had `replicas` such groups.
+        flops = model_flops_per_iteration(self.config, trained)
+        devices = dist.get_world_size() * (replicas if self.quorum is not None else 1)
         self.phase = "metrics"  # the energy and timer collectives
         lap = self.energy.lap()
         memory = device.memory_bytes()
@@ -454,7 +457,7 @@ class Trainer:
             timers_per_rank=per_rank,
             rerun=self.rerun.summary(),
             model_flops=flops,
-            mfu=mfu(flops, elapsed, dist.get_world_size(), self.peak_flops_per_device),
+            mfu=mfu(flops, elapsed, devices, self.peak_flops_per_device),
             energy_j=lap.energy_j if lap else None,
             power_w=lap.power_w if lap else None,
             energy_cumulative_j=lap.cumulative_j if lap else None,
