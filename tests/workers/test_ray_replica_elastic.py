@@ -180,3 +180,15 @@ def test_replicas_shrink_with_a_lost_node_grow_back_and_replace_one(ray_cluster,
         f" after; MFU per-peak spread {max(per_peak) / min(per_peak):.3f}; grew back {regrown['ts'] - seen['added_at']:.1f} s after the node came; steps 2/1/2:"
         f" {len(two)}/{len(one)}/{len(again)}; stopped at {last}"
     )
+
+
+def test_an_elastic_job_may_shrink_to_one_replica_but_is_asked_with_two():
+    from engine.jobspec import parse_job
+    from workers.replicas import check_replace_replica
+
+    def why(**resources):
+        spec = job(resilience={"on_rank_failure": "replace_replica"}, resources=resources)
+        return check_replace_replica(parse_job(spec))
+
+    assert why(ranks=2, min_ranks=1, max_ranks=2) is None
+    assert "resources.ranks >= 2" in why(ranks=1, min_ranks=1, max_ranks=2)
