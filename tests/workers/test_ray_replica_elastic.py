@@ -4,8 +4,8 @@ at an unchanged size; a resize restarts the whole group at the new replica count
 checkpoint. So:
 
 1. the job trains on 2 replicas;
-2. replica 1's node is removed: Ray restarts the group on the node left, 1 replica, from the
-   checkpoint;
+2. replica 1's node is removed: replica 0 steps alone until Ray (once it counts the node gone)
+   restarts the group on the node left, 1 replica, from replica 0's newest checkpoint;
 3. the node comes back: the elastic monitor grows the group to 2 replicas again, from the
    checkpoint;
 4. a rank of the grown group is killed: only its replica is replaced (it heals from its peer,
@@ -14,7 +14,9 @@ checkpoint. So:
 
 Asserted on the job's records: every iteration once in the final records (each restart resumed
 from a checkpoint the group before had committed, none lost), `replicas` 2 / 1 / 2 per phase,
-the loss falls, and no Ray Train actor or placement group is left behind.
+MFU counted over the devices of each step's quorum on every size, the loss falls, and no Ray
+Train actor or placement group is left behind. About 55 s on an idle 2-core machine, most of it
+Ray's: noticing the lost node (~19 s) and starting the grown group (~18 s).
 """
 
 from __future__ import annotations
