@@ -51,8 +51,10 @@ def check_replace_replica(spec: JobSpec) -> str | None:
                 "resilience.on_rank_failure: restart_group"
             )
     size = replica_size(spec)
-    smallest = r.min_ranks if r.elastic and r.min_ranks else r.ranks
-    if smallest < 2 * size:
+    # The job as asked needs two replicas. An elastic job may shrink to one (resources.min_ranks):
+    # Ray restarts the group at each new size from the checkpoint, and a failure while one
+    # replica runs restarts it (restart_group's way), as a failure of the last replica does.
+    if r.ranks < 2 * size:
         need = "resources.ranks >= 2" if size == 1 else f"resources.ranks >= 2 x parallel.data_parallel_shard_size = {2 * size}"
         return f"{field} needs at least 2 data-parallel replicas ({need}); use restart_group"
     return None
