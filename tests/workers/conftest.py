@@ -20,6 +20,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from engine.launcher import free_port
 from tests.environ import environment
 from tests.tiny_jobs import TINY_LLAMA
 from tests.workers.telemetry_server import TelemetryServer
@@ -97,7 +98,10 @@ def ray_cluster(tmp_path_factory):
     from ray.cluster_utils import Cluster
 
     with private_ray_env(tmp_path_factory.mktemp("ray")):
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "include_dashboard": True})
+        # The dashboard on a free port: Ray's fixed 8265 fails the whole fixture while another
+        # run on this machine (a second checkout's tests, a bench) holds it.
+        head = {"num_cpus": 0, "include_dashboard": True, "dashboard_port": free_port()}
+        cluster = Cluster(initialize_head=True, head_node_args=head)
         try:
             for _ in range(2):
                 cluster.add_node(num_cpus=1)
