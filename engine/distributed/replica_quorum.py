@@ -107,7 +107,6 @@ class ReplicaQuorum:
         self.manager: Any = None
         self.trainer: Trainer | None = None
         self.replicas = count  # participants of the current step's quorum
-        self.healed_s: float | None = None  # how long this replica's heal took (once)
         self.joined_at: float | None = None
         self._lost_at: float | None = None  # when the survivors first stepped with fewer replicas
         self._step_times: list[float] = []
@@ -190,14 +189,12 @@ class ReplicaQuorum:
         # state with the survivors waiting), in a buffer kept for the next heal.
         self._served_heal = True
         snap = self._served = self.trainer.capture_snapshot(self._heal_buffer)
-        self._heal_buffer = snap.block.obj if snap.block is not None else None
+        self._heal_buffer = snap.block.obj
         return {"snapshot": torch.frombuffer(snap.seal(), dtype=torch.uint8)}
 
     def _load_state(self, state: dict[str, Any]) -> None:
-        started = time.perf_counter()
         # A view of the received tensor, parsed and checked (checksum, rank, layout) in place.
         self.trainer.restore_snapshot(memoryview(state["snapshot"].cpu().numpy()))
-        self.healed_s = time.perf_counter() - started
         self._healed = True
 
     # ------------------------------------------------------------------ per step
@@ -226,9 +223,9 @@ class ReplicaQuorum:
         self.manager.wait_quorum()
         # Replicas that train this step: a replica healing in it counts from its next step.
         n = self.manager.num_participants()
-        if self.manager._healing:  # torchft 0.2.0 has no public "healing" flag
-            pass
-        elif n < self.replicas and self.participating_rank == 0 and self.shard_rank == 0 and self._first_commit:
+        healing = self.manager._healing  # torchft 0.2.0 has no public "healing" flag
+        reports = not healing and self.participating_rank == 0 and self.shard_rank == 0
+        if reports and n < self.replicas and self._first_commit:
             self._lost_at = time.time()
             # The stall: from the last committed step to now (the failed step, the quorum without
             # the dead replica, this step's forward and backward) less a normal step.
@@ -241,9 +238,7 @@ class ReplicaQuorum:
                 replicas=n,
                 stall_s=round(stall, 3) if stall is not None else None,
             )
-        elif self._served_heal or (
-            n > self.replicas and self.participating_rank == 0 and self.shard_rank == 0 and self._lost_at is not None
-        ):
+        elif not healing and (self._served_heal or (reports and n > self.replicas and self._lost_at is not None)):
             # The survivors' side, from the one that served the heal: its digest is the one the
             # healed replica must equal. rejoin_s is None when the replacement came back before
             # the survivors had dropped the dead replica (a warm process can: no step alone).

@@ -20,6 +20,7 @@ import pytest
 pytest.importorskip("torchft", reason="torchft (the ray extra) is not installed")
 
 from engine.distributed.lighthouse import RELAY_TIMEOUT_MS, Lighthouse, LivenessLink  # noqa: E402
+from tests.waiting import wait_for  # noqa: E402
 
 
 def _linked_until_killed(address: str, ready) -> None:
@@ -28,11 +29,10 @@ def _linked_until_killed(address: str, ready) -> None:
     time.sleep(600)
 
 
-def _wait(predicate, timeout_s: float) -> float:
+def _wait(predicate, timeout_s: float, what: str) -> float:
+    """Seconds until `predicate` held (tests/waiting.py's poll)."""
     start = time.monotonic()
-    while not predicate():
-        assert time.monotonic() - start < timeout_s, "timed out"
-        time.sleep(0.01)
+    wait_for(predicate, timeout_s, what, interval_s=0.01)
     return time.monotonic() - start
 
 
@@ -52,14 +52,14 @@ def test_a_killed_process_is_unlinked_at_once_and_a_silent_one_after_the_timeout
         silent = socket.create_connection((host.strip("[]"), int(port)))
         silent.sendall(b"silent\n")
         silent_since = time.monotonic()
-        _wait(lambda: set(lighthouse.linked()) == {"doomed", "alive", "silent"}, 10)
+        _wait(lambda: set(lighthouse.linked()) == {"doomed", "alive", "silent"}, 10, "three links")
 
         os.kill(doomed.pid, signal.SIGKILL)
-        gone_after = _wait(lambda: "doomed" not in lighthouse.linked(), 10)
+        gone_after = _wait(lambda: "doomed" not in lighthouse.linked(), 10, "the killed link dropped")
         assert gone_after < 1.0, f"the killed process stayed linked {gone_after:.2f} s (silent timeout 2 s)"
         assert {"alive", "silent"} <= set(lighthouse.linked())
 
-        _wait(lambda: "silent" not in lighthouse.linked(), 10)
+        _wait(lambda: "silent" not in lighthouse.linked(), 10, "the silent link dropped")
         silent_for = time.monotonic() - silent_since
         assert 1.9 < silent_for < 5, f"a link silent for 2 s was dropped after {silent_for:.2f} s"
         assert lighthouse.linked() == ["alive"]
@@ -72,7 +72,7 @@ def test_a_killed_process_is_unlinked_at_once_and_a_silent_one_after_the_timeout
         )
         assert [p.replica_id for p in quorum.participants] == ["alive"]
         alive.close()
-        _wait(lambda: lighthouse.linked() == [], 5)
+        _wait(lambda: lighthouse.linked() == [], 5, "the closed link dropped")
         silent.close()
     finally:
         lighthouse.shutdown()
