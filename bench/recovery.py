@@ -25,7 +25,15 @@ Figures (one JSON line each):
   over the run: `throughput_kept` (tokens trained per second from the first kill to the end,
   over the same job's uninterrupted run, first in the same bench, from the same moment on;
   `steps_kept` the same for steps; `vs_before_first_kill` over the run's own half interval
-  before its first kill).
+  before its first kill; `vs_steady_between_kills` over the run's own steps in the second half
+  of each interval, measured beside the kills: two runs on this shared machine differ by up to
+  10 %); `seconds_lost_per_kill`: each step's wall time past the uninterrupted
+  run's mean step, summed by how long after the latest kill it ended, and the tokens the steps
+  without replica 1 did not train (`fewer_samples_s`); `cpu_cores`: where the machine's CPU
+  went in both runs, by process (the two replicas' ranks, Ray's and Ray Train's processes, the
+  warm processes). Every survive line carries `relay`: `--compare-no-relay` runs the same kills
+  again with torchft's Lighthouse alone (no liveness relay, engine/distributed/lighthouse.py),
+  against the same uninterrupted run.
 - snapshot_overhead: the MEDIUM job on Ray without and with `local_interval: N`
   (`--local-interval`, default 1), alternating `--rounds` times (each first in every other round): mean wall seconds per
   steady-state iteration (the snapshot is taken between steps, outside the engine's
@@ -62,7 +70,7 @@ Figures (one JSON line each):
     python bench/recovery.py [--repeats 1] [--rounds 3] [--iterations 40]
         [--skip recovery|survive|overhead|snapshot_overhead|storage_faults]
         [--kill-every 30] [--heartbeat-timeout-ms MS ...] [--survive-job small|medium]
-        [--survive-iters N] [--smoke]
+        [--survive-iters N] [--compare-no-relay] [--smoke]
 
 `--smoke`: every figure above, each from the fewest steps, rounds and calls that still make it
 (one round, short jobs, the kill after SMOKE_SETTLE_S): a check that the bench runs, not a
@@ -177,12 +185,88 @@ def wait_for(what, timeout_s: float = 600):
     return value
 
 
-def run_on_ray(job_id: str, spec: dict, storage: str):
+class CpuLedger:
+    """Every process's CPU seconds on this machine, sampled from /proc every `every_s`, so a
+    window's CPU can be split by who used it (the bench's ranks share 2 cores with everything a
+    replacement starts). Linux only; elsewhere it records nothing."""
+
+    def __init__(self, every_s: float = 0.25):
+        self.every_s = every_s
+        self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-cpu-ledger", daemon=True)
+        self._tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _read(self) -> dict[int, tuple[str, float]]:
+        seen = {}
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                with open(f"/proc/{entry.name}/cmdline", "rb") as f:
+                    title = f.read().split(b"\0")[0].decode(errors="replace")
+            except OSError:
+                continue
+            # utime, stime: fields 14 and 15 of stat, 12 and 13 after the ")".
+            seen[int(entry.name)] = (title, (int(fields[11]) + int(fields[12])) / self._tick)
+        return seen
+
+    def _run(self) -> None:
+        if not os.path.isdir("/proc"):
+            return
+        while not self._stop.is_set():
+            self.samples.append((time.time(), self._read()))
+            self._stop.wait(self.every_s)
+
+    def used(self, start: float, end: float, kind=lambda pid, title: title) -> dict[str, float]:
+        """CPU seconds per kind(pid, title) between the samples nearest `start` and `end` (a
+        process born inside the window counts from zero; one that died inside it, up to its last
+        sample)."""
+        inside = [s for s in self.samples if start <= s[0] <= end]
+        if len(inside) < 2:
+            return {}
+        first, spent = inside[0][1], {}
+        last_seen: dict[int, tuple[str, float]] = {}
+        for _, procs in inside[1:]:
+            last_seen.update(procs)
+        for pid, (title, cpu) in last_seen.items():
+            name = kind(pid, title)
+            spent[name] = spent.get(name, 0.0) + cpu - first.get(pid, (title, 0.0))[1]
+        return spent
+
+
+def _rank_pids(events: list[dict]) -> dict[int, int]:
+    """Each rank process's replica, from the replicas' `replica_started` events."""
+    return {r["pid"]: e["replica"] for e in events if e["kind"] == "replica_started" for r in e["ranks"]}
+
+
+def _cpu_kind(pids: dict[int, int]):
+    def kind(pid: int, title: str) -> str:
+        if pid in pids:
+            return f"replica {pids[pid]} ranks"
+        return title.split(" ")[0].split(".")[0].rsplit("/", 1)[-1] or "?"
+
+    return kind
+
+
+def run_on_ray(job_id: str, spec: dict, storage: str, **options):
     from engine.jobspec import parse_job
     from workers.driver import WorkerRunOptions, run_job
 
     return run_job(
-        job_id, parse_job(spec), WorkerRunOptions(storage_path=storage, quiet=True, flush_interval_s=0.1)
+        job_id,
+        parse_job(spec),
+        WorkerRunOptions(storage_path=storage, quiet=True, flush_interval_s=0.1, **options),
     )
 
 
@@ -290,6 +374,7 @@ def survive(
     max_kills: int | None = None,
     heartbeat_timeout_ms: int | None = None,
     job: str = "small",
+    relays: tuple[bool, ...] = (True,),
 ) -> None:
     """`resilience.on_rank_failure: replace_replica`: the SMALL job (2 replicas, persistent
     checkpoints every 10 steps as in `persistent` mode) with replica 1's rank SIGKILLed every
@@ -321,7 +406,9 @@ def survive(
 
     def kill_periodically():
         first = wait_for(lambda: receiver.records[:1])[0]["ts"]
-        while (max_kills is None or len(kills) < max_kills) and not done.wait(max(0.05, first + kill_every_s * (len(kills) + 1) - time.time())):
+        while (max_kills is None or len(kills) < max_kills) and not done.wait(
+            max(0.05, first + kill_every_s * (len(kills) + 1) - time.time())
+        ):
             pid = replica_1_pid(kills[-1] if kills else 0.0)
             if pid is None:  # the last replacement has not started yet: kill it once it has
                 continue
@@ -332,111 +419,204 @@ def survive(
                 kills.pop()
 
     receiver.records.clear()
-    uninterrupted = run_on_ray(f"{job_id}-ref", spec, str(workdir / "runs-ref"))
+    receiver.events.clear()
+    with CpuLedger() as reference_cpu:
+        uninterrupted = run_on_ray(f"{job_id}-ref", spec, str(workdir / "runs-ref"))
+    reference_pids = _rank_pids(receiver.events)
     if uninterrupted.exit_code != 0:
         raise SystemExit(f"bench: the survive job's uninterrupted reference run failed: {uninterrupted}")
     reference_recs = sorted(receiver.records, key=lambda r: r["iteration"])
-    receiver.records.clear()
-    receiver.events.clear()
-    killer = threading.Thread(target=kill_periodically, daemon=True)
-    killer.start()
-    result = run_on_ray(job_id, spec, str(workdir / "runs"))
-    done.set()
-    killer.join(timeout=60)
-    if result.exit_code != 0 or not kills:
-        raise SystemExit(f"bench: the survive job failed or was never killed: {result}, kills {kills}")
-    last = {}
-    for r in receiver.records:  # the newest report of each iteration
-        last[r["iteration"]] = r
-    recs = [last[i] for i in sorted(last)]
-    gaps = [(b["ts"], b["ts"] - a["ts"], b) for a, b in zip(recs, recs[1:], strict=False)]
-    steady_gaps = [g for ts, g, b in gaps if b["iteration"] > WARMUP and ts < kills[0]]
-    median = statistics.median(steady_gaps) if steady_gaps else statistics.median(g for _, g, _ in gaps)
-    for n, killed_at in enumerate(kills):
-        until = kills[n + 1] if n + 1 < len(kills) else float("inf")
-        alone = [b for _, _, b in gaps if killed_at < b["ts"] < until and b.get("replicas") == 1]
-        rejoined = next(
-            (
-                e
-                for e in receiver.events
-                if e["kind"] == "replica_rejoined" and "heal_s" in e and killed_at < e["ts"] < until
-            ),
-            {},
+    for relay in relays:
+        kills.clear()
+        done.clear()
+        receiver.records.clear()
+        receiver.events.clear()
+        killer = threading.Thread(target=kill_periodically, daemon=True)
+        killer.start()
+        with CpuLedger() as run_cpu:
+            result = run_on_ray(
+                job_id if relay else f"{job_id}-norelay", spec, str(workdir / "runs"), replica_relay=relay
+            )
+        done.set()
+        killer.join(timeout=60)
+        if result.exit_code != 0 or not kills:
+            raise SystemExit(f"bench: the survive job failed or was never killed: {result}, kills {kills}")
+        last = {}
+        for r in receiver.records:  # the newest report of each iteration
+            last[r["iteration"]] = r
+        recs = [last[i] for i in sorted(last)]
+        gaps = [(b["ts"], b["ts"] - a["ts"], b) for a, b in zip(recs, recs[1:], strict=False)]
+        steady_gaps = [g for ts, g, b in gaps if b["iteration"] > WARMUP and ts < kills[0]]
+        median = statistics.median(steady_gaps) if steady_gaps else statistics.median(g for _, g, _ in gaps)
+        for n, killed_at in enumerate(kills):
+            until = kills[n + 1] if n + 1 < len(kills) else float("inf")
+            alone = [b for _, _, b in gaps if killed_at < b["ts"] < until and b.get("replicas") == 1]
+            rejoined = next(
+                (
+                    e
+                    for e in receiver.events
+                    if e["kind"] == "replica_rejoined" and "heal_s" in e and killed_at < e["ts"] < until
+                ),
+                {},
+            )
+            # Back in the quorum: the first step of two replicas after the replacement healed (or
+            # after the survivors' first step alone; a step that committed just after the kill was
+            # the dead replica's last). A warm replacement can heal before the survivors step alone.
+            since = rejoined.get("ts") or (alone[0]["ts"] if alone else None)
+            back = next(
+                (
+                    b
+                    for ts, _, b in gaps
+                    if since is not None and since < ts < until and b.get("replicas") == 2
+                ),
+                None,
+            )
+            window_end = back["ts"] + 2 * median if back is not None else until
+            around = [g for ts, g, _ in gaps if killed_at < ts <= window_end]
+            at_kill = [g for ts, g, _ in gaps if killed_at < ts < (back["ts"] if back is not None else until)]
+            started = next(
+                (
+                    e
+                    for e in receiver.events
+                    if e["kind"] == "replica_started"
+                    and e.get("replica") == 1
+                    and killed_at < e["ts"] < until
+                ),
+                {},
+            )
+            emit(
+                mode="survive",
+                relay=relay,
+                job=job,
+                figure="survivor_stall_s",
+                value=round(max(around) - median, 3) if around else None,
+                at_kill_s=round(max(at_kill) - median, 3) if at_kill else None,
+                at_rejoin_s=round(next(g for ts, g, b in gaps if b is back) - median, 3)
+                if back is not None
+                else None,
+                median_step_s=round(median, 4),
+                heartbeat_timeout_ms=hb,
+                steps_alone=len(alone),
+                kill=n,
+                repeat=repeat,
+            )
+            emit(
+                mode="survive",
+                relay=relay,
+                job=job,
+                figure="rejoin_s",
+                value=round(back["ts"] - killed_at, 2) if back is not None else None,
+                replacement_started_s=round(started["ts"] - killed_at, 2) if started else None,
+                process_age_s=started.get("process_age_s"),
+                heal_s=rejoined.get("heal_s"),
+                kill=n,
+                repeat=repeat,
+            )
+        # The reference: the steady steps of the half interval before the first kill (the job's first
+        # seconds also pay for starting its warm processes, one torch import per rank).
+        before = [
+            r for r in recs if WARMUP < r["iteration"] and kills[0] - kill_every_s / 2 <= r["ts"] < kills[0]
+        ]
+        after = [r for r in recs if r["ts"] >= kills[0]]
+
+        def rate(rs: list[dict]) -> tuple[float, float] | None:
+            if len(rs) < 2:
+                return None
+            wall = rs[-1]["ts"] - rs[0]["ts"]
+            return sum(r["tokens"] for r in rs[1:]) / wall, (len(rs) - 1) / wall
+
+        # The uninterrupted run's steps from as long after its first step as the first kill came.
+        offset = kills[0] - recs[0]["ts"]
+        same_window = (
+            [r for r in reference_recs if r["ts"] >= reference_recs[0]["ts"] + offset]
+            if reference_recs
+            else []
         )
-        # Back in the quorum: the first step of two replicas after the replacement healed (or
-        # after the survivors' first step alone; a step that committed just after the kill was
-        # the dead replica's last). A warm replacement can heal before the survivors step alone.
-        since = rejoined.get("ts") or (alone[0]["ts"] if alone else None)
-        back = next(
-            (b for ts, _, b in gaps if since is not None and since < ts < until and b.get("replicas") == 2), None
-        )
-        window_end = back["ts"] + 2 * median if back is not None else until
-        around = [g for ts, g, _ in gaps if killed_at < ts <= window_end]
-        at_kill = [g for ts, g, _ in gaps if killed_at < ts < (back["ts"] if back is not None else until)]
-        started = next(
-            (
-                e
-                for e in receiver.events
-                if e["kind"] == "replica_started" and e.get("replica") == 1 and killed_at < e["ts"] < until
-            ),
-            {},
-        )
+        ref, before_rate, run = rate(same_window), rate(before), rate(after)
+
+        def since_kill(record: dict) -> float:
+            return record["ts"] - max(k for k in kills if k <= record["ts"])
+
+        # The same run's own steps far from any kill (ending in the second half of an interval):
+        # a reference taken beside the kills, free of the several percent by which two runs on
+        # one shared machine differ (seconds_lost_per_kill shows what a kill slows lasts < 8 s).
+        calm = [
+            (b["tokens"], b["ts"] - a["ts"])
+            for a, b in zip(after, after[1:], strict=False)
+            if since_kill(b) >= kill_every_s / 2
+        ]
+        calm_rate = sum(t for t, _ in calm) / sum(g for _, g in calm) if calm else None
         emit(
             mode="survive",
+            relay=relay,
             job=job,
-            figure="survivor_stall_s",
-            value=round(max(around) - median, 3) if around else None,
-            at_kill_s=round(max(at_kill) - median, 3) if at_kill else None,
-            at_rejoin_s=round(next(g for ts, g, b in gaps if b is back) - median, 3) if back is not None else None,
-            median_step_s=round(median, 4),
+            figure="throughput_kept",
+            value=round(run[0] / ref[0], 3) if ref and run else None,
+            steps_kept=round(run[1] / ref[1], 3) if ref and run else None,
+            vs_before_first_kill=round(run[0] / before_rate[0], 3) if before_rate and run else None,
+            vs_steady_between_kills=round(run[0] / calm_rate, 3) if calm_rate and run else None,
+            tokens_per_s_uninterrupted=round(ref[0], 1) if ref else None,
+            tokens_per_s_before=round(before_rate[0], 1) if before_rate else None,
+            tokens_per_s_with_kills=round(run[0], 1) if run else None,
+            kill_every_s=kill_every_s,
             heartbeat_timeout_ms=hb,
-            steps_alone=len(alone),
-            kill=n,
+            kills=len(kills),
+            seconds_with_kills=round(after[-1]["ts"] - kills[0], 1) if after else None,
+            steps_alone=sum(r.get("replicas") == 1 for r in recs),
             repeat=repeat,
         )
-        emit(
-            mode="survive",
-            job=job,
-            figure="rejoin_s",
-            value=round(back["ts"] - killed_at, 2) if back is not None else None,
-            replacement_started_s=round(started["ts"] - killed_at, 2) if started else None,
-            process_age_s=started.get("process_age_s"),
-            heal_s=rejoined.get("heal_s"),
-            kill=n,
-            repeat=repeat,
-        )
-    # The reference: the steady steps of the half interval before the first kill (the job's first
-    # seconds also pay for starting its warm processes, one torch import per rank).
-    before = [r for r in recs if WARMUP < r["iteration"] and kills[0] - kill_every_s / 2 <= r["ts"] < kills[0]]
-    after = [r for r in recs if r["ts"] >= kills[0]]
-
-    def rate(rs: list[dict]) -> tuple[float, float] | None:
-        if len(rs) < 2:
-            return None
-        wall = rs[-1]["ts"] - rs[0]["ts"]
-        return sum(r["tokens"] for r in rs[1:]) / wall, (len(rs) - 1) / wall
-
-    # The uninterrupted run's steps from as long after its first step as the first kill came.
-    offset = kills[0] - recs[0]["ts"]
-    same_window = [r for r in reference_recs if r["ts"] >= reference_recs[0]["ts"] + offset] if reference_recs else []
-    ref, before_rate, run = rate(same_window), rate(before), rate(after)
-    emit(
-        mode="survive",
-        job=job,
-        figure="throughput_kept",
-        value=round(run[0] / ref[0], 3) if ref and run else None,
-        steps_kept=round(run[1] / ref[1], 3) if ref and run else None,
-        vs_before_first_kill=round(run[0] / before_rate[0], 3) if before_rate and run else None,
-        tokens_per_s_uninterrupted=round(ref[0], 1) if ref else None,
-        tokens_per_s_before=round(before_rate[0], 1) if before_rate else None,
-        tokens_per_s_with_kills=round(run[0], 1) if run else None,
-        kill_every_s=kill_every_s,
-        heartbeat_timeout_ms=hb,
-        kills=len(kills),
-        seconds_with_kills=round(after[-1]["ts"] - kills[0], 1) if after else None,
-        steps_alone=sum(r.get("replicas") == 1 for r in recs),
-        repeat=repeat,
-    )
+        # Where the time went: each step's wall time past the uninterrupted run's mean step, summed
+        # by how long after the latest kill it ended (seconds lost per kill), and the tokens the steps
+        # without the killed replica did not train (as seconds of uninterrupted steps).
+        if ref and run:
+            ref_step = 1 / ref[1]
+            full_tokens = max(r["tokens"] for r in after)
+            bins = (0, 1, 2, 4, 8, 16, kill_every_s)
+            lost = dict.fromkeys((f"{a:g}-{b:g}s" for a, b in zip(bins, bins[1:], strict=False)), 0.0)
+            for a, b in zip(after, after[1:], strict=False):
+                since = since_kill(b)
+                for lo, hi in zip(bins, bins[1:], strict=False):
+                    if lo <= since < hi or (hi == bins[-1] and since >= hi):
+                        lost[f"{lo:g}-{hi:g}s"] += (b["ts"] - a["ts"] - ref_step) / len(kills)
+                        break
+            emit(
+                mode="survive",
+                relay=relay,
+                job=job,
+                figure="seconds_lost_per_kill",
+                value=round(sum(lost.values()), 3),
+                by_time_since_kill={k: round(v, 3) for k, v in lost.items()},
+                fewer_samples_s=round(
+                    sum(ref_step * (1 - r["tokens"] / full_tokens) for r in after[1:]) / len(kills), 3
+                ),
+                uninterrupted_step_s=round(ref_step, 4),
+                repeat=repeat,
+            )
+        # Where the machine's CPU went in both windows (cores: CPU seconds per second), by process:
+        # the two replicas' ranks and everything else (Ray's own processes, Ray Train's controller, the
+        # warm processes started for the next replacement, this bench).
+        if ref and run:
+            for name, ledger, pids, rs in (
+                ("uninterrupted", reference_cpu, reference_pids, same_window),
+                ("with_kills", run_cpu, _rank_pids(receiver.events), after),
+            ):
+                wall = rs[-1]["ts"] - rs[0]["ts"]
+                used = ledger.used(rs[0]["ts"], rs[-1]["ts"], _cpu_kind(pids))
+                emit(
+                    mode="survive",
+                    relay=relay,
+                    job=job,
+                    figure="cpu_cores",
+                    run=name,
+                    total=round(sum(used.values()) / wall, 3),
+                    by_process={
+                        k: round(v / wall, 3)
+                        for k, v in sorted(used.items(), key=lambda kv: -kv[1])
+                        if v / wall >= 0.005
+                    },
+                    seconds=round(wall, 1),
+                    repeat=repeat,
+                )
 
 
 def snapshot_overhead(
@@ -555,7 +735,11 @@ def steady(records: list[dict]) -> tuple[float, float]:
 
 
 def overhead(
-    receiver: Receiver, workdir: Path, iterations: int, rounds: int, ray_runs: dict[int, list[dict]] | None = None
+    receiver: Receiver,
+    workdir: Path,
+    iterations: int,
+    rounds: int,
+    ray_runs: dict[int, list[dict]] | None = None,
 ) -> None:
     """Local and Ray runs alternate, so load from elsewhere on the machine hits both. `ray_runs`:
     the records of Ray runs of this spec already made (--smoke: snapshot_overhead's plain run)."""
@@ -727,14 +911,26 @@ def storage_faults(workdir: Path, repeats: int, smoke: bool = False) -> None:
     from tests.faults.s3_proxy import FaultProxy
 
     at = 4
-    creds = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
-    env = {**creds, "AWS_EC2_METADATA_DISABLED": "true", "AWS_MAX_ATTEMPTS": "2", "AWS_RETRY_MODE": "standard"}
+    creds = {
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    env = {
+        **creds,
+        "AWS_EC2_METADATA_DISABLED": "true",
+        "AWS_MAX_ATTEMPTS": "2",
+        "AWS_RETRY_MODE": "standard",
+    }
     moto, endpoint = start_moto()
     try:
         bucket = "elastron-bench-faults"
         boto3.client(
-            "s3", endpoint_url=endpoint, region_name="us-east-1",
-            aws_access_key_id="bench", aws_secret_access_key="bench",
+            "s3",
+            endpoint_url=endpoint,
+            region_name="us-east-1",
+            aws_access_key_id="bench",
+            aws_secret_access_key="bench",
         ).create_bucket(Bucket=bucket)
 
         def s3_run(name: str, fault: str | None) -> dict:
@@ -765,15 +961,26 @@ def _full_disk(workdir: Path, repeats: int) -> None:
     if os.geteuid() != 0 or shutil.which("mount") is None:
         emit(figure="storage_fault", fault="enospc", skipped="needs root and mount(8) for a small tmpfs")
         return
-    clean = [_fault_run(base_spec(str(workdir / f"lclean-{i}" / "ckpt")), workdir / f"lclean-{i}") for i in range(repeats)]
+    clean = [
+        _fault_run(base_spec(str(workdir / f"lclean-{i}" / "ckpt")), workdir / f"lclean-{i}")
+        for i in range(repeats)
+    ]
     events_file = workdir / "lclean-0" / "events.jsonl"
-    size = max(e["bytes"] for e in map(json.loads, events_file.read_text().splitlines()) if e["kind"] == "checkpoint_saved")
+    size = max(
+        e["bytes"]
+        for e in map(json.loads, events_file.read_text().splitlines())
+        if e["kind"] == "checkpoint_saved"
+    )
     runs = []
     for i in range(repeats):
         small = workdir / f"small-{i}"
         small.mkdir(parents=True)
         room = ((size * 5 // 2) // 4096 + 8) * 4096
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(small)], capture_output=True, text=True)
+        done = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(small)],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode != 0:
             emit(figure="storage_fault", fault="enospc", skipped=f"mount failed: {done.stderr.strip()}")
             return
@@ -814,8 +1021,17 @@ def main() -> None:
         default="small",
         help="mode survive: the SMALL job (~13 ms steps here) or the MEDIUM one (steps ~10x longer)",
     )
-    parser.add_argument("--survive-iters", type=int, default=SURVIVE_TRAIN_ITERS, help="mode survive: the job's steps")
-    parser.add_argument("--smoke", action="store_true", help="every figure from tiny runs: a check that it runs")
+    parser.add_argument(
+        "--survive-iters", type=int, default=SURVIVE_TRAIN_ITERS, help="mode survive: the job's steps"
+    )
+    parser.add_argument(
+        "--compare-no-relay",
+        action="store_true",
+        help="mode survive: the same kills again with torchft's Lighthouse alone (no liveness relay)",
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="every figure from tiny runs: a check that it runs"
+    )
     args = parser.parse_args()
     if args.smoke:
         args.repeats, args.rounds, args.iterations = 1, 1, WARMUP + 3
@@ -853,7 +1069,12 @@ def main() -> None:
                 for repeat in range(args.repeats):
                     for mode in ("persistent", "memory"):
                         recovery(
-                            receiver, Path(tmp) / f"recovery-{mode}-{repeat}", repeat, mode, settle_s, train_iters
+                            receiver,
+                            Path(tmp) / f"recovery-{mode}-{repeat}",
+                            repeat,
+                            mode,
+                            settle_s,
+                            train_iters,
                         )
 
             if "survive" not in args.skip:
@@ -866,6 +1087,7 @@ def main() -> None:
                             *(SMOKE_SURVIVE if args.smoke else (args.kill_every, args.survive_iters, None)),
                             heartbeat_timeout_ms=hb,
                             job=args.survive_job,
+                            relays=(True, False) if args.compare_no_relay else (True,),
                         )
             plain = None
             if "snapshot_overhead" not in args.skip:
@@ -879,7 +1101,11 @@ def main() -> None:
                 # --smoke: the Ray side is snapshot_overhead's plain run (the same spec), one Ray
                 # job fewer; a measurement runs its own, alternating with the local ones.
                 overhead(
-                    receiver, Path(tmp) / "overhead", args.iterations, args.rounds, plain if args.smoke else None
+                    receiver,
+                    Path(tmp) / "overhead",
+                    args.iterations,
+                    args.rounds,
+                    plain if args.smoke else None,
                 )
         finally:
             ray.shutdown()

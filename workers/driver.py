@@ -90,6 +90,9 @@ class WorkerRunOptions:
     cpus_per_rank: float = CPUS_PER_RANK
     # {Ray node id: ranks} the service's scheduler admitted the job on (ELASTRON_PLACEMENT)
     placement: dict[str, int] | None = None
+    # replace_replica: the Lighthouse's liveness relay (engine/distributed/lighthouse.py); off is
+    # torchft's Lighthouse alone, bench/recovery.py's same-run comparison
+    replica_relay: bool = True
 
 
 @dataclass
@@ -340,8 +343,13 @@ class JobDriver:
             # replica group within the attempt (each replacement counted against max_restarts;
             # a failure of every replica restarts the group, and once the budget is spent the
             # attempt fails here as with restart_group).
-            torch_config=torchft_config(pg_timeout, self.spec.resilience.replica_heartbeat_timeout_ms)
-            if replicas else TorchConfig(timeout_s=pg_timeout),
+            torch_config=torchft_config(
+                pg_timeout,
+                self.spec.resilience.replica_heartbeat_timeout_ms,
+                relay=self.options.replica_relay,
+            )
+            if replicas
+            else TorchConfig(timeout_s=pg_timeout),
             scaling_config=scaling,
             run_config=RunConfig(
                 name=self.job_id,
@@ -419,7 +427,9 @@ class JobDriver:
             # replace_replica: Ray Train raises only once its max_failures (the restarts left)
             # are spent on replacements; without this charge each attempt would get them anew.
             spent = self._replica_budget() if replace_replica(self.spec) else 0
-            return Outcome(causes=causes, nodes={r["node_id"] for r in group["ranks"]}, restarts_spent=spent), None
+            return Outcome(
+                causes=causes, nodes={r["node_id"] for r in group["ranks"]}, restarts_spent=spent
+            ), None
         except ControllerError as err:
             if self.stop.is_set():
                 return Outcome(cancelled=True), None

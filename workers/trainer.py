@@ -101,6 +101,19 @@ class ElastronTorchTrainer(TorchTrainer):
             )
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
+    # Private: Ray Train gives every run a DatasetsCallback, whose dataset manager is one more
+    # actor process per worker group start, and so per replica replacement, even when the run has
+    # no Ray datasets (ours read their own data): 1.3-1.8 s of CPU each (the job's setup hook
+    # imports torch there), spent beside the survivors' steps (bench/recovery.py survive's
+    # `cpu_cores`). A Ray that skipped it without datasets would make this override moot.
+    def _create_default_callbacks(self):
+        from ray.train.v2._internal.callbacks import DatasetsCallback
+
+        callbacks = super()._create_default_callbacks()
+        if self.datasets:
+            return callbacks
+        return [cb for cb in callbacks if not isinstance(cb, DatasetsCallback)]
+
     # Private: a public way to abort a running fit() from the driver (e.g. a run handle with
     # abort(), or configurable stop signals) would let the driver install its own handlers; the
     # `controller.abort` below is the internal TrainController actor's method.
@@ -183,7 +196,7 @@ class _LighthouseActor:
         return self.lighthouse.liveness_address()
 
 
-def torchft_config(timeout_s: int, heartbeat_timeout_ms: int = 500):
+def torchft_config(timeout_s: int, heartbeat_timeout_ms: int = 500, relay: bool = True):
     """Ray Train's TorchftConfig for `resilience.on_rank_failure: replace_replica`: one torch
     process group per replica group (Ray 2.60: one worker each), the controller replacing only a
     failed replica group, and the Lighthouse in an actor (engine/distributed/replica_quorum.py
@@ -193,7 +206,9 @@ def torchft_config(timeout_s: int, heartbeat_timeout_ms: int = 500):
     LIVENESS_ENV beside torchft's TORCHFT_LIGHTHOUSE.
 
     `heartbeat_timeout_ms`: a replica whose host goes silent this long is out of the next quorum;
-    one whose process dies is out within the relay's RELAY_TIMEOUT_MS."""
+    one whose process dies is out within the relay's RELAY_TIMEOUT_MS.
+    `relay`: False is torchft's Lighthouse alone (a dead process is out after
+    `heartbeat_timeout_ms` too), for bench/recovery.py's same-run comparison."""
     # Internal: Ray exports TorchftConfig (ray.train.v2.torch) but not its backend; a public
     # "lighthouse actor" argument would replace this subclass.
     from ray.train.v2.torch.torchft_config import TorchftConfig, _TorchftBackend
@@ -219,7 +234,7 @@ def torchft_config(timeout_s: int, heartbeat_timeout_ms: int = 500):
         def on_start(self, worker_group, backend_config):
             self._maybe_create_lighthouse_actor(backend_config)
             liveness = ray.get(self.lighthouse_actor.liveness_address.remote())
-            worker_group.execute(_set_env, LIVENESS_ENV, liveness)
+            worker_group.execute(_set_env, LIVENESS_ENV, liveness)  # empty: no relay to link to
             super().on_start(worker_group, backend_config)
 
     class ElastronTorchftConfig(TorchftConfig):
@@ -228,6 +243,6 @@ def torchft_config(timeout_s: int, heartbeat_timeout_ms: int = 500):
             return _Backend
 
     return ElastronTorchftConfig(
-        lighthouse_kwargs={"silent_timeout_ms": heartbeat_timeout_ms, "join_timeout_ms": heartbeat_timeout_ms},
+        lighthouse_kwargs={"silent_timeout_ms": heartbeat_timeout_ms, "relay": relay},
         timeout_s=timeout_s,
     )

@@ -32,9 +32,11 @@ from urllib.parse import urlparse
 
 # The Lighthouse's own heartbeat timeout, fed by the relay from its host. It is the floor of
 # the survivors' stall after a replica process dies. The margin is for the relay's Python
-# thread: ten heartbeats per timeout.
+# thread: five heartbeats per timeout. Each costs the head node ~0.2 ms of CPU (RPC and the
+# Lighthouse's own work): 10 ms intervals cost 4.5 % of a core for two replicas (bench/recovery.py
+# survive's `cpu_cores`, with and without the relay).
 RELAY_TIMEOUT_MS = 100
-RELAY_INTERVAL_MS = 10
+RELAY_INTERVAL_MS = 20
 QUORUM_TICK_MS = 10
 
 # Where a replica finds the relay: set in every worker by workers/trainer.py's backend (beside
@@ -49,10 +51,18 @@ class Lighthouse:
     `silent_timeout_ms`: a replica whose connection stays open but sends no ping for this long
     (its node is gone) is no longer heartbeated. This is the job's `replica_heartbeat_timeout_ms`.
     `join_timeout_ms`: how long a quorum waits for a replica that heartbeats but has not asked
-    to join."""
+    to join.
+    `relay`: False runs torchft's Lighthouse alone, its heartbeat timeout `silent_timeout_ms`
+    (what torchft users get; bench/recovery.py's `--no-relay` comparison)."""
 
-    def __init__(self, silent_timeout_ms: int = 500, join_timeout_ms: int | None = None, bind: str = "[::]:0"):
-        from torchft.coordination import LighthouseClient, LighthouseServer
+    def __init__(
+        self,
+        silent_timeout_ms: int = 500,
+        join_timeout_ms: int | None = None,
+        bind: str = "[::]:0",
+        relay: bool = True,
+    ):
+        from torchft.coordination import LighthouseServer
 
         self.silent_timeout_s = silent_timeout_ms / 1000
         self.server = LighthouseServer(
@@ -60,12 +70,20 @@ class Lighthouse:
             min_replicas=1,
             join_timeout_ms=join_timeout_ms if join_timeout_ms is not None else silent_timeout_ms,
             quorum_tick_ms=QUORUM_TICK_MS,
-            heartbeat_timeout_ms=RELAY_TIMEOUT_MS,
+            heartbeat_timeout_ms=RELAY_TIMEOUT_MS if relay else silent_timeout_ms,
         )
-        self._client = LighthouseClient(self.server.address(), connect_timeout=timedelta(seconds=10))
+        self._closed = threading.Event()
         self._pings: dict[str, float] = {}  # replica id -> when its link last pinged
         self._lock = threading.Lock()
-        self._closed = threading.Event()
+        self._liveness_address = ""  # no relay: the replicas link to nothing
+        self._listener = None
+        if relay:
+            self._start_relay()
+
+    def _start_relay(self) -> None:
+        from torchft.coordination import LighthouseClient
+
+        self._client = LighthouseClient(self.server.address(), connect_timeout=timedelta(seconds=10))
         dual = socket.has_dualstack_ipv6()  # as torchft's "[::]" bind: v4 and v6 peers alike
         self._listener = socket.create_server(
             ("", 0), family=socket.AF_INET6 if dual else socket.AF_INET, dualstack_ipv6=dual
@@ -81,18 +99,21 @@ class Lighthouse:
         return self.server.address()
 
     def liveness_address(self) -> str:
-        """host:port of the relay (what LIVENESS_ENV holds)."""
+        """host:port of the relay (what LIVENESS_ENV holds); empty without the relay."""
         return self._liveness_address
 
     def linked(self) -> list[str]:
         """The replica ids the relay heartbeats now (for tests and the actor's status)."""
+        if self._listener is None:
+            return []
         now = time.monotonic()
         with self._lock:
             return [rid for rid, at in self._pings.items() if now - at < self.silent_timeout_s]
 
     def shutdown(self) -> None:
         self._closed.set()
-        self._listener.close()
+        if self._listener is not None:
+            self._listener.close()
         self.server.shutdown()
 
     # ------------------------------------------------------------------ threads

@@ -4,6 +4,7 @@
 - A link that stays open but stops pinging (its host is gone) is dropped after the silent
   timeout, and not before.
 - A live link stays, and the Lighthouse itself counts it as healthy: a quorum with it forms.
+- Without the relay (torchft alone), a dead replica holds the quorum for the heartbeat timeout.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import multiprocessing as mp
 import os
 import signal
 import socket
+import threading
 import time
 from datetime import timedelta
 
@@ -74,5 +76,40 @@ def test_a_killed_process_is_unlinked_at_once_and_a_silent_one_after_the_timeout
         alive.close()
         _wait(lambda: lighthouse.linked() == [], 5, "the closed link dropped")
         silent.close()
+    finally:
+        lighthouse.shutdown()
+
+
+def test_without_the_relay_a_dead_replica_holds_the_quorum_for_the_heartbeat_timeout():
+    """`relay=False` (bench/recovery.py's comparison): torchft's Lighthouse alone keeps counting a
+    replica that stopped heartbeating until its heartbeat timeout, so the live one's quorum waits
+    that long (two replicas: the split-brain rule needs more than half of those heartbeating)."""
+    from torchft.coordination import LighthouseClient
+
+    lighthouse = Lighthouse(silent_timeout_ms=1500, join_timeout_ms=60_000, relay=False)
+    try:
+        assert lighthouse.liveness_address() == "" and lighthouse.linked() == []
+        client = LighthouseClient(lighthouse.address(), connect_timeout=timedelta(seconds=5))
+        client.heartbeat("dead")  # its last heartbeat, then its process is gone
+        stop = threading.Event()
+
+        def heartbeat_alive() -> None:  # as its ManagerServer does
+            beats = LighthouseClient(lighthouse.address(), connect_timeout=timedelta(seconds=5))
+            while not stop.wait(0.1):
+                beats.heartbeat("alive")
+
+        beating = threading.Thread(target=heartbeat_alive, daemon=True)
+        beating.start()
+        started = time.monotonic()
+        try:
+            quorum = client.quorum(
+                replica_id="alive", timeout=timedelta(seconds=10), address="a", store_address="s", step=0, world_size=1
+            )
+        finally:
+            stop.set()
+            beating.join(5)
+        waited = time.monotonic() - started
+        assert [p.replica_id for p in quorum.participants] == ["alive"]
+        assert 1.2 < waited < 5, f"the quorum formed after {waited:.2f} s (heartbeat timeout 1.5 s)"
     finally:
         lighthouse.shutdown()

@@ -30,6 +30,7 @@ WORKER_GROUP = ("ray.train.v2._internal.execution.worker_group.worker_group", "W
 METHODS = [
     (DATA_PARALLEL_TRAINER, "_initialize_and_run_controller", ["self", "**"], "ElastronTorchTrainer"),
     (DATA_PARALLEL_TRAINER, "_register_sigint_handler", ["self", "controller"], "ElastronTorchTrainer"),
+    (DATA_PARALLEL_TRAINER, "_create_default_callbacks", ["self"], "ElastronTorchTrainer"),
     (ELASTIC_POLICY, "_count_possible_workers", ["self", "reserved_resources"], "ElastronElasticPolicy"),
     (ELASTIC_POLICY, "__init__", ["self", "scaling_config"], None),  # super().__init__(scaling_config)
     (WORKER_CALLBACK, "before_worker_shutdown", ["self"], "GracefulShutdown"),
@@ -42,6 +43,8 @@ CALL_SITES = [
     (DATA_PARALLEL_TRAINER, "fit", "self._initialize_and_run_controller("),
     (DATA_PARALLEL_TRAINER, "fit", "scaling_policy="),
     (DATA_PARALLEL_TRAINER, "_initialize_and_run_controller", "self._register_sigint_handler("),
+    (DATA_PARALLEL_TRAINER, "fit", "self._create_default_callbacks("),
+    (DATA_PARALLEL_TRAINER, "_create_default_callbacks", "DatasetsCallback("),
     (ELASTIC_POLICY, None, "self._count_possible_workers("),
     (RAY_WORKER, None, ".before_worker_shutdown("),
     # Ray Train's worker actors get RunConfig.worker_runtime_env (our preload hook rides on it).
@@ -113,7 +116,7 @@ def test_the_controller_still_takes_a_scaling_policy_and_can_be_aborted():
 
 def test_our_worker_callback_reaches_the_workers_and_elasticity_is_read_from_scaling(tmp_path):
     """Through the trainer's own callback list (no cluster): Ray passes run_config callbacks that
-    are not UserCallbacks on as they are; our policy is only swapped in when the ScalingConfig
+    are not UserCallbacks on as they are; we drop its dataset callback; our policy is only swapped in when the ScalingConfig
     says elastic."""
     from ray.train import RunConfig, ScalingConfig
 
@@ -131,6 +134,14 @@ def test_our_worker_callback_reaches_the_workers_and_elasticity_is_read_from_sca
     assert any(isinstance(c, shutdown_cls) for c in callbacks), (
         f"{RAY}: a RunConfig WorkerCallback no longer reaches the controller's callbacks: "
         f"{[type(c).__name__ for c in callbacks]}"
+    )
+    # A run without Ray datasets starts no dataset manager actor (one more process per worker
+    # group start, each replica replacement included): Ray's list has the callback, ours not.
+    datasets_cls = _load(("ray.train.v2._internal.callbacks", "DatasetsCallback"))
+    rays = super(trainer_cls, trainer)._create_default_callbacks()
+    assert any(isinstance(c, datasets_cls) for c in rays), f"{RAY}: no DatasetsCallback any more"
+    assert not any(isinstance(c, datasets_cls) for c in callbacks), (
+        "a run without datasets kept Ray's DatasetsCallback"
     )
     assert getattr(trainer.scaling_config, "elasticity_enabled", None) is True, (
         f"{RAY}: ScalingConfig.elasticity_enabled is gone or false for num_workers=(1, 2)"
@@ -164,7 +175,10 @@ def test_what_warm_processes_lean_on_is_still_there():
     if not callable(getattr(CoreWorker, "get_current_runtime_env", None)):
         _fail("CoreWorker.get_current_runtime_env is gone")
     env = export_setup_func_module({}, "workers.warm_processes.preload")
-    if env.get("env_vars", {}).get(ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR) != "workers.warm_processes.preload":
+    if (
+        env.get("env_vars", {}).get(ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR)
+        != "workers.warm_processes.preload"
+    ):
         _fail(f"export_setup_func_module no longer writes the hook variable: {env}")
 
 
