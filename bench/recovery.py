@@ -27,8 +27,8 @@ Figures (one JSON line each):
   `steps_kept` the same for steps; `vs_before_first_kill` over the run's own half interval
   before its first kill; `vs_steady_between_kills` over the run's own steps in the second half
   of each interval, measured beside the kills: two runs on this shared machine differ by up to
-  10 %); `seconds_lost_per_kill`: each step's wall time past the uninterrupted
-  run's mean step, summed by how long after the latest kill it ended, and the tokens the steps
+  10 %); `seconds_lost_per_kill`: each step's wall time past the same run's mean
+  step in the second halves of the intervals, summed by how long after the latest kill it ended, and the tokens the steps
   without replica 1 did not train (`fewer_samples_s`); `cpu_cores`: where the machine's CPU
   went in both runs, by process (the two replicas' ranks, Ray's and Ray Train's processes, the
   warm processes). Every survive line carries `relay`: `--compare-no-relay` runs the same kills
@@ -565,11 +565,11 @@ def survive(
             steps_alone=sum(r.get("replicas") == 1 for r in recs),
             repeat=repeat,
         )
-        # Where the time went: each step's wall time past the uninterrupted run's mean step, summed
-        # by how long after the latest kill it ended (seconds lost per kill), and the tokens the steps
-        # without the killed replica did not train (as seconds of uninterrupted steps).
-        if ref and run:
-            ref_step = 1 / ref[1]
+        # Where the time went: each step's wall time past the same run's mean step far from the
+        # kills, summed by how long after the latest kill it ended (seconds lost per kill), and the
+        # tokens the steps without the killed replica did not train (as seconds of such steps).
+        if calm and run:
+            ref_step = sum(g for _, g in calm) / len(calm)
             full_tokens = max(r["tokens"] for r in after)
             bins = (0, 1, 2, 4, 8, 16, kill_every_s)
             lost = dict.fromkeys((f"{a:g}-{b:g}s" for a, b in zip(bins, bins[1:], strict=False)), 0.0)
@@ -589,7 +589,8 @@ def survive(
                 fewer_samples_s=round(
                     sum(ref_step * (1 - r["tokens"] / full_tokens) for r in after[1:]) / len(kills), 3
                 ),
-                uninterrupted_step_s=round(ref_step, 4),
+                steady_step_s=round(ref_step, 4),
+                uninterrupted_step_s=round(1 / ref[1], 4) if ref else None,
                 repeat=repeat,
             )
         # Where the machine's CPU went in both windows (cores: CPU seconds per second), by process:
