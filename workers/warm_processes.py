@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -77,8 +76,6 @@ RAY_TRAIN_MODULES = ("torch", "ray.train.torch", "ray.train.v2.api.data_parallel
 # How long the raylet keeps an idle warm process that it would otherwise end (more workers on
 # the node than CPUs).
 KEEP_ALIVE_S = 24 * 3600
-# The preload's CPU priority: the lowest nice value.
-LOW_PRIORITY_NICE = 19
 PRESTART_TIMEOUT_S = 10.0
 
 
@@ -92,35 +89,15 @@ def _import_all(names: tuple[str, ...]) -> None:
             log.warning("preloading %s failed; it is imported where it is used", name, exc_info=True)
 
 
-def _import_all_when_idle(names: tuple[str, ...]) -> None:
-    """Import on a thread of its own at the lowest CPU priority (Linux: a thread's nice value is
-    its own), and wait for it. A warm process is prestarted beside training ranks, often right
-    after a replacement rejoined, and its imports (2-3 s of CPU) then took CPU the survivors'
-    steps needed; at nice 19 they get what the ranks leave. A cold start on a free node imports
-    as fast as before. The process's main thread, which runs the actor, keeps its priority, and
-    the import starts no thread that outlives it."""
-
-    def low_priority_import() -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOW_PRIORITY_NICE)
-        except (OSError, AttributeError):  # not Linux: the thread would renice the process
-            pass
-        _import_all(names)
-
-    thread = threading.Thread(target=low_priority_import, name="elastron-preload", daemon=True)
-    thread.start()
-    thread.join()
-
-
 def preload() -> None:
     """Ray's worker-process setup hook for rank processes."""
-    _import_all_when_idle(PRELOAD_MODULES)
+    _import_all(PRELOAD_MODULES)
 
 
 def preload_ray_train() -> None:
     """The job-level setup hook (every other process of a fast-recovery job: Ray Train's
     controller and helpers, the registry, the snapshot holders)."""
-    _import_all_when_idle(RAY_TRAIN_MODULES)
+    _import_all(RAY_TRAIN_MODULES)
 
 
 def job_runtime_env() -> dict:
@@ -193,9 +170,7 @@ def _prestart_one(keep_alive_s: int) -> bool:
         return False
 
 
-def prestart_after_first_step(
-    trainer, count: int = 1, poll_s: float = 0.2, give_up_s: float = 3600.0
-) -> threading.Thread:
+def prestart_after_first_step(trainer, count: int = 1, poll_s: float = 0.2, give_up_s: float = 3600.0) -> threading.Thread:
     """Prestart once `trainer` has finished a step past where it started, so the new processes'
     imports do not compete with this group's setup and first step."""
     begin = trainer.iteration

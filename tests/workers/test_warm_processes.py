@@ -52,28 +52,6 @@ def test_preloading_never_fails_the_process(monkeypatch, caplog):
     assert "elastron_no_such_module" in caplog.text
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="a thread's own nice value needs Linux")
-def test_preloading_imports_at_the_lowest_priority_and_leaves_the_process_at_its_own(monkeypatch):
-    """A warm process's imports run beside training ranks: at nice 19, on a thread of their own,
-    so the thread that later runs the rank keeps its priority."""
-    import threading
-
-    seen = {}
-
-    def record(names):
-        seen["names"] = names
-        seen["nice"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-        seen["main"] = threading.current_thread() is threading.main_thread()
-
-    before = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    monkeypatch.setattr(warm_processes, "_import_all", record)
-    warm_processes.preload()
-    assert seen == {"names": warm_processes.PRELOAD_MODULES, "nice": 19, "main": False}
-    warm_processes.preload_ray_train()
-    assert seen["names"] == warm_processes.RAY_TRAIN_MODULES and seen["nice"] == 19
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == before
-
-
 def test_the_controller_callback_prestarts_once_per_controller(monkeypatch):
     pytest.importorskip("ray")
     from workers.trainer import WarmControllerProcesses
