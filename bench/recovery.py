@@ -190,7 +190,7 @@ class CpuLedger:
     window's CPU can be split by who used it (the bench's ranks share 2 cores with everything a
     replacement starts). Linux only; elsewhere it records nothing."""
 
-    def __init__(self, every_s: float = 0.25):
+    def __init__(self, every_s: float = 0.5):
         self.every_s = every_s
         self.samples: list[tuple[float, dict[int, tuple[str, float]]]] = []
         self._stop = threading.Event()
