@@ -2,7 +2,7 @@
 an elastic scaling policy that only picks sizes the job can run on, and a worker callback that
 stops rank 0 at a step boundary when Ray shuts a group down.
 
-These lean on three private methods of Ray Train, and on two classes Ray keeps in
+These lean on four private methods of Ray Train, and on classes Ray keeps in
 `ray.train.v2._internal`. This is the one module of the project that may touch them
 (tests/test_layering.py keeps everything outside workers/ off `ray.train.*._internal`), and
 tests/workers/test_ray_internals.py fails, naming the installed Ray, when an upgrade moves one
@@ -14,6 +14,9 @@ or changes its signature, rather than a job failing (or quietly losing a stop si
   SIGINT only (and calls `sys.exit` from a signal handler when the controller is gone); ours
   also takes SIGTERM (the default stop signal of Ray Jobs), records that a stop was asked, and
   leaves the exit to the driver.
+- `DataParallelTrainer._create_default_callbacks()`: the controller's callbacks; ours drops
+  the `DatasetsCallback` of a run without Ray datasets (its dataset manager is one more actor
+  process per worker group start, each replica replacement included).
 - `ElasticScalingPolicy._count_possible_workers(reserved)`: how many workers the cluster has
   room for; ours drops dead and excluded nodes and rounds down to a valid size.
 - `ElasticScalingPolicy` and `WorkerCallback` themselves are imported from

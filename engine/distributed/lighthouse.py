@@ -53,7 +53,7 @@ class Lighthouse:
     `join_timeout_ms`: how long a quorum waits for a replica that heartbeats but has not asked
     to join.
     `relay`: False runs torchft's Lighthouse alone, its heartbeat timeout `silent_timeout_ms`
-    (what torchft users get; bench/recovery.py's `--no-relay` comparison)."""
+    (what torchft users get; bench/recovery.py's `--compare-no-relay`)."""
 
     def __init__(
         self,
