@@ -82,6 +82,7 @@ figure's Ray side reuses snapshot_overhead's plain run (the same spec) there.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -243,6 +244,14 @@ class CpuLedger:
             name = kind(pid, title)
             spent[name] = spent.get(name, 0.0) + cpu - first.get(pid, (title, 0.0))[1]
         return spent
+
+
+def _rate(records: list[dict]) -> tuple[float, float] | None:
+    """(tokens per second, steps per second) over consecutive records, or None for fewer than two."""
+    if len(records) < 2:
+        return None
+    wall = records[-1]["ts"] - records[0]["ts"]
+    return sum(r["tokens"] for r in records[1:]) / wall, (len(records) - 1) / wall
 
 
 def _rank_pids(events: list[dict]) -> dict[int, int]:
@@ -431,6 +440,8 @@ def survive(
         done.clear()
         receiver.records.clear()
         receiver.events.clear()
+        # Every line of this run carries the same keys.
+        out = functools.partial(emit, mode="survive", relay=relay, job=job, repeat=repeat)
         killer = threading.Thread(target=kill_periodically, daemon=True)
         killer.start()
         with CpuLedger() as run_cpu:
@@ -484,10 +495,7 @@ def survive(
                 ),
                 {},
             )
-            emit(
-                mode="survive",
-                relay=relay,
-                job=job,
+            out(
                 figure="survivor_stall_s",
                 value=round(max(around) - median, 3) if around else None,
                 at_kill_s=round(max(at_kill) - median, 3) if at_kill else None,
@@ -498,19 +506,14 @@ def survive(
                 heartbeat_timeout_ms=hb,
                 steps_alone=len(alone),
                 kill=n,
-                repeat=repeat,
             )
-            emit(
-                mode="survive",
-                relay=relay,
-                job=job,
+            out(
                 figure="rejoin_s",
                 value=round(back["ts"] - killed_at, 2) if back is not None else None,
                 replacement_started_s=round(started["ts"] - killed_at, 2) if started else None,
                 process_age_s=started.get("process_age_s"),
                 heal_s=rejoined.get("heal_s"),
                 kill=n,
-                repeat=repeat,
             )
         # The reference: the steady steps of the half interval before the first kill (the job's first
         # seconds also pay for starting its warm processes, one torch import per rank).
@@ -519,12 +522,6 @@ def survive(
         ]
         after = [r for r in recs if r["ts"] >= kills[0]]
 
-        def rate(rs: list[dict]) -> tuple[float, float] | None:
-            if len(rs) < 2:
-                return None
-            wall = rs[-1]["ts"] - rs[0]["ts"]
-            return sum(r["tokens"] for r in rs[1:]) / wall, (len(rs) - 1) / wall
-
         # The uninterrupted run's steps from as long after its first step as the first kill came.
         offset = kills[0] - recs[0]["ts"]
         same_window = (
@@ -532,7 +529,7 @@ def survive(
             if reference_recs
             else []
         )
-        ref, before_rate, run = rate(same_window), rate(before), rate(after)
+        ref, before_rate, run = _rate(same_window), _rate(before), _rate(after)
 
         def since_kill(record: dict) -> float:
             return record["ts"] - max(k for k in kills if k <= record["ts"])
@@ -546,10 +543,7 @@ def survive(
             if since_kill(b) >= kill_every_s / 2
         ]
         calm_rate = sum(t for t, _ in calm) / sum(g for _, g in calm) if calm else None
-        emit(
-            mode="survive",
-            relay=relay,
-            job=job,
+        out(
             figure="throughput_kept",
             value=round(run[0] / ref[0], 3) if ref and run else None,
             steps_kept=round(run[1] / ref[1], 3) if ref and run else None,
@@ -563,13 +557,12 @@ def survive(
             kills=len(kills),
             seconds_with_kills=round(after[-1]["ts"] - kills[0], 1) if after else None,
             steps_alone=sum(r.get("replicas") == 1 for r in recs),
-            repeat=repeat,
         )
         # Where the time went: each step's wall time past the same run's mean step far from the
         # kills, summed by how long after the latest kill it ended (seconds lost per kill), and the
         # tokens the steps without the killed replica did not train (as seconds of such steps).
         if calm and run:
-            ref_step = sum(g for _, g in calm) / len(calm)
+            steady_step = sum(g for _, g in calm) / len(calm)
             full_tokens = max(r["tokens"] for r in after)
             bins = (0, 1, 2, 4, 8, 16, kill_every_s)
             lost = dict.fromkeys((f"{a:g}-{b:g}s" for a, b in zip(bins, bins[1:], strict=False)), 0.0)
@@ -577,21 +570,17 @@ def survive(
                 since = since_kill(b)
                 for lo, hi in zip(bins, bins[1:], strict=False):
                     if lo <= since < hi or (hi == bins[-1] and since >= hi):
-                        lost[f"{lo:g}-{hi:g}s"] += (b["ts"] - a["ts"] - ref_step) / len(kills)
+                        lost[f"{lo:g}-{hi:g}s"] += (b["ts"] - a["ts"] - steady_step) / len(kills)
                         break
-            emit(
-                mode="survive",
-                relay=relay,
-                job=job,
+            out(
                 figure="seconds_lost_per_kill",
                 value=round(sum(lost.values()), 3),
                 by_time_since_kill={k: round(v, 3) for k, v in lost.items()},
                 fewer_samples_s=round(
-                    sum(ref_step * (1 - r["tokens"] / full_tokens) for r in after[1:]) / len(kills), 3
+                    sum(steady_step * (1 - r["tokens"] / full_tokens) for r in after[1:]) / len(kills), 3
                 ),
-                steady_step_s=round(ref_step, 4),
+                steady_step_s=round(steady_step, 4),
                 uninterrupted_step_s=round(1 / ref[1], 4) if ref else None,
-                repeat=repeat,
             )
         # Where the machine's CPU went in both windows (cores: CPU seconds per second), by process:
         # the two replicas' ranks and everything else (Ray's own processes, Ray Train's controller, the
@@ -603,10 +592,7 @@ def survive(
             ):
                 wall = rs[-1]["ts"] - rs[0]["ts"]
                 used = ledger.used(rs[0]["ts"], rs[-1]["ts"], _cpu_kind(pids))
-                emit(
-                    mode="survive",
-                    relay=relay,
-                    job=job,
+                out(
                     figure="cpu_cores",
                     run=name,
                     total=round(sum(used.values()) / wall, 3),
@@ -616,7 +602,6 @@ def survive(
                         if v / wall >= 0.005
                     },
                     seconds=round(wall, 1),
-                    repeat=repeat,
                 )
 
 
@@ -736,11 +721,7 @@ def steady(records: list[dict]) -> tuple[float, float]:
 
 
 def overhead(
-    receiver: Receiver,
-    workdir: Path,
-    iterations: int,
-    rounds: int,
-    ray_runs: dict[int, list[dict]] | None = None,
+    receiver: Receiver, workdir: Path, iterations: int, rounds: int, ray_runs: dict[int, list[dict]] | None = None
 ) -> None:
     """Local and Ray runs alternate, so load from elsewhere on the machine hits both. `ray_runs`:
     the records of Ray runs of this spec already made (--smoke: snapshot_overhead's plain run)."""
@@ -912,26 +893,14 @@ def storage_faults(workdir: Path, repeats: int, smoke: bool = False) -> None:
     from tests.faults.s3_proxy import FaultProxy
 
     at = 4
-    creds = {
-        "AWS_ACCESS_KEY_ID": "bench",
-        "AWS_SECRET_ACCESS_KEY": "bench",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    env = {
-        **creds,
-        "AWS_EC2_METADATA_DISABLED": "true",
-        "AWS_MAX_ATTEMPTS": "2",
-        "AWS_RETRY_MODE": "standard",
-    }
+    creds = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1"}
+    env = {**creds, "AWS_EC2_METADATA_DISABLED": "true", "AWS_MAX_ATTEMPTS": "2", "AWS_RETRY_MODE": "standard"}
     moto, endpoint = start_moto()
     try:
         bucket = "elastron-bench-faults"
         boto3.client(
-            "s3",
-            endpoint_url=endpoint,
-            region_name="us-east-1",
-            aws_access_key_id="bench",
-            aws_secret_access_key="bench",
+            "s3", endpoint_url=endpoint, region_name="us-east-1",
+            aws_access_key_id="bench", aws_secret_access_key="bench",
         ).create_bucket(Bucket=bucket)
 
         def s3_run(name: str, fault: str | None) -> dict:
@@ -962,26 +931,15 @@ def _full_disk(workdir: Path, repeats: int) -> None:
     if os.geteuid() != 0 or shutil.which("mount") is None:
         emit(figure="storage_fault", fault="enospc", skipped="needs root and mount(8) for a small tmpfs")
         return
-    clean = [
-        _fault_run(base_spec(str(workdir / f"lclean-{i}" / "ckpt")), workdir / f"lclean-{i}")
-        for i in range(repeats)
-    ]
+    clean = [_fault_run(base_spec(str(workdir / f"lclean-{i}" / "ckpt")), workdir / f"lclean-{i}") for i in range(repeats)]
     events_file = workdir / "lclean-0" / "events.jsonl"
-    size = max(
-        e["bytes"]
-        for e in map(json.loads, events_file.read_text().splitlines())
-        if e["kind"] == "checkpoint_saved"
-    )
+    size = max(e["bytes"] for e in map(json.loads, events_file.read_text().splitlines()) if e["kind"] == "checkpoint_saved")
     runs = []
     for i in range(repeats):
         small = workdir / f"small-{i}"
         small.mkdir(parents=True)
         room = ((size * 5 // 2) // 4096 + 8) * 4096
-        done = subprocess.run(
-            ["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(small)],
-            capture_output=True,
-            text=True,
-        )
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={room}", "tmpfs", str(small)], capture_output=True, text=True)
         if done.returncode != 0:
             emit(figure="storage_fault", fault="enospc", skipped=f"mount failed: {done.stderr.strip()}")
             return
@@ -1022,17 +980,13 @@ def main() -> None:
         default="small",
         help="mode survive: the SMALL job (~13 ms steps here) or the MEDIUM one (steps ~10x longer)",
     )
-    parser.add_argument(
-        "--survive-iters", type=int, default=SURVIVE_TRAIN_ITERS, help="mode survive: the job's steps"
-    )
+    parser.add_argument("--survive-iters", type=int, default=SURVIVE_TRAIN_ITERS, help="mode survive: the job's steps")
     parser.add_argument(
         "--compare-no-relay",
         action="store_true",
         help="mode survive: the same kills again with torchft's Lighthouse alone (no liveness relay)",
     )
-    parser.add_argument(
-        "--smoke", action="store_true", help="every figure from tiny runs: a check that it runs"
-    )
+    parser.add_argument("--smoke", action="store_true", help="every figure from tiny runs: a check that it runs")
     args = parser.parse_args()
     if args.smoke:
         args.repeats, args.rounds, args.iterations = 1, 1, WARMUP + 3
@@ -1070,12 +1024,7 @@ def main() -> None:
                 for repeat in range(args.repeats):
                     for mode in ("persistent", "memory"):
                         recovery(
-                            receiver,
-                            Path(tmp) / f"recovery-{mode}-{repeat}",
-                            repeat,
-                            mode,
-                            settle_s,
-                            train_iters,
+                            receiver, Path(tmp) / f"recovery-{mode}-{repeat}", repeat, mode, settle_s, train_iters
                         )
 
             if "survive" not in args.skip:
@@ -1102,11 +1051,7 @@ def main() -> None:
                 # --smoke: the Ray side is snapshot_overhead's plain run (the same spec), one Ray
                 # job fewer; a measurement runs its own, alternating with the local ones.
                 overhead(
-                    receiver,
-                    Path(tmp) / "overhead",
-                    args.iterations,
-                    args.rounds,
-                    plain if args.smoke else None,
+                    receiver, Path(tmp) / "overhead", args.iterations, args.rounds, plain if args.smoke else None
                 )
         finally:
             ray.shutdown()

@@ -427,9 +427,7 @@ class JobDriver:
             # replace_replica: Ray Train raises only once its max_failures (the restarts left)
             # are spent on replacements; without this charge each attempt would get them anew.
             spent = self._replica_budget() if replace_replica(self.spec) else 0
-            return Outcome(
-                causes=causes, nodes={r["node_id"] for r in group["ranks"]}, restarts_spent=spent
-            ), None
+            return Outcome(causes=causes, nodes={r["node_id"] for r in group["ranks"]}, restarts_spent=spent), None
         except ControllerError as err:
             if self.stop.is_set():
                 return Outcome(cancelled=True), None

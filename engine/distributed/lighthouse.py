@@ -104,8 +104,6 @@ class Lighthouse:
 
     def linked(self) -> list[str]:
         """The replica ids the relay heartbeats now (for tests and the actor's status)."""
-        if self._listener is None:
-            return []
         now = time.monotonic()
         with self._lock:
             return [rid for rid, at in self._pings.items() if now - at < self.silent_timeout_s]

@@ -116,8 +116,8 @@ def test_the_controller_still_takes_a_scaling_policy_and_can_be_aborted():
 
 def test_our_worker_callback_reaches_the_workers_and_elasticity_is_read_from_scaling(tmp_path):
     """Through the trainer's own callback list (no cluster): Ray passes run_config callbacks that
-    are not UserCallbacks on as they are; we drop its dataset callback; our policy is only swapped in when the ScalingConfig
-    says elastic."""
+    are not UserCallbacks on as they are; Ray's dataset callback is dropped for a run without
+    datasets; our policy is only swapped in when the ScalingConfig says elastic."""
     from ray.train import RunConfig, ScalingConfig
 
     trainer_cls, shutdown_cls = _ours("ElastronTorchTrainer"), _ours("GracefulShutdown")
@@ -175,10 +175,7 @@ def test_what_warm_processes_lean_on_is_still_there():
     if not callable(getattr(CoreWorker, "get_current_runtime_env", None)):
         _fail("CoreWorker.get_current_runtime_env is gone")
     env = export_setup_func_module({}, "workers.warm_processes.preload")
-    if (
-        env.get("env_vars", {}).get(ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR)
-        != "workers.warm_processes.preload"
-    ):
+    if env.get("env_vars", {}).get(ray_constants.WORKER_PROCESS_SETUP_HOOK_ENV_VAR) != "workers.warm_processes.preload":
         _fail(f"export_setup_func_module no longer writes the hook variable: {env}")
 
 
