@@ -161,6 +161,16 @@ class StepWatchdog:
             f"(iteration {step}, phase {phase!r}; resilience.step_timeout_s = {limit:g})"
         )
 
+    def fail(self, message: str) -> None:
+        """Fail this process now, as a timeout would (the same report, `on_timeout` and kill),
+        for a stall another part saw coming: the job's Lighthouse gone
+        (engine/distributed/replica_quorum.py), where the step would wait out its quorum timeout."""
+        with self._lock:
+            if self.fired is not None or self._stop.is_set():  # stopped: the rank is done with it
+                return
+            self.fired = message
+        self._fire(message)
+
     def _fire(self, message: str) -> None:
         self.fired = message
         stream = self.stream or sys.stderr

@@ -11,7 +11,7 @@ read from here:
   killing the process.
 - `telemetry_settings()`: where to send telemetry, for ranks whose environment does not say.
 - `progress(iteration, ts)` / `last_progress()`: rank 0's newest finished step, so a restart can
-  say how many steps it lost.
+  say how many steps it lost (restart_group; replace_replica's replicas do not report it).
 - `replica_join(...)` / `replica_round(...)`: `resilience.on_rank_failure: replace_replica` with
   replicas of several ranks (HSDP): the rendezvous by rounds through which a replica's ranks form
   their process group again after one of them was replaced (engine/distributed/replica_group.py).
@@ -91,6 +91,7 @@ class JobRegistry:
 
     def replicas_ended(self, attempt: int) -> bool:
         return attempt in self._replicas_ended
+
     def replica_join(self, replica: int, shard_rank: int, size: int, address: tuple[str, int] | None) -> int:
         from engine.distributed.replica_group import ReplicaRounds
 

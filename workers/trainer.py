@@ -220,6 +220,16 @@ def torchft_config(timeout_s: int, heartbeat_timeout_ms: int = 500, relay: bool 
 
     class _Backend(_TorchftBackend):
         def _maybe_create_lighthouse_actor(self, backend_config) -> str:
+            if self.lighthouse_actor is not None:
+                try:
+                    return ray.get(self.lighthouse_actor.address.remote())
+                except ray.exceptions.RayActorError:
+                    # It died (its process killed, the OOM killer): Ray's backend would keep
+                    # asking the dead actor at every replacement, each start would fail, and the
+                    # failed starts leave the controller waiting for a placement group forever.
+                    # A new Lighthouse, at a new address: the replicas still asking the old one
+                    # time out of their quorum and are replaced onto this one.
+                    self.lighthouse_actor = None
             if self.lighthouse_actor is None:
                 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 

@@ -24,9 +24,11 @@ adds heartbeats.
 
 from __future__ import annotations
 
+import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from urllib.parse import urlparse
 
@@ -164,22 +166,36 @@ class Lighthouse:
 
 class LivenessLink:
     """A replica process's end of the relay: the connection whose close tells the Lighthouse
-    this process is gone, and a ping every `interval_s` that says its host is still there."""
+    this process is gone, and a ping every `interval_s` that says its host is still there.
 
-    def __init__(self, address: str, replica_id: str, interval_s: float):
+    The same connection tells the replica when the Lighthouse's process is gone (the relay never
+    writes, so a readable socket is its close): `on_lost` runs once, on the link's thread.
+    Without it a replica learns of it only when its quorum times out."""
+
+    def __init__(
+        self, address: str, replica_id: str, interval_s: float, on_lost: Callable[[], None] | None = None
+    ):
         host, port = address.rsplit(":", 1)
         self._sock = socket.create_connection((host.strip("[]"), int(port)), timeout=10)
         self._sock.sendall(replica_id.encode() + b"\n")
         self._closed = threading.Event()
         self._interval_s = interval_s
+        self._on_lost = on_lost
         threading.Thread(target=self._ping, daemon=True, name="liveness-link").start()
 
     def _ping(self) -> None:
         while not self._closed.wait(self._interval_s):
             try:
                 self._sock.sendall(b".")
+                readable, _, _ = select.select([self._sock], [], [], 0)
+                if not readable or self._sock.recv(64):
+                    continue
             except OSError:
-                return
+                pass
+            # EOF, a reset or a broken pipe: the Lighthouse's end is closed
+            if not self._closed.is_set() and self._on_lost is not None:
+                self._on_lost()
+            return
 
     def close(self) -> None:
         self._closed.set()

@@ -80,6 +80,7 @@ class ReplicaQuorum:
         device: torch.device | None = None,
         heartbeat_timeout_ms: int = 500,
         group: ReplicaMembership | None = None,
+        on_lighthouse_lost: Callable[[str], None] | None = None,
     ):
         self.index, self.count = index, count
         self.group = group
@@ -99,6 +100,7 @@ class ReplicaQuorum:
         # torchft Lighthouse) a death is noticed by the heartbeat timeout alone.
         self.liveness_addr = liveness_addr or os.environ.get(LIVENESS_ENV)
         self._link: LivenessLink | None = None
+        self.on_lighthouse_lost = on_lighthouse_lost  # (message): the relay's link saw it close
         self.emit = emit  # default: the Trainer's event record (attach)
         self.device = device or torch.device("cpu")
         # Five heartbeats per timeout (the Lighthouse's, resilience.replica_heartbeat_timeout_ms):
@@ -172,7 +174,12 @@ class ReplicaQuorum:
             from torchft.manager import REPLICA_ID_KEY
 
             replica_id = self.manager._store.get(REPLICA_ID_KEY).decode()  # with torchft's uuid
-            self._link = LivenessLink(self.liveness_addr, replica_id, self.heartbeat_interval.total_seconds())
+            self._link = LivenessLink(
+                self.liveness_addr,
+                replica_id,
+                self.heartbeat_interval.total_seconds(),
+                on_lost=self._lighthouse_lost,
+            )
         if self.group is not None:  # a peer of this replica died: leave the quorum at once
             self.group.on_lost.append(self.shutdown)
         self.joined_at = time.time()
@@ -367,6 +374,18 @@ class ReplicaQuorum:
 
     def median_step_s(self) -> float | None:
         return statistics.median(self._step_times[-50:]) if self._step_times else None
+
+    def _lighthouse_lost(self) -> None:
+        """The job's Lighthouse is gone (its actor's process died): no quorum can be agreed any
+        more, and torchft's Manager keeps waiting for one until the quorum timeout (up to 60 s
+        with every replica stalled). `on_lighthouse_lost` fails this process now instead (the
+        rank's watchdog: its event, its kill); Ray then starts the replicas again against a new
+        Lighthouse (workers/trainer.py's backend)."""
+        if self.on_lighthouse_lost is not None:
+            self.on_lighthouse_lost(
+                f"replica {self.index}: the job's Lighthouse ({self.lighthouse_addr}) closed its "
+                "liveness link: its process is gone, so no quorum can be agreed"
+            )
 
     def shutdown(self) -> None:
         """Leave the quorum (the loop's end, or a watcher's: replica_group.py)."""

@@ -5,6 +5,8 @@
   timeout, and not before.
 - A live link stays, and the Lighthouse itself counts it as healthy: a quorum with it forms.
 - Without the relay (torchft alone), a dead replica holds the quorum for the heartbeat timeout.
+- The other way: a link whose Lighthouse process dies calls its `on_lost` at once; one closed
+  by its own replica (the loop's end) does not.
 """
 
 from __future__ import annotations
@@ -113,3 +115,30 @@ def test_without_the_relay_a_dead_replica_holds_the_quorum_for_the_heartbeat_tim
         assert 1.2 < waited < 5, f"the quorum formed after {waited:.2f} s (heartbeat timeout 1.5 s)"
     finally:
         lighthouse.shutdown()
+
+
+def _lighthouse_until_killed(queue) -> None:
+    queue.put(Lighthouse().liveness_address())
+    time.sleep(600)
+
+
+def test_a_link_hears_its_lighthouse_die_and_a_closed_one_does_not():
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    server = ctx.Process(target=_lighthouse_until_killed, args=(queue,), daemon=True)
+    server.start()
+    try:
+        address = queue.get(timeout=60)
+        lost, closed_lost = threading.Event(), threading.Event()
+        LivenessLink(address, "replica", interval_s=0.05, on_lost=lost.set)
+        closed = LivenessLink(address, "ended", interval_s=0.05, on_lost=closed_lost.set)
+        time.sleep(0.3)
+        assert not lost.is_set()  # a live Lighthouse is not lost
+        closed.close()
+        os.kill(server.pid, signal.SIGKILL)
+        # Its kernel closes the relay's connections: the next ping finds the close.
+        assert lost.wait(5)
+        time.sleep(0.3)
+        assert not closed_lost.is_set()
+    finally:
+        server.kill()

@@ -70,6 +70,23 @@ def test_firing_reports_stacks_and_calls_back_without_killing_when_asked():
     assert text.startswith(dog.fired) and "elastron-watchdog" in text  # all threads' stacks
 
 
+def test_fail_reports_at_once_once_and_not_after_stop():
+    """`fail` (the job's Lighthouse gone): the timeout's report and callback now, only once, and
+    nothing once the rank has stopped its watchdog."""
+    seen: list[str] = []
+    dog = StepWatchdog(timeout_s=600, kill=False, on_timeout=seen.append, stream=io.StringIO())
+    dog.watch(SimpleNamespace(iteration=4, phase="optimizer"))
+    with dog:
+        dog.fail("the Lighthouse is gone")
+        dog.fail("again")
+    assert seen == ["the Lighthouse is gone"] and dog.fired == seen[0]
+    stopped = StepWatchdog(timeout_s=600, kill=False, on_timeout=seen.append, stream=io.StringIO())
+    with stopped:
+        pass
+    stopped.fail("after the rank ended")
+    assert stopped.fired is None and len(seen) == 1
+
+
 def test_invalid_timeout_is_refused():
     with pytest.raises(ValueError, match="positive"):
         StepWatchdog(timeout_s=0)
