@@ -289,7 +289,8 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
             startup_wait_s=config.get("setup_timeout_s", 600.0),
             peers_finished=lambda: _replicas_ended(registry, attempt),
             heartbeat_timeout_ms=spec.resilience.replica_heartbeat_timeout_ms,
-            on_lighthouse_lost=lambda message: watchdog.fail(message),  # defined below
+            # (the watchdog is defined below; a group being shut down has lost it on purpose)
+            on_lighthouse_lost=lambda message: _STATE.shutting_down.is_set() or watchdog.fail(message),
         )
         if replicas
         else None
