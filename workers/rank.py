@@ -279,6 +279,12 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
         if spec.checkpoint.local_interval and registry is not None and not replicas
         else None
     )
+
+    def on_lighthouse_lost(message: str) -> None:
+        """replace_replica: the replica's link saw the Lighthouse's process end (replica_quorum.py)."""
+        if not _STATE.shutting_down.is_set():  # a group Ray shuts down loses it on purpose
+            watchdog.fail(message)
+
     # replace_replica: a replaced replica heals from a live peer instead of a snapshot.
     quorum = (
         ReplicaQuorum(
@@ -289,8 +295,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
             startup_wait_s=config.get("setup_timeout_s", 600.0),
             peers_finished=lambda: _replicas_ended(registry, attempt),
             heartbeat_timeout_ms=spec.resilience.replica_heartbeat_timeout_ms,
-            # (the watchdog is defined below; a group being shut down has lost it on purpose)
-            on_lighthouse_lost=lambda message: _STATE.shutting_down.is_set() or watchdog.fail(message),
+            on_lighthouse_lost=on_lighthouse_lost,
         )
         if replicas
         else None

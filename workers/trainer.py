@@ -220,28 +220,27 @@ def torchft_config(timeout_s: int, heartbeat_timeout_ms: int = 500, relay: bool 
 
     class _Backend(_TorchftBackend):
         def _maybe_create_lighthouse_actor(self, backend_config) -> str:
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
             if self.lighthouse_actor is not None:
                 try:
                     return ray.get(self.lighthouse_actor.address.remote())
                 except ray.exceptions.RayActorError:
-                    # It died (its process killed, the OOM killer): Ray's backend would keep
-                    # asking the dead actor at every replacement, each start would fail, and the
-                    # failed starts leave the controller waiting for a placement group forever.
-                    # A new Lighthouse, at a new address: the replicas still asking the old one
-                    # time out of their quorum and are replaced onto this one.
-                    self.lighthouse_actor = None
-            if self.lighthouse_actor is None:
-                from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-                self.lighthouse_actor = (
-                    ray.remote(num_cpus=0, max_restarts=0)(_LighthouseActor)
-                    .options(
-                        scheduling_strategy=NodeAffinitySchedulingStrategy(
-                            node_id=ray.get_runtime_context().get_node_id(), soft=False
-                        ),
-                    )
-                    .remote(backend_config.lighthouse_kwargs)
+                    # It died (its process killed, the OOM killer). Ray's backend keeps asking the
+                    # dead actor at every start, each start fails, and the failed starts left the
+                    # controller waiting for a placement group forever. A new Lighthouse instead:
+                    # the replicas linked to the old one have failed on its close
+                    # (replica_quorum.py), or at their quorum timeout without the relay.
+                    pass
+            self.lighthouse_actor = (
+                ray.remote(num_cpus=0, max_restarts=0)(_LighthouseActor)
+                .options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(
+                        node_id=ray.get_runtime_context().get_node_id(), soft=False
+                    ),
                 )
+                .remote(backend_config.lighthouse_kwargs)
+            )
             return ray.get(self.lighthouse_actor.address.remote())
 
         def on_start(self, worker_group, backend_config):
