@@ -161,17 +161,19 @@ class StepWatchdog:
             f"(iteration {step}, phase {phase!r}; resilience.step_timeout_s = {limit:g})"
         )
 
-    def fail(self, message: str) -> None:
-        """Fail this process now, as a timeout would (the same report, `on_timeout` and kill),
-        for a stall another part saw coming: the job's Lighthouse gone
-        (engine/distributed/replica_quorum.py), where the step would wait out its quorum timeout."""
+    def fail(self, message: str, report: Callable[[str], None] | None = None) -> None:
+        """Fail this process now, as a timeout would (the same report, stacks and kill), for a
+        stall another part saw coming: the job's Lighthouse gone
+        (engine/distributed/replica_quorum.py), where the step would wait out its quorum timeout.
+        `report(message)` is called in place of `on_timeout`, so the cause is not told as a
+        timeout (the rank sends `lighthouse_lost`, not `watchdog_timeout`)."""
         with self._lock:
             if self.fired is not None or self._stop.is_set():  # stopped: the rank is done with it
                 return
             self.fired = message
-        self._fire(message)
+        self._fire(message, report or self.on_timeout)
 
-    def _fire(self, message: str) -> None:
+    def _fire(self, message: str, report: Callable[[str], None] | None) -> None:
         self.fired = message
         stream = self.stream or sys.stderr
         try:
@@ -179,9 +181,9 @@ class StepWatchdog:
             dump_all_stacks(stream)
         except Exception:  # noqa: BLE001 - reporting must not stop the kill
             pass
-        if self.on_timeout is not None:
+        if report is not None:
             try:
-                self.on_timeout(message)
+                report(message)
             except Exception:  # noqa: BLE001
                 pass
         if self.kill:
@@ -196,5 +198,5 @@ class StepWatchdog:
         while not self._stop.wait(self.poll_s):
             message = self.check()
             if message is not None:
-                self._fire(message)
+                self._fire(message, self.on_timeout)
                 return

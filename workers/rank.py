@@ -67,6 +67,10 @@ _STATE = _RankState()
 # (worker_group/state.py: _shutdown_workers(patience_s=5)); we stay inside it.
 SHUTDOWN_GRACE_S = 4.0
 FREEZE_LIMIT_S = 120.0
+# replace_replica: how often the quorum's first replica tells the registry its step. A fallback
+# to the persistent checkpoint (every replica dead) counts its steps lost from it, so it may
+# count up to this long's steps too few; restart_group reports every step.
+REPLICA_PROGRESS_EVERY_S = 1.0
 
 # What the watchdog watches while train_rank builds the Trainer (model, data, resume), which can
 # hang in a collective as well as a step can: the phase given the setup budget, no iteration.
@@ -136,6 +140,19 @@ def _registry(job_id: str):
     try:
         return ray.get_actor(registry_name(job_id), namespace=NAMESPACE)
     except ValueError:
+        return None
+
+
+def _last_progress(registry) -> int | None:
+    """The job's newest step reported to its registry (None: none, or the registry did not
+    answer): what a resume from the persistent checkpoint lost counts from it."""
+    import ray
+
+    if registry is None:
+        return None
+    try:
+        return ray.get(registry.last_progress.remote(), timeout=5)
+    except Exception:  # noqa: BLE001 - the count is for the record; the resume goes on
         return None
 
 
@@ -259,12 +276,16 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
             **{contract.RANKS: everyone},
         )
 
-    def on_timeout(message: str) -> None:
-        sender.event("watchdog_timeout", rank=rank, message=message)
+    def report_own_failure(kind: str, message: str) -> None:
+        """The rank is about to kill itself: its event, and its message for the driver's cause."""
+        sender.event(kind, rank=rank, message=message, **({"replica": replica} if replicas else {}))
         if registry is not None:
             with contextlib.suppress(Exception):
                 ray.get(registry.report_watchdog.remote(attempt, rank, os.getpid(), message), timeout=5)
         sender.flush(3)
+
+    def on_timeout(message: str) -> None:
+        report_own_failure(contract.EVENT_WATCHDOG_TIMEOUT, message)
 
     warm_restart = warm_restart_enabled(spec)
     pusher = (
@@ -283,7 +304,10 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     def on_lighthouse_lost(message: str) -> None:
         """replace_replica: the replica's link saw the Lighthouse's process end (replica_quorum.py)."""
         if not _STATE.shutting_down.is_set():  # a group Ray shuts down loses it on purpose
-            watchdog.fail(message)
+            watchdog.fail(message, report=report_lighthouse_lost)
+
+    def report_lighthouse_lost(message: str) -> None:
+        report_own_failure(contract.EVENT_LIGHTHOUSE_LOST, message)
 
     # replace_replica: a replaced replica heals from a live peer instead of a snapshot.
     quorum = (
@@ -296,6 +320,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
             peers_finished=lambda: _replicas_ended(registry, attempt),
             heartbeat_timeout_ms=spec.resilience.replica_heartbeat_timeout_ms,
             on_lighthouse_lost=on_lighthouse_lost,
+            last_progress=lambda: _last_progress(registry),
         )
         if replicas
         else None
@@ -319,10 +344,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
             prestart_after_first_step(trainer)
         restarted = attempt > 0 or (group or 0) > 0
         if rank == 0 and not replicas and (restarted or trainer.iteration > 0):
-            reached = None
-            if registry is not None:
-                with contextlib.suppress(Exception):
-                    reached = ray.get(registry.last_progress.remote(), timeout=5)
+            reached = _last_progress(registry)
             started_at = config.get("attempt_started_at")
             process_at = process_started_at()
             split = started_at is not None and process_at is not None and started_at <= process_at <= entered
@@ -363,14 +385,19 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
 
     checkpoint_interval = spec.checkpoint.interval
 
+    progress_sent_at = [0.0]
+
     def on_record(record: dict) -> None:
         if quorum is not None and quorum.participating_rank != 0:
             return  # the replica that is first in the step's quorum reports it
-        # How far the job got, for the steps a restart loses (no wait). Only restart_group's
-        # restarts read it (on_trainer): under replace_replica it was one actor call per step
-        # (0.065 cores of the 2-core SMALL survive bench) that nothing read.
-        if registry is not None and quorum is None:
-            registry.progress.remote(record["iteration"], time.time())
+        # How far the job got, for the steps a restart loses (no wait): every step under
+        # restart_group; under replace_replica, where only the fallback to the checkpoint reads
+        # it, at most once a REPLICA_PROGRESS_EVERY_S (one actor call per step was 0.065 cores
+        # of the 2-core SMALL survive bench).
+        now = time.time()
+        if registry is not None and (quorum is None or now - progress_sent_at[0] >= REPLICA_PROGRESS_EVERY_S):
+            registry.progress.remote(record["iteration"], now)
+            progress_sent_at[0] = now
         sender.record(
             {
                 **record,

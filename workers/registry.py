@@ -11,7 +11,8 @@ read from here:
   killing the process.
 - `telemetry_settings()`: where to send telemetry, for ranks whose environment does not say.
 - `progress(iteration, ts)` / `last_progress()`: rank 0's newest finished step, so a restart can
-  say how many steps it lost (restart_group; replace_replica's replicas do not report it).
+  say how many steps it lost (restart_group: every step; replace_replica: the quorum's first
+  replica, at most once a second, read only by a fallback to the persistent checkpoint).
 - `replica_join(...)` / `replica_round(...)`: `resilience.on_rank_failure: replace_replica` with
   replicas of several ranks (HSDP): the rendezvous by rounds through which a replica's ranks form
   their process group again after one of them was replaced (engine/distributed/replica_group.py).
@@ -76,7 +77,8 @@ class JobRegistry:
         return [w for w in self._watchdog if w["attempt"] == attempt]
 
     def progress(self, iteration: int, ts: float) -> None:
-        """Rank 0 reports every step it finished: a restart's steps lost count from here."""
+        """Rank 0 reports the steps it finished (replace_replica: the quorum's first replica, at
+        most once a second): a restart's steps lost count from here."""
         if self._progress is None or iteration >= self._progress[0] or ts > self._progress[1]:
             self._progress = (iteration, ts)
 

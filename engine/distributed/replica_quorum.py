@@ -43,7 +43,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.distributed.lighthouse import LIVENESS_ENV, LivenessLink
-from engine.jobspec.contract import EVENT_REPLICA_LOST, EVENT_REPLICA_REJOINED
+from engine.jobspec.contract import (
+    EVENT_RECOVERED,
+    EVENT_REPLICA_LOST,
+    EVENT_REPLICA_REJOINED,
+    RECOVERED_FROM,
+    STEPS_LOST,
+)
 
 if TYPE_CHECKING:
     from engine.distributed.replica_group import ReplicaMembership
@@ -54,7 +60,8 @@ if TYPE_CHECKING:
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 
 # Events: engine/jobspec/contract.py (the healed replica sends replica_rejoined with `heal_s`,
-# the first survivor replica_lost, and replica_rejoined with `rejoin_s` since it was missed).
+# the first survivor replica_lost, and replica_rejoined with `rejoin_s` since it was missed;
+# replicas that all resumed the persistent checkpoint: the first one's `recovered`).
 
 
 class ReplicaQuorum:
@@ -81,6 +88,7 @@ class ReplicaQuorum:
         heartbeat_timeout_ms: int = 500,
         group: ReplicaMembership | None = None,
         on_lighthouse_lost: Callable[[str], None] | None = None,
+        last_progress: Callable[[], int | None] | None = None,
     ):
         self.index, self.count = index, count
         self.group = group
@@ -101,6 +109,9 @@ class ReplicaQuorum:
         self.liveness_addr = liveness_addr or os.environ.get(LIVENESS_ENV)
         self._link: LivenessLink | None = None
         self.on_lighthouse_lost = on_lighthouse_lost  # (message): the relay's link saw it close
+        # The job's newest step reported before this replica started (workers/registry.py), for
+        # the steps a resume from the persistent checkpoint lost; None: unknown.
+        self.last_progress = last_progress
         self.emit = emit  # default: the Trainer's event record (attach)
         self.device = device or torch.device("cpu")
         # Five heartbeats per timeout (the Lighthouse's, resilience.replica_heartbeat_timeout_ms):
@@ -120,6 +131,8 @@ class ReplicaQuorum:
         self._served: Any = None  # the snapshot it healed from
         self._heal_buffer: bytearray | None = None  # what the last snapshot served was captured into
         self._healed = False  # this step's quorum healed this replica
+        self._ever_healed = False  # it took a peer's state before its first commit
+        self._start_iteration = 0  # the iteration its own build resumed (0: a fresh start)
         self.sits_out = False  # it heals in this step: no forward and backward (the Trainer asks)
 
     # ------------------------------------------------------------------ setup
@@ -129,6 +142,7 @@ class ReplicaQuorum:
         from torchft.checkpointing.pg_transport import PGTransport
 
         self.trainer = trainer
+        self._start_iteration = trainer.iteration
         if self.emit is None:
             self.emit = trainer.events.append
         timeout = timedelta(seconds=self.timeout_s)
@@ -202,7 +216,7 @@ class ReplicaQuorum:
     def _load_state(self, state: dict[str, Any]) -> None:
         # A view of the received tensor, parsed and checked (checksum, rank, layout) in place.
         self.trainer.restore_snapshot(memoryview(state["snapshot"].cpu().numpy()))
-        self._healed = True
+        self._healed = self._ever_healed = True
 
     # ------------------------------------------------------------------ per step
     def start_step(self) -> bool:
@@ -360,10 +374,33 @@ class ReplicaQuorum:
         if ok and not self._first_commit:
             self._first_commit = True
             self.manager._min_replica_size = 1
+            self._report_checkpoint_resume()
         if ok:
             self._last_commit_at = time.perf_counter()
             self._step_times.append(self._last_commit_at - self._step_started)
         return ok
+
+    def _report_checkpoint_resume(self) -> None:
+        """At the first commit: if no replica of the quorum took a live peer's state, they all
+        resumed the persistent checkpoint (every replica had died, or the Lighthouse had, or the
+        job was launched again): the quorum's first replica says so as restart_group's rank 0
+        does (`recovered`, with the steps lost). torchft counts a replica's step one below its
+        iteration (attach), so a replacement that resumed the survivors' very step still heals:
+        a replacement is never taken for a resume."""
+        if self._ever_healed or self._start_iteration == 0 or self.participating_rank != 0 or self.shard_rank:
+            return
+        reached = self.last_progress() if self.last_progress is not None else None
+        self.emit(
+            EVENT_RECOVERED,
+            **{
+                RECOVERED_FROM: "persistent",
+                STEPS_LOST: max(0, reached - self._start_iteration) if reached is not None else None,
+            },
+            iteration=self._start_iteration,
+            reached=reached,
+            replica=self.index,
+            replicas=self.replicas,
+        )
 
     def _members(self) -> int:
         """Replicas in this step's quorum, healing ones included (its process group's size)."""

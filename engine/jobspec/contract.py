@@ -63,3 +63,7 @@ RECOVERY_PHASES = "phase_seconds"
 EVENT_REPLICA_STARTED = "replica_started"
 EVENT_REPLICA_LOST = "replica_lost"
 EVENT_REPLICA_REJOINED = "replica_rejoined"
+# A replica's rank failing itself because the job's Lighthouse is gone (no quorum can form until
+# a new one serves the replicas started again); a rank's step watchdog firing.
+EVENT_LIGHTHOUSE_LOST = "lighthouse_lost"
+EVENT_WATCHDOG_TIMEOUT = "watchdog_timeout"

@@ -83,7 +83,7 @@ def _replica(
             final["digest"] = quorum.state_digest()
 
     def on_event(e: dict) -> None:
-        if e["kind"] in ("replica_rejoined", "replica_lost"):
+        if e["kind"] in ("replica_rejoined", "replica_lost", "recovered"):
             out.put(("event", index, pid, e))
 
     spec = spec or SPEC
@@ -202,6 +202,10 @@ def test_a_replica_resumed_from_an_older_checkpoint_heals_from_the_newer_one(tmp
     assert healed and healed[0]["iteration"] == 6, healed
     first = min(m[3] for m in messages if m[0] == "record" and m[1] == 1)
     assert first == 7  # replica 1 never trained iterations 1-6 itself
+    # The quorum's first replica says the job resumed its checkpoint (replica 1 healed from it).
+    resumed = [m for m in messages if m[0] == "event" and m[3]["kind"] == "recovered"]
+    said = [(m[1], m[3]["iteration"], m[3]["recovered_from"]) for m in resumed]
+    assert said == [(0, 6, "persistent")], resumed
     # TensorBoard: replica 0's run only (the first launch alone wrote its own there too).
     assert (tmp_path / "a" / "tensorboard").is_dir() and not (tmp_path / "b" / "tensorboard").exists()
 
@@ -259,6 +263,10 @@ def test_replicas_resume_on_another_count_with_the_losses_of_data_parallelism(tm
         assert len({m[4] for m in done.values()}) == 1, "the replicas ended with different states"
         records = [m for m in messages if m[0] == "record"]
         assert {m[4] for m in records} == {count}  # every step averaged over all of them
+        # Every replica resumed the checkpoint (none healed): the first one says so, once.
+        events = [m for m in messages if m[0] == "event"]
+        resumed = [(m[1], m[3]["iteration"]) for m in events if m[3]["kind"] == "recovered"]
+        assert resumed == ([(0, 8)] if count == 3 else []), resumed
         got.update({m[3]: m for m in records if m[1] == 0})
     assert sorted(got) == list(range(1, 17))  # the second launch resumed at 8, nothing repeated
 

@@ -80,6 +80,11 @@ def test_fail_reports_at_once_once_and_not_after_stop():
         dog.fail("the Lighthouse is gone")
         dog.fail("again")
     assert seen == ["the Lighthouse is gone"] and dog.fired == seen[0]
+    told: list[str] = []  # a report of its own in place of the timeout's callback
+    own = StepWatchdog(timeout_s=600, kill=False, on_timeout=seen.append, stream=io.StringIO())
+    with own:
+        own.fail("lost", report=told.append)
+    assert told == ["lost"] and len(seen) == 1
     stopped = StepWatchdog(timeout_s=600, kill=False, on_timeout=seen.append, stream=io.StringIO())
     with stopped:
         pass

@@ -4,7 +4,7 @@ its timeout (resilience.step_timeout_s, up to 60 s) and Ray's backend would keep
 actor for its address, each start failing, until the controller waited on a placement group
 forever (seen before the fix: no event, no step, for as long as one waited). Now each replica's
 liveness link sees the Lighthouse's end close and fails the rank at once through its watchdog
-(a `watchdog_timeout` event naming the Lighthouse), and the backend starts a new Lighthouse for
+(a `lighthouse_lost` event naming the Lighthouse and the replica), and the backend starts a new Lighthouse for
 the replicas Ray starts again: the job goes on from its newest checkpoint and finishes."""
 
 from __future__ import annotations
@@ -80,15 +80,23 @@ def test_a_lost_lighthouse_fails_the_replicas_at_once_and_a_new_one_takes_over(
     assert max(telemetry.final_records(job_id)) == ITERS
     # A new Lighthouse serves the replicas started again.
     assert seen["new_lighthouses"] and seen["lighthouse"] not in seen["new_lighthouses"], seen
-    # The replicas failed on the link's notice, not at their quorum timeout; each says why.
-    failed = [
-        e
-        for e in telemetry.events(job_id, "watchdog_timeout")
-        if e["ts"] > seen["killed_at"] and "Lighthouse" in e["message"]
-    ]
-    assert failed, telemetry.events(job_id)
+    # The replicas failed on the link's notice, not at their quorum timeout; each says why, and
+    # not as a timeout.
+    failed = [e for e in telemetry.events(job_id, "lighthouse_lost") if e["ts"] > seen["killed_at"]]
+    assert failed and all("Lighthouse" in e["message"] and e["replica"] in (0, 1) for e in failed), failed
+    assert not telemetry.events(job_id, "watchdog_timeout"), telemetry.events(job_id, "watchdog_timeout")
     assert seen["back_s"] < STEP_TIMEOUT_S / 2, seen
     # From the newest checkpoint at or before the step the Lighthouse died at.
     after = [r for r in telemetry.records(job_id) if r["ts"] > seen["killed_at"]]
     resumed = min(r["iteration"] for r in after) - 1
     assert resumed % INTERVAL == 0 and resumed <= seen["reached"], (resumed, seen)
+    # The quorum's first replica says so, as restart_group's rank 0 would: from the checkpoint,
+    # with the steps lost since the step it last reported (at most a second before the kill).
+    (back,) = [e for e in telemetry.events(job_id, "recovered") if e["ts"] > seen["killed_at"]]
+    assert (back["recovered_from"], back["iteration"]) == ("persistent", resumed), back
+    assert back["reached"] >= INTERVAL and back["steps_lost"] == max(0, back["reached"] - resumed), back
+    print(
+        f"replicas failed {[round(e['ts'] - seen['killed_at'], 2) for e in failed]} s after the kill; "
+        f"first step again after {seen['back_s']:.1f} s, from {resumed}; "
+        f"steps_lost {back['steps_lost']} (last told {back['reached']}, telemetry had {seen['reached']})"
+    )

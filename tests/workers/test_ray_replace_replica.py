@@ -101,6 +101,8 @@ def test_a_killed_replica_is_replaced_while_the_other_keeps_stepping(ray_cluster
         if e["iteration"] in by_step:
             assert by_step[e["iteration"]] == e["state_digest"], (e, by_step)
     assert telemetry.events(job_id, "replica_lost")
+    # Each replacement healed from the survivor, none is taken for a resume from the checkpoint.
+    assert not telemetry.events(job_id, "recovered"), telemetry.events(job_id, "recovered")
     records = telemetry.final_records(job_id)
     assert max(records) == ITERS
     assert {r["replicas"] for r in records.values()} == {1, 2}

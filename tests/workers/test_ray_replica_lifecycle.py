@@ -121,6 +121,10 @@ def test_replicas_through_a_lost_node_a_double_failure_and_a_preemption(ray_clus
     resumed = min(r["iteration"] for r in after_both) - 1
     assert resumed % INTERVAL == 0 and resumed <= seen["both_killed_after"], (resumed, seen)
     assert any(r["replicas"] == 2 for r in after_both)
+    # Said as restart_group says it (the replacement on another node healed: not a resume).
+    resumes = [e for e in telemetry.events(job_id, "recovered") if e["ts"] < seen["stop_at"]]
+    assert [(e["recovered_from"], e["iteration"]) for e in resumes] == [("persistent", resumed)], resumes
+    assert resumes[0]["ts"] > seen["both_at"] and resumes[0]["steps_lost"] >= 0, resumes
 
     # 3. The stop: the survivor saved the step it stopped at; the run ended in seconds (the
     # replacement did not wait for peers that had left: that would take setup_timeout_s).
@@ -135,6 +139,9 @@ def test_replicas_through_a_lost_node_a_double_failure_and_a_preemption(ray_clus
     assert second_run.exit_code == 0, second_run.reason
     later = [r for r in telemetry.records(job_id) if r["ts"] > relaunch_at]
     assert min(r["iteration"] for r in later) == stopped["iteration"] + 1
+    assert [e["iteration"] for e in telemetry.events(job_id, "recovered") if e["ts"] > relaunch_at] == [
+        stopped["iteration"]
+    ]
     assert max(r["iteration"] for r in later) == iters
     records = telemetry.final_records(job_id)
     assert list(records) == list(range(1, iters + 1))
