@@ -245,6 +245,11 @@ class RerunStateMachine:
         self._initial_results: dict[tuple[str, int], float] = {}
         self.stats: dict[str, _QuickStats] = defaultdict(_QuickStats)
         self._pending: RerunDecision | None = None
+        # resilience.on_rank_failure replace_replica: this process group is one replica, and the
+        # others must take every decision with it (a re-run is a second reduction over the
+        # replicas, which they all must join): flags -> the flags OR-ed over the replicas
+        # (engine/distributed/replica_quorum.py's any_over_replicas).
+        self.across_replicas: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod
     def from_spec(cls, resilience, seed: int, events: EventLog | None = None) -> RerunStateMachine:
@@ -266,13 +271,16 @@ class RerunStateMachine:
         self.correct_found = False
 
     # ------------------------------------------------------------------ agreement
-    @staticmethod
-    def _any(*flags: bool) -> list[bool]:
-        """Each flag OR-ed over every rank (one all-reduce for all of them)."""
-        if not (dist.is_initialized() and dist.get_world_size() > 1):
+    def _any(self, *flags: bool) -> list[bool]:
+        """Each flag OR-ed over every rank (one all-reduce for all of them), and over the other
+        replicas where `across_replicas` is set."""
+        if self.across_replicas is None and not (dist.is_initialized() and dist.get_world_size() > 1):
             return list(flags)
         t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device.current_device())
-        dist.all_reduce(t)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(t)
+        if self.across_replicas is not None:
+            t = self.across_replicas(t)
         return [bool(v) for v in t.tolist()]
 
     def _save_position(self, data_iterator: Any) -> None:

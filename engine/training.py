@@ -174,6 +174,7 @@ class Trainer:
             self.checkpointer.maybe_resume()  # the rerun machine's part moves it to our iteration
         if quorum is not None:  # after the resume: what a peer heals from is this state
             quorum.attach(self)
+            self.rerun.across_replicas = quorum.any_over_replicas
 
     def _will_import(self) -> bool:
         """model.init_from's weights are loaded unless the job resumes: its checkpoint has newer
@@ -375,8 +376,11 @@ class Trainer:
                     f"{decision.message}; but checkpoint.path is not set, so it cannot be re-run elsewhere",
                     decision.diagnosis,
                 )
-            self.checkpointer.save()
-            self.checkpointer.wait()
+            # One replica writes the job's checkpoint, as save_checkpoint_if_due: every replica
+            # takes this decision (the re-run's flags are agreed over the replicas).
+            if self.quorum is None or self.quorum.participating_rank == 0:
+                self.checkpointer.save()
+                self.checkpointer.wait()
         if decision.exit_code:
             raise RerunExit(decision.exit_code, decision.message, decision.diagnosis)
         if decision.skip_batch:
@@ -403,6 +407,9 @@ class Trainer:
             # May heal: iteration and data position are the peer's.
             if not self.quorum.start_step() or self.iteration >= self.spec.training.train_iters:
                 return None
+            # A step a replica failed in is not committed and is taken again: the same
+            # iteration for the rerun state machine too (its events name it; it counts calls).
+            self.rerun.current_iteration = self.iteration
         self.microbatches.update(self.consumed_samples)
         n, gbs = self.microbatches.num_microbatches, self.microbatches.current_global_batch_size
         lr = self.optimizer.param_groups[0]["lr"]

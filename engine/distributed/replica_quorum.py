@@ -357,6 +357,20 @@ class ReplicaQuorum:
             self._heal()
         return pair[0].to(loss.dtype).reshape(())
 
+    @torch.no_grad()
+    def any_over_replicas(self, flags: torch.Tensor) -> torch.Tensor:
+        """The rerun state machine's flags (int, each already OR-ed over this replica's ranks)
+        OR-ed over the quorum's replicas: a re-run is another reduction over the replicas, so
+        every replica must re-run the step, or none (one that re-ran alone would wait for peers
+        that had moved on: measured, a 60 s quorum timeout and the replica lost). A replica
+        healing in this step gives zeros (torchft) and takes the others' decision. If the
+        reduction fails (a replica died during it) the flags stay this replica's own and the step
+        is not committed (`should_commit`), so the step, re-run or not, is taken again."""
+        from torch.distributed import ReduceOp
+
+        self.manager.allreduce(flags, reduce_op=ReduceOp.SUM).wait()
+        return flags
+
     def stop_agreed(self, mine: bool) -> bool:
         """The scheduler's stop (heard by one replica) travels with the next step's reduction, so
         every replica of the quorum stops at the same step boundary, one step after it was asked."""

@@ -10,11 +10,13 @@ the two replicas end bitwise equal.
 
 from __future__ import annotations
 
+import functools
 import json
 import multiprocessing as mp
 import os
 import signal
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -25,6 +27,8 @@ pytest.importorskip("torchft", reason="torchft (the ray extra) is not installed"
 
 KILLS = 10
 ITERS = 1000  # the survivor must not finish before the tenth kill: ~10 ms steps idle
+# The rerun state machine's events the replicas report (with the quorum's own).
+RERUN_KINDS = ("rerun_in_place", "diagnosis", "exit", "checkpoint_saved")
 SILENT_MS = 30_000  # a replica silent this long is dropped: far beyond the wait after a kill
 
 SPEC = {
@@ -83,7 +87,7 @@ def _replica(
             final["digest"] = quorum.state_digest()
 
     def on_event(e: dict) -> None:
-        if e["kind"] in ("replica_rejoined", "replica_lost", "recovered"):
+        if e["kind"] in ("replica_rejoined", "replica_lost", "recovered", *RERUN_KINDS):
             out.put(("event", index, pid, e))
 
     spec = spec or SPEC
@@ -281,3 +285,61 @@ def test_replicas_resume_on_another_count_with_the_losses_of_data_parallelism(tm
     gap = max(abs(losses[i] - want[i]) for i in want)
     print(f"largest loss difference over 16 steps: {gap:.2e}")
     assert gap < 1e-5, (losses, want)
+
+
+def test_a_rejected_result_is_re_run_by_every_replica_or_by_none(tmp_path):
+    """The rerun state machine (resilience.rerun_mode validate_results, the default) under
+    replace_replica. A re-run is a second reduction over the replicas, so every replica of the
+    quorum must re-run the step or none: its decisions are agreed over the quorum (each replica's
+    own process group holds its ranks only). Injected transient errors (each replica draws its
+    own: the draws count the steps a replica took, committed or not): both replicas re-run, train
+    every step and end bitwise equal. Before the agreement a replica re-ran alone, waited for its
+    peer until the quorum timeout and was lost (measured: 120 s, one replica left). Injected
+    persistent errors: both exit 16, with the checkpoint the next run resumes from written
+    (test_a_rerun_checkpoint_is_written_by_one_replica: by the quorum's first replica only)."""
+
+    def spec(kind: str) -> dict:
+        out = json.loads(json.dumps(SPEC))
+        out["training"]["train_iters"] = 16
+        out["checkpoint"] = {"path": str(tmp_path / kind), "interval": 1000}
+        out["resilience"].update(error_injection_rate=4, error_injection_type=kind)
+        return out
+
+    def said(messages, kind: str) -> list[tuple[int, dict]]:
+        return [(m[1], m[3]) for m in messages if m[0] == "event" and m[3]["kind"] == kind]
+
+    messages = _run_replicas([spec("transient_error")] * 2, tmp_path / "transient")
+    done = {m[1]: m for m in messages if m[0] == "done"}
+    assert sorted(done) == [0, 1] and done[0][3] == done[1][3] == 16, done
+    assert done[0][4] == done[1][4], "the replicas ended with different states"
+    assert {replica for replica, _ in said(messages, "rerun_in_place")} == {0, 1}
+    diagnoses = {e["diagnosis"] for _, e in said(messages, "diagnosis")}
+    assert diagnoses == {"transient_error"}, diagnoses
+
+    messages = _run_replicas([spec("persistent_error")] * 2, tmp_path / "persistent")
+    assert not [m for m in messages if m[0] == "done"]  # both left the loop by the exit
+    assert {(replica, e["exit_code"]) for replica, e in said(messages, "exit")} == {(0, 16), (1, 16)}
+    # Written (by the quorum's first replica, which is replica 0 once both joined; a replica that
+    # started late can instead resume the checkpoint its peer just wrote alone, and exits 16 at
+    # once: resumed on the suspect device).
+    assert said(messages, "checkpoint_saved"), messages
+
+
+def test_a_rerun_checkpoint_is_written_by_one_replica():
+    """The checkpoint before a rerun's exit 16: every replica of the quorum takes the decision,
+    the quorum's first replica alone writes it (two writing one checkpoint would race)."""
+    from engine.rerun_state_machine import RerunDecision, RerunExit
+    from engine.training import Trainer
+
+    for participating_rank, writes in ((0, 1), (1, 0)):
+        saves: list[str] = []
+        exit_16 = RerunDecision(checkpoint=True, exit_code=16)
+        trainer = SimpleNamespace(
+            rerun=SimpleNamespace(should_checkpoint_and_exit=lambda d=exit_16: d),
+            checkpointer=SimpleNamespace(save=functools.partial(saves.append, "save"), wait=lambda: None),
+            spec=SimpleNamespace(checkpoint=SimpleNamespace(path="/ckpt")),
+            quorum=SimpleNamespace(participating_rank=participating_rank),
+        )
+        with pytest.raises(RerunExit):
+            Trainer._act_on_rerun_decision(trainer, 4)
+        assert len(saves) == writes, (participating_rank, saves)
