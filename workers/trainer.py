@@ -9,7 +9,8 @@ tests/workers/test_ray_internals.py fails, naming the installed Ray, when an upg
 or changes its signature, rather than a job failing (or quietly losing a stop signal):
 
 - `DataParallelTrainer._initialize_and_run_controller(**kwargs)`: where the trainer hands the
-  controller its scaling policy; we swap in `ElastronElasticPolicy`.
+  controller its scaling policy and its failure policy; we swap in `ElastronElasticPolicy` and
+  wrap the failure policy in `RerunExitToDriver`.
 - `DataParallelTrainer._register_sigint_handler(controller)`: Ray's handler aborts the run on
   SIGINT only (and calls `sys.exit` from a signal handler when the controller is gone); ours
   also takes SIGTERM (the default stop signal of Ray Jobs), records that a stop was asked, and
@@ -19,6 +20,8 @@ or changes its signature, rather than a job failing (or quietly losing a stop si
   process per worker group start, each replica replacement included).
 - `ElasticScalingPolicy._count_possible_workers(reserved)`: how many workers the cluster has
   room for; ours drops dead and excluded nodes and rounds down to a valid size.
+- `FailurePolicy.make_decision(error)` / `FailureDecision`: the controller's retry decision
+  (`RerunExitToDriver` raises a rank's RerunExit to the driver).
 - `ElasticScalingPolicy` and `WorkerCallback` themselves are imported from
   `ray.train.v2._internal` (Ray exports neither); the comment at each use says what public API
   would replace it.
@@ -39,6 +42,10 @@ from ray.train.torch import TorchTrainer
 # worker-side callback with a shutdown hook would replace this import. WorkerGroupCallback: a
 # public "the worker group has started" hook on UserCallback would replace that one.
 from ray.train.v2._internal.execution.callback import WorkerCallback, WorkerGroupCallback
+
+# Internal: a public failure-policy interface (or FailureConfig naming errors never to retry)
+# would replace this import.
+from ray.train.v2._internal.execution.failure_handling import FailureDecision, FailurePolicy
 
 # Internal: a public scaling-policy interface (or ScalingConfig taking the allowed worker counts
 # and a node filter) would replace this import and the `_count_possible_workers` override.
@@ -74,6 +81,28 @@ class ElastronElasticPolicy(ElasticScalingPolicy):
         return fits[-1] if fits else 0
 
 
+class RerunExitToDriver(FailurePolicy):
+    """Ray's failure policy, except that a rank's RerunExit (the rerun state machine's exit 16:
+    run the step on other hardware, or 17: exclude a node) goes to the driver at once: only the
+    driver can resume the job elsewhere or exclude a node (workers/policy.py). Under
+    replace_replica Ray would otherwise restart the replicas where they were, within
+    `max_failures`: every replica exits together (the decision is agreed over them), and on the
+    same nodes the resumed rerun exits 16 again at once (measured: four restarts of ~7 s spent
+    the job's whole max_restarts before the driver saw an exit 16)."""
+
+    def __init__(self, inner: FailurePolicy):
+        super().__init__(inner.failure_config)
+        self.inner = inner
+
+    def make_decision(self, training_failed_error) -> FailureDecision:
+        from workers.policy import classify
+
+        failures = getattr(training_failed_error, "worker_failures", None) or {}
+        if any(cause.kind == "rerun" for cause in classify(failures)):
+            return FailureDecision.RAISE
+        return self.inner.make_decision(training_failed_error)
+
+
 class ElastronTorchTrainer(TorchTrainer):
     """TorchTrainer with our scaling policy and our stop signal handling.
 
@@ -102,6 +131,7 @@ class ElastronTorchTrainer(TorchTrainer):
             controller_init_kwargs["scaling_policy"] = ElastronElasticPolicy(
                 self.scaling_config, self._elastic_sizes, self._blocked_nodes
             )
+        controller_init_kwargs["failure_policy"] = RerunExitToDriver(controller_init_kwargs["failure_policy"])
         return super()._initialize_and_run_controller(**controller_init_kwargs)
 
     # Private: Ray Train gives every run a DatasetsCallback, whose dataset manager is one more

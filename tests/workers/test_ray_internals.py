@@ -24,6 +24,7 @@ TRAIN_CONTROLLER = ("ray.train.v2._internal.execution.controller", "TrainControl
 RAY_WORKER = ("ray.train.v2._internal.execution.worker_group.worker", "RayTrainWorker")
 WORKER_GROUP_CALLBACK = ("ray.train.v2._internal.execution.callback", "WorkerGroupCallback")
 WORKER_GROUP = ("ray.train.v2._internal.execution.worker_group.worker_group", "WorkerGroup")
+FAILURE_POLICY = ("ray.train.v2._internal.execution.failure_handling", "FailurePolicy")
 
 # (Ray's class, its method, the parameters workers/trainer.py overrides or calls it with, our
 # class that overrides it). "**" is any **kwargs: its name does not matter to a caller.
@@ -35,6 +36,8 @@ METHODS = [
     (ELASTIC_POLICY, "__init__", ["self", "scaling_config"], None),  # super().__init__(scaling_config)
     (WORKER_CALLBACK, "before_worker_shutdown", ["self"], "GracefulShutdown"),
     (WORKER_GROUP_CALLBACK, "after_worker_group_start", ["self", "worker_group"], "WarmControllerProcesses"),
+    (FAILURE_POLICY, "make_decision", ["self", "training_failed_error"], "RerunExitToDriver"),
+    (FAILURE_POLICY, "__init__", ["self", "failure_config"], None),  # super().__init__(failure_config)
 ]
 
 # (Ray's class, its method, what its source must still contain): where Ray calls what we
@@ -42,6 +45,7 @@ METHODS = [
 CALL_SITES = [
     (DATA_PARALLEL_TRAINER, "fit", "self._initialize_and_run_controller("),
     (DATA_PARALLEL_TRAINER, "fit", "scaling_policy="),
+    (DATA_PARALLEL_TRAINER, "fit", "failure_policy="),
     (DATA_PARALLEL_TRAINER, "_initialize_and_run_controller", "self._register_sigint_handler("),
     (DATA_PARALLEL_TRAINER, "fit", "self._create_default_callbacks("),
     (DATA_PARALLEL_TRAINER, "_create_default_callbacks", "DatasetsCallback("),
@@ -186,3 +190,21 @@ class _UnusedChannel:
         return None
 
     unary_stream = stream_unary = stream_stream = unary_unary
+
+
+def test_a_rerun_exit_goes_to_the_driver_and_other_failures_to_rays_policy():
+    """RerunExitToDriver: a rank's RerunExit (exit 16 or 17) is raised at once, whatever budget
+    is left (only the driver can resume elsewhere or exclude a node); any other worker failure
+    is Ray's policy's to retry."""
+    from ray.train.v2._internal.execution.failure_handling import FailureDecision, create_failure_policy
+    from ray.train.v2.api.config import FailureConfig
+    from ray.train.v2.api.exceptions import WorkerGroupError
+
+    from engine.rerun_state_machine import RerunExit
+    from workers.trainer import RerunExitToDriver
+
+    policy = RerunExitToDriver(create_failure_policy(FailureConfig(max_failures=4)))
+    rerun = WorkerGroupError("rank 1", {0: RuntimeError("peer gone"), 1: RerunExit(16, "reproduced in place")})
+    assert policy.make_decision(rerun) == FailureDecision.RAISE
+    died = WorkerGroupError("rank 1", {1: RuntimeError("killed")})
+    assert policy.make_decision(died) == FailureDecision.RETRY

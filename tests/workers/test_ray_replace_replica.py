@@ -132,6 +132,35 @@ def test_a_killed_replica_is_replaced_while_the_other_keeps_stepping(ray_cluster
     assert got < 0.7 * reference[1]  # it learned
 
 
+def test_a_rerun_exit_of_the_replicas_goes_to_the_driver_at_once(ray_cluster, telemetry, tmp_path):
+    """An injected persistent error: every replica re-runs the step, reproduces it and exits 16
+    together (the decision is agreed over them: tests/engine/test_replica_quorum.py). Ray's
+    controller hands that to the driver at once (workers/trainer.py's RerunExitToDriver) instead
+    of restarting the replicas on the same nodes, where each exits 16 again, within max_restarts:
+    measured before, four restarts of ~7 s in the first attempt, and the job's failure after
+    196 s. On this 2-node cluster both nodes are suspect, so the driver fails the job with 16
+    naming them (with a node to spare it resumes there: tests/workers/test_ray_elastic.py)."""
+    job_id = "ft-rerun-exit"
+    spec = job(
+        training={"train_iters": 60, "log_interval": 40},
+        checkpoint={"path": str(tmp_path / "ckpt"), "interval": 10},
+        resilience={
+            "on_rank_failure": "replace_replica",
+            "max_restarts": 4,
+            "error_injection_rate": 40,
+            "error_injection_type": "persistent_error",
+        },
+    )
+    result = run(job_id, spec, tmp_path / "runs")
+    assert result.exit_code == 16 and "no room" in result.reason, result.reason
+    (failed,) = telemetry.events(job_id, "attempt_failed")
+    assert failed["attempt"] == 0 and {c["exit_code"] for c in failed["causes"]} == {16}, failed
+    # Each replica started once: no restart inside the attempt.
+    assert sorted(e["replica"] for e in telemetry.events(job_id, "replica_started")) == [0, 1]
+    exits = [e for e in telemetry.events(job_id, "exit") if e["exit_code"] == 16]
+    assert len(exits) == 2 and len({e["iteration"] for e in exits}) == 1, exits
+
+
 def test_jobs_replace_replica_cannot_run_are_refused_naming_the_field():
     from engine.jobspec import parse_job, resolve_job
     from workers.replicas import check_replace_replica, replica_job
