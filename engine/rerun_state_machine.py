@@ -270,6 +270,13 @@ class RerunStateMachine:
         self.persistent_found = False
         self.correct_found = False
 
+    def follow_iteration(self, iteration: int) -> None:
+        """Count the trainer's steps, not the tries: under replace_replica a step a replica
+        failed in is not committed and is taken again, as the same iteration (the events name
+        it). Only between steps: a re-run resumed from a checkpoint keeps the step it re-runs."""
+        if self.state == RerunState.NOT_RUNNING_YET:
+            self.current_iteration = iteration
+
     # ------------------------------------------------------------------ agreement
     def _any(self, *flags: bool) -> list[bool]:
         """Each flag OR-ed over every rank (one all-reduce for all of them), and over the other

@@ -407,9 +407,7 @@ class Trainer:
             # May heal: iteration and data position are the peer's.
             if not self.quorum.start_step() or self.iteration >= self.spec.training.train_iters:
                 return None
-            # A step a replica failed in is not committed and is taken again: the same
-            # iteration for the rerun state machine too (its events name it; it counts calls).
-            self.rerun.current_iteration = self.iteration
+            self.rerun.follow_iteration(self.iteration)
         self.microbatches.update(self.consumed_samples)
         n, gbs = self.microbatches.num_microbatches, self.microbatches.current_global_batch_size
         lr = self.optimizer.param_groups[0]["lr"]

@@ -84,6 +84,23 @@ def _resumed(rsm: RerunStateMachine, monkeypatch, node: str, **kwargs) -> RerunS
     return fresh
 
 
+def test_it_follows_the_trainers_iteration_between_steps_only(monkeypatch):
+    """replace_replica retakes a step a replica failed in (the Trainer calls follow_iteration
+    before each): the retake is the same iteration. A re-run resumed from a checkpoint keeps the
+    step it re-runs (the trainer's iteration is the one before it)."""
+    monkeypatch.setenv("ELASTRON_NODE_ID", "node-a")
+    rsm = RerunStateMachine()
+    step(rsm, [1.0])
+    step(rsm, [1.0])  # a try that was not committed
+    rsm.follow_iteration(1)
+    step(rsm, [1.0])
+    assert rsm.current_iteration == 2
+    step(rsm, [math.nan, math.nan])  # iteration 3 reproduces: exit 16
+    resumed = _resumed(rsm, monkeypatch, "node-b")
+    resumed.follow_iteration(2)  # the checkpoint's, the step before the one re-run
+    assert resumed.current_iteration == 3
+
+
 @pytest.mark.parametrize(
     ("third_result", "node", "expected_code", "expected"),
     [
