@@ -281,10 +281,11 @@ class RerunStateMachine:
     def _any(self, *flags: bool) -> list[bool]:
         """Each flag OR-ed over every rank (one all-reduce for all of them), and over the other
         replicas where `across_replicas` is set."""
-        if self.across_replicas is None and not (dist.is_initialized() and dist.get_world_size() > 1):
+        in_group = dist.is_initialized() and dist.get_world_size() > 1
+        if not in_group and self.across_replicas is None:
             return list(flags)
         t = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=device.current_device())
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if in_group:
             dist.all_reduce(t)
         if self.across_replicas is not None:
             t = self.across_replicas(t)

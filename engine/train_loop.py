@@ -21,7 +21,7 @@ from engine.loggers import open_loggers
 from engine.loggers import require as require_loggers
 from engine.rank_hooks import RankHooks, RankIdentity
 from engine.step_metrics import progress_line
-from engine.training import Trainer
+from engine.training import Trainer, writes_job_checkpoint
 
 
 def train_rank(
@@ -228,9 +228,11 @@ def _save_and_stop(trainer: Trainer, saved_at: int, quiet: bool) -> None:
     """Stop asked for (a preemption): a persistent checkpoint of the current step, unless the
     last step saved one already, committed before the loop returns; then the job resumes from
     here with nothing lost."""
-    checkpointed = trainer.checkpointer is not None and trainer.spec.checkpoint.path is not None
-    if trainer.quorum is not None and trainer.quorum.participating_rank != 0:
-        checkpointed = False  # one replica writes the job's checkpoint
+    checkpointed = (
+        trainer.checkpointer is not None
+        and trainer.spec.checkpoint.path is not None
+        and writes_job_checkpoint(trainer.quorum)
+    )
     if checkpointed and saved_at != trainer.iteration:
         trainer.phase = "checkpoint-save"
         trainer.checkpointer.save()

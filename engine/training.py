@@ -63,6 +63,13 @@ if TYPE_CHECKING:
     from engine.distributed.replica_quorum import ReplicaQuorum
 
 
+def writes_job_checkpoint(quorum: ReplicaQuorum | None) -> bool:
+    """Whether this rank's group writes the job's persistent checkpoints: always, except under
+    replace_replica, where one replica writes them (the first of the step's quorum: each holds
+    the whole state over its ranks, and two writing one checkpoint would race)."""
+    return quorum is None or quorum.participating_rank == 0
+
+
 class Trainer:
     """One rank's training state. Needs an initialised torch.distributed default group.
 
@@ -251,8 +258,8 @@ class Trainer:
         c = self.spec.checkpoint
         if self.checkpointer is None or c.path is None:
             return False
-        if self.quorum is not None and self.quorum.participating_rank != 0:
-            return False  # one replica writes the job's checkpoint (each holds the whole state over its ranks)
+        if not writes_job_checkpoint(self.quorum):
+            return False
         last = self.iteration == self.spec.training.train_iters
         if last or (c.interval is not None and self.iteration % c.interval == 0):
             self.phase = "checkpoint-save"
@@ -376,9 +383,7 @@ class Trainer:
                     f"{decision.message}; but checkpoint.path is not set, so it cannot be re-run elsewhere",
                     decision.diagnosis,
                 )
-            # One replica writes the job's checkpoint, as save_checkpoint_if_due: every replica
-            # takes this decision (the re-run's flags are agreed over the replicas).
-            if self.quorum is None or self.quorum.participating_rank == 0:
+            if writes_job_checkpoint(self.quorum):  # every replica takes the decision (agreed)
                 self.checkpointer.save()
                 self.checkpointer.wait()
         if decision.exit_code:

@@ -86,7 +86,7 @@ else
 fi
 
 step versions "${LIMITS[0]}" bash -c "'$PY' scripts/gpu_versions.py | tee '$OUTDIR/versions.json'"
-step pytest-cuda "${LIMITS[1]}" "$PY" -m pytest -q -rA -m cuda -p no:cacheprovider "${CUDA_TESTS[@]}" tests/engine/test_cuda.py
+step pytest-cuda "${LIMITS[1]}" "$PY" -m pytest -q -rA -m cuda -p no:cacheprovider ${CUDA_TESTS[@]+"${CUDA_TESTS[@]}"} tests/engine/test_cuda.py
 step correctness "${LIMITS[2]}" "$PY" scripts/gpu_correctness.py --out "$OUTDIR/correctness.json"
 rm -f "$OUTDIR/mfu.jsonl"
 step mfu "${LIMITS[3]}" "$PY" bench/gpu_mfu.py "${MFU_ARGS[@]}" --out "$OUTDIR/mfu.jsonl"

@@ -385,9 +385,10 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
 
     checkpoint_interval = spec.checkpoint.interval
 
-    progress_sent_at = [0.0]
+    progress_sent_at = 0.0
 
     def on_record(record: dict) -> None:
+        nonlocal progress_sent_at
         if quorum is not None and quorum.participating_rank != 0:
             return  # the replica that is first in the step's quorum reports it
         # How far the job got, for the steps a restart loses (no wait): every step under
@@ -395,9 +396,9 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
         # it, at most once a REPLICA_PROGRESS_EVERY_S (one actor call per step was 0.065 cores
         # of the 2-core SMALL survive bench).
         now = time.time()
-        if registry is not None and (quorum is None or now - progress_sent_at[0] >= REPLICA_PROGRESS_EVERY_S):
+        if registry is not None and (quorum is None or now - progress_sent_at >= REPLICA_PROGRESS_EVERY_S):
             registry.progress.remote(record["iteration"], now)
-            progress_sent_at[0] = now
+            progress_sent_at = now
         sender.record(
             {
                 **record,
