@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-smoke install browser clean gpu-wheels
+.PHONY: demo test lint bench bench-smoke install browser clean gpu-wheels gpu-ray
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -55,6 +55,11 @@ gpu-wheels:
 		-r scripts/gpu-wheels.txt -d $(GPU_WHEELS)
 	@size=$$(du -sb $(GPU_WHEELS) | cut -f1); echo "$(GPU_WHEELS): $$size bytes"; \
 	test $$size -le 62914560 || { echo "$(GPU_WHEELS) is over 60 MiB"; exit 1; }
+
+# Ray, torchft and pydantic & co. for the GPU machines, trimmed and xz-packed into
+# build/gpu-ray/site.tar.xz (~34 MB; Ray's wheel alone is 79 MB): scripts/gpu_ray_bundle.sh says how.
+gpu-ray:
+	PYTHON=$(PYTHON) bash scripts/gpu_ray_bundle.sh
 
 clean:
 	rm -rf $(VENV) runs

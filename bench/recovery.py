@@ -70,7 +70,7 @@ Figures (one JSON line each):
     python bench/recovery.py [--repeats 1] [--rounds 3] [--iterations 40]
         [--skip recovery|survive|overhead|snapshot_overhead|storage_faults]
         [--kill-every 30] [--heartbeat-timeout-ms MS ...] [--survive-job small|medium]
-        [--survive-iters N] [--compare-no-relay] [--smoke]
+        [--survive-iters N] [--compare-no-relay] [--ray-cpus 2] [--smoke]
 
 `--smoke`: every figure above, each from the fewest steps, rounds and calls that still make it
 (one round, short jobs, the kill after SMOKE_SETTLE_S): a check that the bench runs, not a
@@ -430,7 +430,9 @@ def survive(
             last[r["iteration"]] = r
         killed = SurviveRun([last[i] for i in sorted(last)], list(receiver.events), killer.kills, run_cpu)
         # Every line of this run carries the same keys.
-        out = functools.partial(emit, mode="survive", relay=relay, job=job, repeat=repeat)
+        out = functools.partial(
+            emit, mode="survive", relay=relay, job=job, repeat=repeat, cores=len(os.sched_getaffinity(0))
+        )
         _kill_figures(out, killed, hb)
         _run_figures(out, killed, reference, kill_every_s, hb)
 
@@ -1017,6 +1019,13 @@ def main() -> None:
         action="store_true",
         help="mode survive: the same kills again with torchft's Lighthouse alone (no liveness relay)",
     )
+    parser.add_argument(
+        "--ray-cpus",
+        type=int,
+        default=2,
+        help="CPUs of the local Ray cluster (2: this machine's; a machine with spare cores, e.g. the GPU "
+        "machines' 16, shows what the 2-core figures owe to the cores the ranks share with Ray)",
+    )
     parser.add_argument("--smoke", action="store_true", help="every figure from tiny runs: a check that it runs")
     args = parser.parse_args()
     if args.smoke:
@@ -1044,7 +1053,7 @@ def main() -> None:
         # As the driver connects for a fast-recovery job (workers/driver.py: _connect).
         ray.init(
             address="local",
-            num_cpus=2,
+            num_cpus=args.ray_cpus,
             include_dashboard=True,
             log_to_driver=False,
             runtime_env=job_runtime_env(),

@@ -25,6 +25,7 @@ from tests.tiny_jobs import TINY_LLAMA
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEEL_LIST = ROOT / "scripts" / "gpu-wheels.txt"
+RAY_WHEEL_LIST = ROOT / "scripts" / "gpu-ray-wheels.txt"  # `make gpu-ray`: Ray & co. for the survive bench
 WHEEL_DIR = ROOT / "build" / "gpu-wheels"
 MAX_WHEEL_BYTES = 60 * 2**20  # what may travel with a run is 64 MiB in all
 
@@ -74,17 +75,17 @@ GPU_TAGS = frozenset(
 OPTIONAL = {"torchao"}  # carried for an FP8 comparison only; not in the project's venv
 
 
-def pins() -> dict[str, str]:
-    """{canonical name: version} from scripts/gpu-wheels.txt; fails on a line that is not name==version."""
+def pins(path: Path = WHEEL_LIST) -> dict[str, str]:
+    """{canonical name: version} from a wheel list; fails on a line that is not name==version."""
     out = {}
-    for n, raw in enumerate(WHEEL_LIST.read_text().splitlines(), 1):
+    for n, raw in enumerate(path.read_text().splitlines(), 1):
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
         m = re.fullmatch(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([A-Za-z0-9.+!-]+)", line)
-        assert m, f"gpu-wheels.txt line {n} is not pinned as name==version: {raw!r}"
+        assert m, f"{path.name} line {n} is not pinned as name==version: {raw!r}"
         name = canonicalize_name(m[1])
-        assert name not in out, f"gpu-wheels.txt names {m[1]} twice"
+        assert name not in out, f"{path.name} names {m[1]} twice"
         out[name] = m[2]
     return out
 
@@ -210,3 +211,47 @@ def test_make_gpu_wheels_downloads_one_fitting_wheel_per_pin():
     assert found == pinned
     total = sum(w.stat().st_size for w in wheels)
     assert total <= MAX_WHEEL_BYTES, f"build/gpu-wheels is {total / 2**20:.1f} MiB, over 60 MiB"
+
+
+# What Ray's and torchft's own requirements find on the GPU image (KINDS.md's package list of the
+# device tool, read 2026-11-17), beyond GPU_IMAGE_HAS.
+GPU_IMAGE_HAS_FOR_RAY = GPU_IMAGE_HAS | frozenset(
+    canonicalize_name(n)
+    for n in (
+        "click", "filelock", "msgpack", "packaging", "protobuf", "requests", "aiohttp",
+        "aiohappyeyeballs", "aiosignal", "attrs", "frozenlist", "multidict", "propcache", "yarl",
+        "idna", "grpcio", "six", "urllib3", "certifi", "charset-normalizer", "anyio",
+        "importlib-metadata", "zipp", "wrapt", "google-auth", "proto-plus",
+    )
+)  # fmt: skip
+
+
+def test_ray_wheel_list_matches_the_venv_and_covers_what_ray_and_torchft_require():
+    """scripts/gpu-ray-wheels.txt (with gpu-wheels.txt) is what `make gpu-ray` packs: the same
+    versions as this venv's, and every requirement of what it carries (extras aside: the
+    list's comment says how the extras a local Ray loads were found) either packed or on the
+    image."""
+    ray_pins, base = pins(RAY_WHEEL_LIST), pins()
+    assert not set(ray_pins) & set(base), "gpu-ray-wheels.txt repeats a gpu-wheels.txt pin"
+    packed = {**base, **ray_pins}
+    for name, version in ray_pins.items():
+        installed = distribution(name).version
+        assert installed == version, (
+            f"gpu-ray-wheels.txt pins {name}=={version} but the venv has {installed}: move both together"
+        )
+    for carried in ray_pins:
+        for spec in distribution(carried).requires or []:
+            req = Requirement(spec)
+            if req.marker is not None and not req.marker.evaluate(GPU_PYTHON):
+                continue
+            dep = canonicalize_name(req.name)
+            if dep == "torch":
+                continue  # the image's own (2.11)
+            if dep in packed:
+                assert req.specifier.contains(packed[dep], prereleases=True), (
+                    f"{carried} requires {spec!r}; the GPU wheel lists pin {dep}=={packed[dep]}"
+                )
+            else:
+                assert dep in GPU_IMAGE_HAS_FOR_RAY, (
+                    f"{carried} requires {spec!r}, which is neither packed by `make gpu-ray` nor on the GPU image"
+                )
