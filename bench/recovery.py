@@ -416,7 +416,7 @@ def survive(
     for relay in relays:
         receiver.records.clear()
         receiver.events.clear()
-        killer = ReplicaKiller(receiver, kill_every_s, max_kills)
+        killer = ReplicaKiller(receiver, kill_every_s, max_kills, last_iteration=train_iters)
         with CpuLedger() as run_cpu, killer:
             result = run_on_ray(
                 job_id if relay else f"{job_id}-norelay", spec, str(workdir / "runs"), replica_relay=relay
@@ -439,10 +439,14 @@ def survive(
 
 class ReplicaKiller:
     """SIGKILLs replica 1's rank every `kill_every_s` seconds from the run's first step (its pid
-    from its newest `replica_started` event), while the `with` block runs; `kills` holds when."""
+    from its newest `replica_started` event), while the `with` block runs and until the survivors
+    have reported `last_iteration`; `kills` holds when. (Killing on after that measures nothing,
+    and a job ends only once its last replica has: with kills closer together than a cold
+    replacement takes to start, ~4.4 s on 2 cores, it would never end.)"""
 
-    def __init__(self, receiver: Receiver, kill_every_s: float, max_kills: int | None):
+    def __init__(self, receiver: Receiver, kill_every_s: float, max_kills: int | None, last_iteration: int):
         self.receiver, self.kill_every_s, self.max_kills = receiver, kill_every_s, max_kills
+        self.last_iteration = last_iteration
         self.kills: list[float] = []
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -469,6 +473,8 @@ class ReplicaKiller:
         while (self.max_kills is None or len(kills) < self.max_kills) and not self._done.wait(
             max(0.05, first + self.kill_every_s * (len(kills) + 1) - time.time())
         ):
+            if any(r["iteration"] >= self.last_iteration for r in self.receiver.records[-50:]):
+                return
             pid = self._replica_1_pid(kills[-1] if kills else 0.0)
             if pid is None:  # the last replacement has not started yet: kill it once it has
                 continue

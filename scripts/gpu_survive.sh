@@ -42,6 +42,7 @@ survive() {
 }
 survive survive-small "${GPU_SURVIVE_SMALL_LIMIT:-300}" --survive-job small --kill-every "${GPU_SURVIVE_SMALL_KILL_EVERY:-30}" \
     --survive-iters "${GPU_SURVIVE_SMALL_ITERS:-8000}"
-survive survive-medium "${GPU_SURVIVE_MEDIUM_LIMIT:-200}" --survive-job medium --kill-every "${GPU_SURVIVE_MEDIUM_KILL_EVERY:-15}" \
+# GPU_SURVIVE_MEDIUM_ITERS=0: the SMALL job alone (a short loan).
+[[ ${GPU_SURVIVE_MEDIUM_ITERS:-600} -gt 0 ]] && survive survive-medium "${GPU_SURVIVE_MEDIUM_LIMIT:-200}" --survive-job medium --kill-every "${GPU_SURVIVE_MEDIUM_KILL_EVERY:-15}" \
     --survive-iters "${GPU_SURVIVE_MEDIUM_ITERS:-600}"
 exit $FAILED
