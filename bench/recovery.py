@@ -76,8 +76,9 @@ Figures (one JSON line each):
 (one round, short jobs, the kill after SMOKE_SETTLE_S): a check that the bench runs, not a
 measurement. Most of its time is Ray: starting the local cluster, then the worker groups of
 its Ray jobs (the recovery's restart and the survive job's replacement); the recovery runs
-the memory mode only (its code path includes the persistent mode's), and the overhead figure's
-Ray side reuses snapshot_overhead's plain run (the same spec).
+the memory mode only (its code path includes the persistent mode's), the survive job's run with
+kills is its own throughput reference (no uninterrupted run), and the overhead figure's Ray side
+reuses snapshot_overhead's plain run (the same spec).
 """
 
 from __future__ import annotations
@@ -386,6 +387,7 @@ def survive(
     heartbeat_timeout_ms: int | None = None,
     job: str = "small",
     relays: tuple[bool, ...] = (True,),
+    reference_run: bool = True,
 ) -> None:
     """`resilience.on_rank_failure: replace_replica`: the SMALL job (2 replicas, persistent
     checkpoints every 10 steps as in `persistent` mode) with replica 1's rank SIGKILLed every
@@ -395,7 +397,9 @@ def survive(
     same job run first without kills, in the same bench: its tokens/s from the same moment on as
     the first kill of the run with kills (both windows start after the warm processes have
     started). `vs_before_first_kill` keeps the older reference, the run's own steps in the half
-    interval before the first kill: a window of a few seconds, noisier on a shared machine."""
+    interval before the first kill: a window of a few seconds, noisier on a shared machine.
+    `reference_run=False` (--smoke): no uninterrupted run, each run with kills is its own
+    reference (the same lines and code, one Ray job fewer; its throughput figures mean nothing)."""
     job_id = f"survive-{job}-{repeat}-{heartbeat_timeout_ms or 0}"
     spec = json.loads(json.dumps(SMALL if job == "small" else MEDIUM))
     spec["checkpoint"] = {"interval": 10, "path": str(workdir / "ckpt")}
@@ -405,14 +409,16 @@ def survive(
         spec["resilience"]["replica_heartbeat_timeout_ms"] = heartbeat_timeout_ms
     hb = spec["resilience"].get("replica_heartbeat_timeout_ms", 500)
 
-    receiver.records.clear()
-    receiver.events.clear()
-    with CpuLedger() as reference_cpu:
-        uninterrupted = run_on_ray(f"{job_id}-ref", spec, str(workdir / "runs-ref"))
-    if uninterrupted.exit_code != 0:
-        raise SystemExit(f"bench: the survive job's uninterrupted reference run failed: {uninterrupted}")
-    ordered = sorted(receiver.records, key=lambda r: r["iteration"])
-    reference = SurviveRun(ordered, list(receiver.events), [], reference_cpu)
+    reference = None
+    if reference_run:
+        receiver.records.clear()
+        receiver.events.clear()
+        with CpuLedger() as reference_cpu:
+            uninterrupted = run_on_ray(f"{job_id}-ref", spec, str(workdir / "runs-ref"))
+        if uninterrupted.exit_code != 0:
+            raise SystemExit(f"bench: the survive job's uninterrupted reference run failed: {uninterrupted}")
+        ordered = sorted(receiver.records, key=lambda r: r["iteration"])
+        reference = SurviveRun(ordered, list(receiver.events), [], reference_cpu)
     for relay in relays:
         receiver.records.clear()
         receiver.events.clear()
@@ -434,7 +440,7 @@ def survive(
             emit, mode="survive", relay=relay, job=job, repeat=repeat, cores=len(os.sched_getaffinity(0))
         )
         _kill_figures(out, killed, hb)
-        _run_figures(out, killed, reference, kill_every_s, hb)
+        _run_figures(out, killed, reference or killed, kill_every_s, hb)
 
 
 class ReplicaKiller:
@@ -1087,6 +1093,7 @@ def main() -> None:
                             heartbeat_timeout_ms=hb,
                             job=args.survive_job,
                             relays=(True, False) if args.compare_no_relay else (True,),
+                            reference_run=not args.smoke,
                         )
             plain = None
             if "snapshot_overhead" not in args.skip:
