@@ -357,6 +357,8 @@ class Trainer:
             if self.quorum is not None:  # the reduction over replicas: the managed group
                 loss = self.quorum.reduce(shard_grad_views(self.ddp_chunks), loss)
             self.timers("grads-finalize", 1).stop()
+            if self.quorum is not None and self.quorum.waits_for_peers:
+                continue  # no result: nothing to validate, and nothing kept (not committed)
             rsm.validate_result(loss, is_nan_or_inf, "loss is NaN or Inf")
             if res.spike_threshold is not None:
                 rsm.validate_result(

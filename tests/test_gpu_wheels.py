@@ -159,19 +159,26 @@ def test_wheel_list_is_pinned_and_covers_what_it_requires():
         )
     for carried in ("pydantic", "pydantic-core", "typing-inspection"):
         assert carried in pinned, f"gpu-wheels.txt must carry {carried}"
-        for spec in distribution(carried).requires or []:
-            req = Requirement(spec)
-            if req.marker is not None and not req.marker.evaluate(GPU_PYTHON):
-                continue  # an extra, or another platform's or Python's dependency
-            dep = canonicalize_name(req.name)
-            if dep in pinned:
-                assert req.specifier.contains(pinned[dep], prereleases=True), (
-                    f"{carried} requires {spec!r}; gpu-wheels.txt pins {dep}=={pinned[dep]}"
-                )
-            else:
-                assert dep in GPU_IMAGE_HAS, (
-                    f"{carried} requires {spec!r}, which is neither in gpu-wheels.txt nor on the GPU image"
-                )
+        assert_requirements_met(carried, pinned, GPU_IMAGE_HAS, "gpu-wheels.txt")
+
+
+def assert_requirements_met(carried: str, packed: dict[str, str], image: frozenset[str], where: str) -> None:
+    """Every requirement of the installed `carried` on the GPU image's Python (extras and other
+    platforms aside; torch is the image's own) is either in `packed` at a version it accepts or
+    in `image`."""
+    for spec in distribution(carried).requires or []:
+        req = Requirement(spec)
+        if req.marker is not None and not req.marker.evaluate(GPU_PYTHON):
+            continue  # an extra, or another platform's or Python's dependency
+        dep = canonicalize_name(req.name)
+        if dep == "torch":
+            continue
+        if dep in packed:
+            assert req.specifier.contains(packed[dep], prereleases=True), (
+                f"{carried} requires {spec!r}; {where} pins {dep}=={packed[dep]}"
+            )
+        else:
+            assert dep in image, f"{carried} requires {spec!r}, which is neither in {where} nor on the GPU image"
 
 
 # pip's messages when the index cannot be reached (as opposed to a wheel that does not exist).
@@ -240,18 +247,4 @@ def test_ray_wheel_list_matches_the_venv_and_covers_what_ray_and_torchft_require
             f"gpu-ray-wheels.txt pins {name}=={version} but the venv has {installed}: move both together"
         )
     for carried in ray_pins:
-        for spec in distribution(carried).requires or []:
-            req = Requirement(spec)
-            if req.marker is not None and not req.marker.evaluate(GPU_PYTHON):
-                continue
-            dep = canonicalize_name(req.name)
-            if dep == "torch":
-                continue  # the image's own (2.11)
-            if dep in packed:
-                assert req.specifier.contains(packed[dep], prereleases=True), (
-                    f"{carried} requires {spec!r}; the GPU wheel lists pin {dep}=={packed[dep]}"
-                )
-            else:
-                assert dep in GPU_IMAGE_HAS_FOR_RAY, (
-                    f"{carried} requires {spec!r}, which is neither packed by `make gpu-ray` nor on the GPU image"
-                )
+        assert_requirements_met(carried, packed, GPU_IMAGE_HAS_FOR_RAY, "the GPU wheel lists")

@@ -58,6 +58,9 @@ if TYPE_CHECKING:
 # The environment variable Ray Train's TorchftConfig sets in every worker (ray 2.60:
 # ray.train.v2._internal.constants.TORCHFT_LIGHTHOUSE_ADDR_ENV_VAR), which torchft reads too.
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+# A replica alone waiting for its peers asks for the quorum again after this long (each ask is a
+# Lighthouse round trip; its peers are starting on the same CPUs).
+PEER_WAIT_POLL_S = 0.05
 
 # Events: engine/jobspec/contract.py (the healed replica sends replica_rejoined with `heal_s`,
 # the first survivor replica_lost, and replica_rejoined with `rejoin_s` since it was missed;
@@ -133,7 +136,10 @@ class ReplicaQuorum:
         self._healed = False  # this step's quorum healed this replica
         self._ever_healed = False  # it took a peer's state before its first commit
         self._start_iteration = 0  # the iteration its own build resumed (0: a fresh start)
-        self.sits_out = False  # it heals in this step: no forward and backward (the Trainer asks)
+        # No forward and backward in this step (the Trainer asks): it heals in it, or it waits
+        # for its peers (`start_step`).
+        self.sits_out = False
+        self.waits_for_peers = False  # alone before the job's first step: its results are not kept
 
     # ------------------------------------------------------------------ setup
     def attach(self, trainer: Trainer) -> None:
@@ -232,10 +238,23 @@ class ReplicaQuorum:
         # Until it has stepped with the others (a replacement, or a job's start) a replica waits
         # for its quorum here: when it heals in this step, a forward and backward on its old
         # state would be thrown away, and would hold the others up at the reduction.
-        self.sits_out = False
+        self.sits_out = self.waits_for_peers = False
         if not self._first_commit:
             self.manager.wait_quorum()
-            self.sits_out = bool(self.manager._healing)
+            waited = self._agreed(time.time() - self.joined_at > self.startup_wait_s)
+            self.manager._min_replica_size = 1 if waited or self._members() >= self.count else self.count
+            # A replica alone in its quorum that must wait for the others (a job's start: the
+            # first built waits for the rest) cannot commit this step (`should_commit`), and has
+            # nobody to reduce with: it sits the step out rather than train it. Training it
+            # took CPU from its peers' start on a shared node, and its results, validated alone,
+            # let the rerun state machine decide alone (a re-run, or an exit 16 writing the
+            # job's checkpoint before its peers had started: seen). Not with a peer in the quorum:
+            # its zeros would count in a peer's reduction, and the peer may commit (its own wait
+            # may have run out).
+            self.waits_for_peers = self._agreed(self._members() == 1 and self.manager._min_replica_size > 1)
+            self.sits_out = bool(self.manager._healing) or self.waits_for_peers
+            if self.waits_for_peers:
+                time.sleep(PEER_WAIT_POLL_S)
         return True
 
     def _quorum_answered(self) -> None:
@@ -379,11 +398,13 @@ class ReplicaQuorum:
 
     def should_commit(self) -> bool:
         """Every replica of the quorum reduced successfully: step the optimizer."""
-        if not self._first_commit:
-            # A job's first step needs every replica in the quorum, training or healing (torchft
-            # counts only those that train); the wait ends on every rank of the replica at once.
-            waited = self._agreed(time.time() - self.joined_at > self.startup_wait_s)
-            self.manager._min_replica_size = 1 if waited or self._members() >= self.count else self.count
+        # A job's first step needs every replica in the quorum, training or healing (torchft
+        # counts only those that train; `start_step` set the minimum, the same on every rank of
+        # the replica). A replica that sat out waiting for its peers votes no whatever its
+        # count says (a replica of several ranks: its shard ranks' quorums may differ); its
+        # collectives are done, so the error only withholds its vote.
+        if self.waits_for_peers:
+            self.manager.report_error(RuntimeError("waiting for every replica of the job"))
         ok = self.manager.should_commit()  # agreed by torchft within the replica
         if ok and not self._first_commit:
             self._first_commit = True

@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from collections import Counter
 from types import SimpleNamespace
 
 import pytest
@@ -43,14 +44,22 @@ SPEC = {
 
 
 def _replica(
-    index: int, count: int, lighthouse: tuple[str, str], outdir: str, spec: dict | None = None, timeout_s: float = 5.0
+    index: int,
+    count: int,
+    lighthouse: tuple[str, str],
+    outdir: str,
+    spec: dict | None = None,
+    timeout_s: float = 5.0,
+    delay_s: float = 0.0,
 ) -> None:
     """One replica: a one-rank gloo group on a free port, the quorum, the engine's loop. It writes
     what it saw to a file of its own (a multiprocessing queue shared with a process that is then
     SIGKILLed can stay locked for every other writer). `lighthouse`: torchft's address and the
-    liveness relay's (engine/distributed/lighthouse.py); `spec`: SPEC unless given."""
+    liveness relay's (engine/distributed/lighthouse.py); `spec`: SPEC unless given; `delay_s`:
+    it starts that much later (a peer built slower)."""
     import json
 
+    time.sleep(delay_s)
     import torch
     import torch.distributed as dist
 
@@ -214,8 +223,9 @@ def test_a_replica_resumed_from_an_older_checkpoint_heals_from_the_newer_one(tmp
     assert (tmp_path / "a" / "tensorboard").is_dir() and not (tmp_path / "b" / "tensorboard").exists()
 
 
-def _run_replicas(specs: list[dict], outdir) -> list:
-    """One replica per spec (of `len(specs)`), each to its end; the messages they wrote. The
+def _run_replicas(specs: list[dict], outdir, delays: list[float] | None = None) -> list:
+    """One replica per spec (of `len(specs)`), each to its end (replica i started `delays[i]`
+    seconds late); the messages they wrote. The
     quorum waits up to 60 s (not the kill test's 5): on a loaded CI machine the last of three
     replicas can take longer than 5 s to build, and the others' first quorum then fails."""
     from engine.distributed.lighthouse import Lighthouse
@@ -225,7 +235,11 @@ def _run_replicas(specs: list[dict], outdir) -> list:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "engine.device", "engine.train_loop"])
     procs = [
-        ctx.Process(target=_replica, args=(i, len(specs), _addresses(lighthouse), str(outdir), spec, 60.0), daemon=True)
+        ctx.Process(
+            target=_replica,
+            args=(i, len(specs), _addresses(lighthouse), str(outdir), spec, 60.0, (delays or [0.0] * len(specs))[i]),
+            daemon=True,
+        )
         for i, spec in enumerate(specs)
     ]
     try:
@@ -323,6 +337,28 @@ def test_a_rejected_result_is_re_run_by_every_replica_or_by_none(tmp_path):
     # started late can instead resume the checkpoint its peer just wrote alone, and exits 16 at
     # once: resumed on the suspect device).
     assert said(messages, "checkpoint_saved"), messages
+
+
+def test_a_replica_alone_before_its_peers_join_neither_trains_nor_decides_a_rerun(tmp_path):
+    """A job's first replica up waits for the others: alone in its quorum it cannot commit a
+    step, so it sits the steps out (no forward, backward or validation) until its peer joins.
+    Before, it trained those steps alone (CPU taken from its peers' start) and validated them
+    alone: with injected errors it re-ran steps, or exited 16, by itself. Here replica 1 starts
+    4 s late under transient errors every ~4 validations: each replica re-runs exactly the steps
+    the other does (the same iterations, as often), both end bitwise equal."""
+    out = json.loads(json.dumps(SPEC))
+    out["training"]["train_iters"] = 12
+    out["checkpoint"] = {"path": str(tmp_path / "ckpt"), "interval": 1000}
+    out["resilience"].update(error_injection_rate=4, error_injection_type="transient_error")
+    messages = _run_replicas([out, out], tmp_path / "late", delays=[0.0, 4.0])
+    done = {m[1]: m for m in messages if m[0] == "done"}
+    assert sorted(done) == [0, 1] and done[0][3] == done[1][3] == 12, done
+    assert done[0][4] == done[1][4], "the replicas ended with different states"
+    reruns = {
+        i: Counter(m[3]["iteration"] for m in messages if m[0] == "event" and m[1] == i and m[3]["kind"] == "rerun_in_place")
+        for i in (0, 1)
+    }
+    assert reruns[0] and reruns[0] == reruns[1], reruns
 
 
 def test_a_rerun_checkpoint_is_written_by_one_replica():
