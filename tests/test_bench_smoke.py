@@ -1,17 +1,33 @@
 """Every bench in bench/ runs in its --smoke mode (tiny sizes, seconds) and prints its figures,
 so a bench broken by an engine change fails here instead of on the next person who needs its
-number. The numbers are not asserted: they are not benchmarks at this size."""
+number. The numbers are not asserted: they are not benchmarks at this size. (A bench another
+test smokes already, SMOKED_ELSEWHERE, is not run twice.)"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from scripts.run_benches import benches, run_bench
 
 SMOKE_TIMEOUT_S = 300.0
+# Benches whose --smoke another test runs already, checking more than that it prints figures
+# (~15-20 s of CI each, run once).
+SMOKED_ELSEWHERE = {
+    # scripts/gpu_check.sh --cpu's `mfu` step: tests/test_gpu_check.py checks every run's figures
+    "gpu_mfu": "tests/test_gpu_check.py",
+}
 
 
-@pytest.mark.parametrize("path", benches(), ids=lambda p: p.stem)
+def test_benches_smoked_elsewhere_are_smoked_there():
+    root = Path(__file__).resolve().parents[1]
+    for name, where in SMOKED_ELSEWHERE.items():
+        assert (root / "bench" / f"{name}.py").exists(), name
+        assert f"bench/{name}.py" in (root / "scripts" / "gpu_check.sh").read_text() and (root / where).exists()
+
+
+@pytest.mark.parametrize("path", [p for p in benches() if p.stem not in SMOKED_ELSEWHERE], ids=lambda p: p.stem)
 def test_bench_runs_in_smoke_mode(path):
     run = run_bench(path, smoke=True, timeout_s=SMOKE_TIMEOUT_S)
     assert run.ok, run.problem()
