@@ -435,17 +435,12 @@ def survive(
         for r in receiver.records:  # the newest report of each iteration
             last[r["iteration"]] = r
         killed = SurviveRun([last[i] for i in sorted(last)], list(receiver.events), killer.kills, run_cpu)
-        # Every line of this run carries the same keys.
-        out = functools.partial(
-            emit, mode="survive", relay=relay, job=job, repeat=repeat, cores=_cores()
-        )
+        from engine.device import cpu_cores
+
+        # Every line of this run carries the same keys (`cores`: which machine they come from).
+        out = functools.partial(emit, mode="survive", relay=relay, job=job, repeat=repeat, cores=cpu_cores())
         _kill_figures(out, killed, hb)
         _run_figures(out, killed, reference or killed, kill_every_s, hb)
-
-
-def _cores() -> int:
-    """The CPUs this process may run on (the survive lines say which machine they come from)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class ReplicaKiller:

@@ -88,7 +88,11 @@ def cuda_capability(index: int | None = None) -> tuple[str, tuple[int, int]]:
     return torch.cuda.get_device_name(index), torch.cuda.get_device_capability(index)
 
 
+def cpu_cores() -> int:
+    """The CPUs this process may run on (its affinity, where the OS has one)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 def cpu_threads_per_rank(local_world_size: int) -> int:
     """Split the machine's cores between local ranks so gloo ranks do not oversubscribe them."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // max(1, local_world_size))
+    return max(1, cpu_cores() // max(1, local_world_size))

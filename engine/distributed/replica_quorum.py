@@ -248,10 +248,13 @@ class ReplicaQuorum:
             # nobody to reduce with: it sits the step out rather than train it. Training it
             # took CPU from its peers' start on a shared node, and its results, validated alone,
             # let the rerun state machine decide alone (a re-run, or an exit 16 writing the
-            # job's checkpoint before its peers had started: seen). Not with a peer in the quorum:
-            # its zeros would count in a peer's reduction, and the peer may commit (its own wait
-            # may have run out).
-            self.waits_for_peers = self._agreed(self._members() == 1 and self.manager._min_replica_size > 1)
+            # job's checkpoint before its peers had started: seen). Only when every rank of the
+            # replica is alone (a replica of several ranks has one quorum per shard rank): with a
+            # peer in any of them its zeros would count in that peer's reduction, and the peer
+            # may commit (its own wait may have run out). Alone and not waited, each rank's
+            # minimum is every replica, so its vote is no.
+            alone = self._members() == 1 and not waited and self.count > 1
+            self.waits_for_peers = not self._agreed(not alone)
             self.sits_out = bool(self.manager._healing) or self.waits_for_peers
             if self.waits_for_peers:
                 time.sleep(PEER_WAIT_POLL_S)
@@ -399,12 +402,8 @@ class ReplicaQuorum:
     def should_commit(self) -> bool:
         """Every replica of the quorum reduced successfully: step the optimizer."""
         # A job's first step needs every replica in the quorum, training or healing (torchft
-        # counts only those that train; `start_step` set the minimum, the same on every rank of
-        # the replica). A replica that sat out waiting for its peers votes no whatever its
-        # count says (a replica of several ranks: its shard ranks' quorums may differ); its
-        # collectives are done, so the error only withholds its vote.
-        if self.waits_for_peers:
-            self.manager.report_error(RuntimeError("waiting for every replica of the job"))
+        # counts only those that train; `start_step` set the minimum, with the startup wait
+        # agreed over the replica's ranks).
         ok = self.manager.should_commit()  # agreed by torchft within the replica
         if ok and not self._first_commit:
             self._first_commit = True
