@@ -144,8 +144,10 @@ class ReplicaQuorum:
     # ------------------------------------------------------------------ setup
     def attach(self, trainer: Trainer) -> None:
         """Join the quorum with `trainer`'s state as what a peer heals from."""
-        from torchft import Manager, ProcessGroupGloo
+        from torchft import Manager
         from torchft.checkpointing.pg_transport import PGTransport
+
+        from engine.distributed.quorum_gloo import QuorumGloo
 
         self.trainer = trainer
         self._start_iteration = trainer.iteration
@@ -157,7 +159,7 @@ class ReplicaQuorum:
 
             pg = ProcessGroupNCCL(timeout=timeout)
         else:
-            pg = ProcessGroupGloo(timeout=timeout)
+            pg = QuorumGloo(timeout=timeout)  # a short rendezvous: a peer dying in it costs 5x that
         transport = PGTransport(pg, timeout=timeout, device=self.device)
         self.manager = Manager(
             pg=pg,
