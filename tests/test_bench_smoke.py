@@ -13,18 +13,19 @@ from scripts.run_benches import benches, run_bench
 
 SMOKE_TIMEOUT_S = 300.0
 # Benches whose --smoke another test runs already, checking more than that it prints figures
-# (~15-20 s of CI each, run once).
+# (~15-20 s of CI each, run once): bench -> (the script that runs it, the test that runs that).
 SMOKED_ELSEWHERE = {
     # scripts/gpu_check.sh --cpu's `mfu` step: tests/test_gpu_check.py checks every run's figures
-    "gpu_mfu": "tests/test_gpu_check.py",
+    "gpu_mfu": ("scripts/gpu_check.sh", "tests/test_gpu_check.py"),
 }
 
 
 def test_benches_smoked_elsewhere_are_smoked_there():
     root = Path(__file__).resolve().parents[1]
-    for name, where in SMOKED_ELSEWHERE.items():
+    for name, (script, test) in SMOKED_ELSEWHERE.items():
         assert (root / "bench" / f"{name}.py").exists(), name
-        assert f"bench/{name}.py" in (root / "scripts" / "gpu_check.sh").read_text() and (root / where).exists()
+        assert f"bench/{name}.py" in (root / script).read_text(), f"{script} no longer runs bench/{name}.py"
+        assert Path(script).name in (root / test).read_text(), f"{test} no longer runs {script}"
 
 
 @pytest.mark.parametrize("path", [p for p in benches() if p.stem not in SMOKED_ELSEWHERE], ids=lambda p: p.stem)

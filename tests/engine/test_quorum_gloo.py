@@ -17,7 +17,7 @@ pytest.importorskip("torchft", reason="torchft (the ray extra) is not installed"
 import torch  # noqa: E402
 from torch.distributed import TCPStore  # noqa: E402
 
-from engine.distributed.quorum_gloo import QuorumGloo  # noqa: E402
+from engine.distributed.quorum_gloo import RENDEZVOUS_TIMEOUT_S, QuorumGloo  # noqa: E402
 
 FULL = timedelta(seconds=4)
 RENDEZVOUS = timedelta(seconds=0.3)
@@ -39,8 +39,7 @@ def _ctx():
 
 @pytest.fixture
 def store():
-    s = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=FULL)
-    yield s
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=FULL)
 
 
 def test_a_peer_that_dies_during_the_rendezvous_costs_rendezvous_timeouts_not_step_timeouts(store):
@@ -90,5 +89,6 @@ def test_the_collectives_keep_the_full_timeout(store):
 
 
 def test_the_rendezvous_timeout_is_never_longer_than_the_full_one():
-    assert QuorumGloo(timedelta(seconds=1))._rendezvous_timeout == timedelta(seconds=1)
-    assert QuorumGloo(timedelta(seconds=60))._rendezvous_timeout == timedelta(seconds=2)
+    short = timedelta(seconds=RENDEZVOUS_TIMEOUT_S / 2)
+    assert QuorumGloo(short)._rendezvous_timeout == short
+    assert QuorumGloo(timedelta(seconds=60))._rendezvous_timeout == timedelta(seconds=RENDEZVOUS_TIMEOUT_S)
