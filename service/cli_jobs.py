@@ -79,8 +79,10 @@ def _read_job_file(path: Path) -> dict[str, Any]:
     else:
         import yaml
 
+        from engine.jobspec.yaml_text import load_yaml
+
         try:
-            data = yaml.safe_load(text)
+            data = load_yaml(text)
         except yaml.YAMLError as err:
             _fail(f"{path} is not valid YAML: {err}", code=2)
     if not isinstance(data, dict):

@@ -347,8 +347,10 @@ def parse_job_text(text: str, where: str, fmt: str = "yaml") -> JobSpec:
     else:
         import yaml
 
+        from engine.jobspec.yaml_text import load_yaml
+
         try:
-            data = yaml.safe_load(text)
+            data = load_yaml(text)
         except yaml.YAMLError as err:
             raise JobSpecError(f"{where} is not valid YAML: {err}") from None
     if not isinstance(data, dict):

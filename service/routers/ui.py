@@ -17,6 +17,7 @@ from fastapi import APIRouter, HTTPException, Request, status
 from fastapi.responses import FileResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
+from engine.jobspec.yaml_text import load_yaml
 from service.deps import Caller, Ctx
 
 UI_DIR = Path(__file__).resolve().parents[1] / "ui"
@@ -46,7 +47,7 @@ async def parse_job_file(request: Request, _caller: Caller) -> dict[str, Any]:
     The body is capped like every request (ELASTRON_MAX_BODY_BYTES)."""
     text = (await request.body()).decode("utf-8", errors="replace")
     try:
-        data = yaml.safe_load(text)
+        data = load_yaml(text)  # aliases bounded: engine/jobspec/yaml_text.py
     except yaml.YAMLError as err:
         raise HTTPException(
             status.HTTP_422_UNPROCESSABLE_CONTENT, detail=f"the job file is not valid YAML: {err}"
