@@ -83,14 +83,15 @@ IdempotencyKey = Annotated[
         **AUTH,
         403: {
             "model": Problem,
-            "description": "scheduling.preemptible: false or a scheduling.priority the tenant may not use.",
+            "description": "scheduling.preemptible: false, which the tenant may not use.",
         },
         413: {"model": Problem, "description": "Body over ELASTRON_MAX_BODY_BYTES."},
         422: {
             "model": Problem,
             "description": "The job specification is invalid: one entry per problem, "
-            "naming the field and the fix (or an Idempotency-Key reused with another body, or a job "
-            "that could never fit the cluster or its tenant's quota).",
+            "naming the field and the fix (or an Idempotency-Key reused with another body, a job "
+            "that could never fit the cluster or its tenant's quota, or a scheduling.priority above "
+            "the tenant's ceiling).",
         },
         429: {
             "model": Problem,
@@ -133,7 +134,7 @@ def submit_job(
             existing = find_by_idempotency_key(session, caller.tenant, idempotency_key)
             if existing is not None:  # a concurrent retry won the race
                 return _check_replay(existing, digest), True
-        demand = check_submission(session, caller, spec, ctx.reconciler.capacity)
+        demand = check_submission(session, caller, spec, ctx.reconciler.capacity, ctx.settings)
         run_spec = effective_spec(spec, job_id=job_id, caller=caller, settings=ctx.settings, session=session)
         job = create_job(
             session,

@@ -3,8 +3,9 @@
 - `scheduling.preemptible: false` is for admins, and for tenants an admin allowed it
   (`allow_non_preemptible` in the tenant's quota): a job nothing may preempt can hold its GPUs
   against every more urgent job, which is the cluster operator's call, not each tenant's;
-- `scheduling.priority` at most the tenant's `max_priority`, when its quota sets one (else any
-  tenant could declare its jobs the most urgent);
+- `scheduling.priority` at most the tenant's `max_priority` when its quota sets one, else at most
+  ELASTRON_MAX_PRIORITY (admins: any): otherwise any tenant could declare its jobs the most urgent
+  and preempt everyone (issue 61). Above it: 422 naming the field;
 - a job that could never run, on the whole cluster as the reconciler last read it or within its
   tenant's quota, is a 422 naming the numbers (core.never_fits). Capacity not known yet: accepted;
 - at most `queued` jobs of the tenant waiting (429 naming the limit).
@@ -23,13 +24,36 @@ from engine.jobspec import JobSpec
 from service.scheduling.core import Node, never_fits
 from service.scheduling.demand import Demand, core_job, demand_of, may_preempt
 from service.scheduling.state import quota_of
+from service.settings import Settings
 from service.states import JobState
 from service.store.models import Job, TenantQuota
 from service.store.tokens import Principal
 
 
+def _check_priority(caller: Principal, priority: int, quota: TenantQuota | None, ceiling: int) -> None:
+    if caller.admin:
+        return
+    if quota is not None and quota.max_priority is not None:
+        ceiling, source = quota.max_priority, f"tenant {caller.tenant}'s quota"
+    else:
+        source = "ELASTRON_MAX_PRIORITY (no quota of tenant " + caller.tenant + " sets max_priority)"
+    if priority > ceiling:
+        raise HTTPException(
+            status.HTTP_422_UNPROCESSABLE_CONTENT,
+            detail=[
+                {
+                    "loc": ["body", "scheduling", "priority"],
+                    "msg": f"scheduling.priority: {priority} is above the most {source} allows ({ceiling}): "
+                    f"use {ceiling} or less, or ask an admin for a quota (elastron tenants set-quota "
+                    f"{caller.tenant} --max-priority N)",
+                    "type": "value_error",
+                }
+            ],
+        )
+
+
 def check_submission(
-    session: Session, caller: Principal, spec: JobSpec, capacity: list[Node] | None
+    session: Session, caller: Principal, spec: JobSpec, capacity: list[Node] | None, settings: Settings
 ) -> Demand:
     """Raise the 403/422/429 the submission earns; return the job's demand."""
     quota = session.get(TenantQuota, caller.tenant)
@@ -41,12 +65,7 @@ def check_submission(
             f"(elastron tenants set-quota {caller.tenant} --allow-non-preemptible): remove it, the job is then "
             "stopped at a checkpoint and resumed when a more urgent job needs its room",
         )
-    if quota is not None and quota.max_priority is not None and sched.priority > quota.max_priority:
-        raise HTTPException(
-            status.HTTP_403_FORBIDDEN,
-            detail=f"scheduling.priority: {sched.priority} is above the most tenant {caller.tenant} may use "
-            f"({quota.max_priority}): use {quota.max_priority} or less",
-        )
+    _check_priority(caller, sched.priority, quota, settings.max_priority)
     demand = demand_of(spec)
     if capacity:
         job = core_job(

@@ -14,6 +14,7 @@ import yaml
 from elastron.cli import app
 from engine.jobspec import JobSpecError, parse_job_text
 from engine.jobspec.yaml_text import YamlRefused, load_yaml
+from tests.service.test_api_jobs import TINY
 from tests.service.test_cli import runner
 
 
@@ -61,3 +62,25 @@ def test_every_job_file_reader_refuses_a_yaml_bomb(tmp_path):
     path.write_text(bomb)
     r = runner.invoke(app, ["submit", str(path)], env={"ELASTRON_API_URL": "http://127.0.0.1:9"})
     assert r.exit_code == 2 and "alias" in r.output, (r.exit_code, r.output[-2000:])
+
+
+# -- scheduling.priority ------------------------------------------------------------------------------
+
+
+def test_a_tenant_without_a_quota_cannot_declare_its_jobs_the_most_urgent(start_env):
+    env = start_env(reconcile=False)
+    with env.client() as c:
+        r = c.post("/v1/jobs", json={**TINY, "scheduling": {"priority": 1000}})
+        assert r.status_code == 422, r.text
+        (problem,) = r.json()["detail"]
+        assert problem["loc"] == ["body", "scheduling", "priority"]
+        assert "ELASTRON_MAX_PRIORITY" in problem["msg"] and "100" in problem["msg"]
+        assert c.post("/v1/jobs", json={**TINY, "scheduling": {"priority": 100}}).status_code == 201
+    with env.client("admin") as admin:
+        assert admin.post("/v1/jobs", json={**TINY, "scheduling": {"priority": 1000}}).status_code == 201
+        # A quota that allows more lifts the ceiling for that tenant.
+        assert admin.put("/v1/tenants/alice/quota", json={"max_priority": 500}).status_code == 200
+    with env.client() as c:
+        assert c.post("/v1/jobs", json={**TINY, "scheduling": {"priority": 500}}).status_code == 201
+        r = c.post("/v1/jobs", json={**TINY, "scheduling": {"priority": 501}})
+        assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "scheduling", "priority"]

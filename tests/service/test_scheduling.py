@@ -185,7 +185,7 @@ def test_quotas_wait_with_a_reason_and_refuse_what_never_fits(start_env, fake):
         r = c.post("/v1/jobs", json=spec("pinned", preemptible=False))
         assert r.status_code == 403 and "scheduling.preemptible" in r.json()["detail"]
         r = c.post("/v1/jobs", json=spec("vip", priority=6))
-        assert r.status_code == 403 and "scheduling.priority: 6" in r.json()["detail"]
+        assert r.status_code == 422 and "scheduling.priority: 6" in r.json()["detail"][0]["msg"]
     assert submit(env, spec("pinned", preemptible=False), who="admin")
 
 
