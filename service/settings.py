@@ -74,6 +74,13 @@ class Settings(BaseSettings):
         gt=0,
         description="A queued job gains one priority level per this many seconds waited (so none waits forever).",
     )
+    max_priority: int = Field(
+        100,
+        ge=-1000,
+        le=1000,
+        description="The highest scheduling.priority a tenant's jobs may ask for unless its quota's max_priority "
+        "says otherwise (admins: any); above it a submission is a 422.",
+    )
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
     submit_rate_per_minute: float = Field(120.0, gt=0, description="Job submissions per tenant per minute.")
     submit_burst: int = Field(
