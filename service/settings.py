@@ -81,6 +81,12 @@ class Settings(BaseSettings):
         description="The highest scheduling.priority a tenant's jobs may ask for unless its quota's max_priority "
         "says otherwise (admins: any); above it a submission is a 422.",
     )
+    max_exports_per_tenant: int = Field(
+        8, ge=1, description="Exports of one tenant's checkpoints pending or running at once (more: 429)."
+    )
+    max_exports_per_checkpoint: int = Field(
+        4, ge=1, description="Exports of one checkpoint pending or running at once (more: 429)."
+    )
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
     submit_rate_per_minute: float = Field(120.0, gt=0, description="Job submissions per tenant per minute.")
     submit_burst: int = Field(

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Path, Query, status
+from fastapi import APIRouter, HTTPException, Path, Query, Response, status
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.deps import Caller, Ctx, DbSession, JobId, VisibleJob, not_found
+from service.export_limits import check_export_limits, identical_export
 from service.exports import OutputProblem, checkpoint_folder, format_problem, resolve_output
 from service.routers.jobs import AUTH, NOT_FOUND
 from service.schemas import ITERATION_MAX, ExportIn, ExportList, ExportOut, Problem
@@ -46,15 +47,22 @@ ExportId = Annotated[str, Path(min_length=1, max_length=40, description="The exp
             "description": "No such job among the caller's tenant's jobs, or no successful checkpoint "
             "of it at this iteration.",
         },
+        200: {"model": ExportOut, "description": "The same export was already asked for: that export."},
         409: {"model": Problem, "description": "The checkpoint save at this iteration failed."},
         422: {"model": Problem, "description": "A bad format, dtype or output, naming the field."},
+        429: {
+            "model": Problem,
+            "description": "Too many exports in flight for the tenant or the checkpoint (see Retry-After).",
+        },
     },
 )
 def export_job_checkpoint(
-    job_id: JobId, iteration: IterationPath, body: ExportIn, ctx: Ctx, caller: Caller
+    job_id: JobId, iteration: IterationPath, body: ExportIn, ctx: Ctx, caller: Caller, response: Response
 ) -> ExportOut:
     """Export the job's committed checkpoint of `iteration` (its `elastron export`), in the
-    background: 202 with the export, `pending`; follow it at GET .../exports/{export_id}."""
+    background: 202 with the export, `pending`; follow it at GET .../exports/{export_id}.
+    The same request as an export pending, running or succeeded: 200 with that export. Limits
+    on exports in flight: service/export_limits.py."""
 
     def record(session: Session) -> ExportOut:
         job = get_job(session, job_id)
@@ -97,6 +105,11 @@ def export_job_checkpoint(
                 status.HTTP_422_UNPROCESSABLE_CONTENT,
                 detail=[{"loc": ["body", "output"], "msg": str(err), "type": "value_error"}],
             ) from None
+        same = identical_export(session, job.id, iteration, body.format, body.dtype, output)
+        if same is not None:  # a retry, or the same request twice: the export already asked for
+            response.status_code = status.HTTP_200_OK
+            return ExportOut.from_row(same)
+        check_export_limits(session, job, iteration, ctx.settings)
         export = create_export(
             session,
             job,

@@ -14,6 +14,7 @@ import yaml
 from elastron.cli import app
 from engine.jobspec import JobSpecError, parse_job_text
 from engine.jobspec.yaml_text import YamlRefused, load_yaml
+from tests.service.test_api_exports import checkpoint_events, job_with_checkpoints
 from tests.service.test_api_jobs import TINY
 from tests.service.test_cli import runner
 
@@ -84,3 +85,50 @@ def test_a_tenant_without_a_quota_cannot_declare_its_jobs_the_most_urgent(start_
         assert c.post("/v1/jobs", json={**TINY, "scheduling": {"priority": 500}}).status_code == 201
         r = c.post("/v1/jobs", json={**TINY, "scheduling": {"priority": 501}})
         assert r.status_code == 422 and r.json()["detail"][0]["loc"] == ["body", "scheduling", "priority"]
+
+
+# -- exports ----------------------------------------------------------------------------------------
+
+
+def _export(c, env, job_id: str, iteration: int, name: str, **body):
+    output = f"{env.settings.exports_dir}/alice/{name}"
+    return c.post(f"/v1/jobs/{job_id}/checkpoints/{iteration}/export", json={"output": output, **body})
+
+
+def test_the_201st_export_is_refused_and_an_identical_request_returns_the_first(start_env):
+    env = start_env()
+    env.launcher.up = False  # nothing finishes: every export stays pending
+    job_id = job_with_checkpoints(env, saved=(10, 20))
+    with env.client() as c:
+        first = _export(c, env, job_id, 10, "same")
+        assert first.status_code == 202, first.text
+        again = _export(c, env, job_id, 10, "same")
+        assert again.status_code == 200 and again.json()["id"] == first.json()["id"]
+        answers = [_export(c, env, job_id, 10 + 10 * (i % 2), f"out-{i}").status_code for i in range(200)]
+        refused = _export(c, env, job_id, 20, "the-201st")
+    assert refused.status_code == 429, refused.text
+    assert "ELASTRON_MAX_EXPORTS_PER" in refused.json()["detail"] and "Retry-After" in refused.headers
+    assert answers.count(202) < 20 and set(answers) == {202, 429}
+    with env.client("admin") as admin:
+        listed = admin.get(f"/v1/jobs/{job_id}/exports", params={"limit": 1000}).json()["exports"]
+    assert len(listed) == answers.count(202) + 1
+
+
+def test_exports_are_limited_per_checkpoint_and_per_tenant(start_env):
+    env = start_env(max_exports_per_tenant=3, max_exports_per_checkpoint=2)
+    env.launcher.up = False
+    job_id = job_with_checkpoints(env, saved=(10, 20, 30))
+    with env.client() as c:
+        assert [_export(c, env, job_id, 10, f"a{i}").status_code for i in range(3)] == [202, 202, 429]
+        r = _export(c, env, job_id, 10, "a9")
+        assert "ELASTRON_MAX_EXPORTS_PER_CHECKPOINT" in r.json()["detail"]
+        assert _export(c, env, job_id, 20, "b0").status_code == 202
+        r = _export(c, env, job_id, 30, "c0")
+        assert r.status_code == 429 and "ELASTRON_MAX_EXPORTS_PER_TENANT" in r.json()["detail"]
+    # Another tenant's exports are its own count.
+    with env.client("bob") as bob:
+        bobs = bob.post("/v1/jobs", json=TINY).json()["id"]
+    checkpoint_events(bobs, env)
+    with env.client("bob") as bob:
+        r = bob.post(f"/v1/jobs/{bobs}/checkpoints/10/export", json={})
+        assert r.status_code == 202, r.text
