@@ -12,7 +12,7 @@ from pathlib import Path
 
 from sqlalchemy import Engine, inspect, text
 
-HEAD = "0004_resize"
+HEAD = "0007_fencing"
 MIGRATIONS = Path(__file__).parent / "migrations"
 _PG_LOCK_ID = 0x656C617374726F6E  # "elastron"
 
