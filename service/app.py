@@ -28,6 +28,7 @@ from service.routers import exports, health, jobs, logs, scheduling, telemetry, 
 from service.settings import Settings
 from service.store.db import make_engine, make_sessionmaker
 from service.store.migrate import upgrade
+from service.surface_headers import SecurityHeaders
 
 log = logging.getLogger("service")
 
@@ -107,5 +108,6 @@ def create_app(
     app.mount("/ui/static", ui.static, name="ui-static")
     # Outermost first: request metrics see every response, the size cap runs before any route.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(SecurityHeaders)
     app.add_middleware(HttpMetrics, registry=registry)
     return app

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -40,6 +40,11 @@ class Settings(BaseSettings):
         "<checkpoint_dir>/<tenant>/<job id>/<job name>/ (the path chosen is recorded in the spec as run). "
         "Default: <home>/checkpoints, right for one machine; on a cluster give a place every node "
         "reaches (s3://bucket/prefix or a shared file system).",
+    )
+    ray_dashboard_url: str | None = Field(
+        None,
+        description="The Ray dashboard as users' browsers reach it, for a link in the web UI (none: no link; "
+        "ELASTRON_RAY_ADDRESS, the API's own way in, is never shown).",
     )
     grafana_url: str | None = Field(
         None, description="Grafana's address, for a link in the web UI (none: no link)."
@@ -96,7 +101,14 @@ class Settings(BaseSettings):
         86400.0, ge=0, description="How long a finished job's series stay on /metrics."
     )
     metrics_require_token: bool = Field(
-        False, description="Require an admin bearer token on /metrics (default: open, like most exporters)."
+        True,
+        description="Require a bearer token on /metrics: ELASTRON_METRICS_TOKEN or an admin token (false: open "
+        "to anyone who reaches the API, and it lists every tenant's job ids).",
+    )
+    metrics_token: SecretStr | None = Field(
+        None,
+        description="The scrape token Prometheus sends on /metrics (Authorization: Bearer ...); admin tokens "
+        "are accepted too. Generate one, e.g. `openssl rand -hex 32`.",
     )
 
     @property

@@ -7,6 +7,7 @@ Retry-After, never a hung request.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from typing import Annotated
 
@@ -20,6 +21,8 @@ from service.schemas import Problem
 from service.states import FINAL
 from service.store.jobs import get_job
 from service.store.tokens import Principal
+
+log = logging.getLogger("service")
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -105,7 +108,8 @@ async def _follow(ctx: Ctx, job_id: str) -> AsyncIterator[str]:
             except LauncherUnavailable as err:
                 failures += 1
                 if failures >= _FOLLOW_RETRIES:
-                    yield f"\n[elastron] log stream interrupted: {err}\n"
+                    log.warning("logs of %s: the stream from Ray broke %d times: %s", job_id, failures, err)
+                    yield "\n[elastron] log stream interrupted: Ray is unreachable; follow the log again later\n"
                     return
                 await asyncio.sleep(_FOLLOW_RETRY_S)
                 continue
@@ -115,9 +119,10 @@ async def _follow(ctx: Ctx, job_id: str) -> AsyncIterator[str]:
 
 
 def _ray_unavailable(ctx: Ctx, err: Exception | None) -> HTTPException:
-    why = f": {err}" if err and str(err) else ""
+    # Ray's address and its errors are the cluster's internals: the log has them, the tenant not.
+    log.warning("logs: %s is unreachable or slow: %s", ctx.launcher.describe(), err or "not reachable")
     return HTTPException(
         status.HTTP_503_SERVICE_UNAVAILABLE,
-        detail=f"cannot read logs now: {ctx.launcher.describe()} is unreachable or slow{why}; retry later",
+        detail="cannot read logs now: Ray is unreachable or slow; retry later",
         headers={"Retry-After": "5"},
     )

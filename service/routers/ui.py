@@ -3,8 +3,11 @@ build step, nothing fetched from a CDN: the page works offline). It reads the sa
 the same bearer token as every client, so it can show a tenant nothing the API would not.
 
 Two small helpers it cannot do without: `/ui/config` (where the Ray dashboard and Grafana are,
-for links) and `/ui/parse-job` (YAML to JSON: browsers have no YAML parser, and the job is then
-submitted to `POST /v1/jobs` like any other, so its errors are the API's own).
+for links, as the operator published them: ELASTRON_RAY_DASHBOARD_URL, ELASTRON_GRAFANA_URL) and
+`/ui/parse-job` (YAML to JSON: browsers have no YAML parser, and the job is then submitted to
+`POST /v1/jobs` like any other, so its errors are the API's own). The parse reads aliases within
+a bound (engine/jobspec/yaml_text.py), so its answer is at most the body's size plus that bound.
+The pages' headers (CSP, no framing): service/surface_headers.py.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ def page() -> FileResponse:
 
 @router.get("/ui/config", include_in_schema=False)
 def ui_config(ctx: Ctx) -> dict[str, Any]:
-    return {"ray_dashboard_url": ctx.settings.ray_address, "grafana_url": ctx.settings.grafana_url}
+    # ELASTRON_RAY_ADDRESS is how the API reaches Ray inside the cluster: never shown to browsers.
+    return {"ray_dashboard_url": ctx.settings.ray_dashboard_url, "grafana_url": ctx.settings.grafana_url}
 
 
 @router.post("/ui/parse-job", include_in_schema=False)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 from sqlalchemy import select
 from typer.testing import CliRunner
@@ -18,6 +17,7 @@ from service.scheduling.core import Node
 from service.store.models import Job
 from tests.service.conftest import ApiServer
 from tests.service.launchers import FakeLauncher
+from tests.service.test_attack_surfaces import scrape
 from tests.waiting import wait_for
 
 # Two nodes of 2 CPUs: 4 one-CPU ranks at most.
@@ -140,7 +140,7 @@ def test_a_higher_priority_job_preempts_only_preemptible_lower_ones(start_env, f
     reason = wait_for(lambda: env.job(more)["waiting_reason"], what="a waiting reason")
     assert reason == "needs 2 ranks x (1 CPU, 0 GPU), 0 free" and env.job(more)["queue_position"] == 1
     assert "behind 1 job(s) of priority >= 0" in env.job(low)["waiting_reason"]
-    text = httpx.get(f"{env.server.url}/metrics").text
+    text = scrape(env)
     assert 'elastron_preemptions_total{priority="0",tenant="alice"} 1.0' in text
     assert 'elastron_queue_jobs{tenant="alice",priority="0"} 1.0' in text
     assert 'elastron_cluster_capacity{resource="cpu"} 4.0' in text
@@ -244,14 +244,14 @@ def test_api_restart_with_jobs_queued_running_and_being_preempted(start_env):
     assert before[waiting[2]] == (1, "needs 2 ranks x (1 CPU, 0 GPU), 0 free; waiting for 1 job(s) to stop or shrink")
     assert [before[j][0] for j in waiting] == [3, 2, 1]
     counters = ('elastron_preemptions_total{priority="0",tenant="alice"} 1.0', 'elastron_queue_wait_seconds_count{priority="0",tenant="alice"} 1.0')
-    assert all(c in httpx.get(f"{env.server.url}/metrics").text for c in counters)
+    assert all(c in scrape(env) for c in counters)
     env.server.stop()
     env.server = ApiServer(env.settings, slow, env.server.port).start()
     try:
         wait_for(lambda: env.server.ctx.reconciler.capacity is not None, what="a pass of the new API")
         after = {j: (env.job(j)["queue_position"], env.job(j)["waiting_reason"]) for j in waiting}
         assert after == before and env.job(low)["state"] == "starting"
-        text = httpx.get(f"{env.server.url}/metrics").text
+        text = scrape(env)
         assert all(c in text for c in counters), "the scheduler's counters restarted from zero"
         assert slow.submissions.keys() == {f"elastron-{low}-1"}  # nothing launched twice or over
         slow.set_status(f"elastron-{low}-1", LaunchStatus.STOPPED)  # the stop lands after the restart
@@ -358,7 +358,7 @@ def test_an_elastic_job_shrinks_for_an_urgent_one_and_grows_back(start_env, fake
     assert not events(env, flex, "preempted") and len(events(env, flex, "admitted")) == 1
     assert env.job(flex, "admin")["state"] == "starting"
     assert admitted_ranks(env, [urgent]) == 2  # 2 + 2: never more than the 4 CPUs
-    text = httpx.get(f"{env.server.url}/metrics").text
+    text = scrape(env)
     assert 'elastron_resizes_total{direction="shrink",priority="0",tenant="alice"} 1.0' in text
 
     fake.set_status(sid_of(env, urgent), LaunchStatus.SUCCEEDED)
@@ -368,9 +368,7 @@ def test_an_elastic_job_shrinks_for_an_urgent_one_and_grows_back(start_env, fake
     assert grown["attempt"] == 3
     assert json.loads(fake.env_of(flex)["ELASTRON_JOB_SPEC"])["resources"]["ranks"] == 4
     assert [e["data"]["to_ranks"] for e in events(env, flex, "resizing")] == [2, 4]
-    assert 'elastron_resizes_total{direction="grow",priority="0",tenant="alice"} 1.0' in httpx.get(
-        f"{env.server.url}/metrics"
-    ).text
+    assert 'elastron_resizes_total{direction="grow",priority="0",tenant="alice"} 1.0' in scrape(env)
 
 
 def test_replicas_started_one_by_one_move_the_placement_with_their_replacements(start_env, fake):

@@ -18,6 +18,7 @@ from service.store.jobs import create_job, get_job, transition
 from service.store.models import Base
 from service.store.telemetry import ingest
 from tests.service.test_api_jobs import TINY
+from tests.service.test_attack_surfaces import scrape
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -137,7 +138,7 @@ def test_the_api_on_postgres(start_env, fresh_pg_db):
     assert job["state"] == "running" and job["iteration"] == 2 and job["latest_checkpoint"]["uri"] == "/c"
     with env.client() as c:
         assert c.get(f"/v1/jobs/{first['id']}/metrics").json()["records"][0]["loss"] is None
-        assert f'elastron_job_iteration{{job="{first["id"]}",tenant="alice"}} 2.0' in c.get("/metrics").text
+        assert f'elastron_job_iteration{{job="{first["id"]}",tenant="alice"}} 2.0' in scrape(env)
         assert [j["id"] for j in c.get("/v1/jobs", params={"state": "running"}).json()["jobs"]] == [
             first["id"]
         ]

@@ -10,6 +10,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.service.test_api_jobs import TINY
+from tests.service.test_attack_surfaces import scrape
 
 METRICS_MD = Path(__file__).resolve().parents[2] / "service" / "METRICS.md"
 
@@ -179,7 +180,7 @@ def test_non_finite_numbers_are_stored_as_null(env, running):
     assert last["loss"] is None and last["grad_norm"] is None and last["tokens"] == 10
     with env.client() as c:
         assert c.get(f"/v1/jobs/{job_id}/metrics").json()["records"][0]["loss"] is None
-        assert ("elastron_job_loss", frozenset()) not in samples(c.get("/metrics").text, job_id)
+    assert ("elastron_job_loss", frozenset()) not in samples(scrape(env), job_id)
 
 
 def test_bad_batches_are_422(env, running):
@@ -240,7 +241,7 @@ def test_metrics_endpoint_shows_the_jobs_series(env, running):
             },
         ],
     )
-    with env.client(None) as c:  # /metrics is open by default (ELASTRON_METRICS_REQUIRE_TOKEN)
+    with env.client("admin") as c:  # /metrics needs a scrape or admin token (ELASTRON_METRICS_TOKEN)
         text = c.get("/metrics").text
     got = samples(text, job_id)
 
@@ -312,7 +313,7 @@ def test_metrics_names_are_the_documented_ones(env, running):
         ],
     )
     documented = set(re.findall(r"^\| `(elastron_[a-z_]+)`", METRICS_MD.read_text(), re.M))
-    with env.client(None) as c:
+    with env.client("admin") as c:
         exposed = {
             f.name
             for f in text_string_to_metric_families(c.get("/metrics").text)
@@ -332,7 +333,7 @@ def test_label_values_from_workers_are_escaped(env, running):
         [rec(1, timers={odd: [0.1, 0.2]})],
         [{"kind": "restart", "cause": 'a "quoted" cause', "ts": 1.0}],
     )
-    with env.client(None) as c:
+    with env.client("admin") as c:
         got = samples(c.get("/metrics").text, job_id)  # parses: the text format stays valid
     assert got[("elastron_job_phase_seconds", frozenset({("phase", odd), ("stat", "max")}))] == 0.2
     assert got[("elastron_job_restarts_total", frozenset({("cause", 'a "quoted" cause')}))] == 1
