@@ -257,3 +257,20 @@ def test_prometheus_and_grafana_read_the_files_in_deploy(compose: dict[str, Any]
     assert host_path("/etc/grafana/provisioning") == DEPLOY / "grafana" / "provisioning"
     home = environment(services["grafana"])["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
     assert host_path(home).is_file()
+
+
+def test_prometheus_scrapes_the_api_with_its_metrics_token(compose: dict[str, Any]) -> None:
+    """/metrics needs a token (ELASTRON_METRICS_TOKEN): the API gets it from METRICS_TOKEN and
+    Prometheus reads the same variable from the file its scrape job names."""
+    services = compose["services"]
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    (api_job,) = [j for j in config["scrape_configs"] if j["job_name"] == "elastron-api"]
+    assert api_job["authorization"]["type"] == "Bearer"
+    (secret,) = services["prometheus"]["secrets"]
+    assert api_job["authorization"]["credentials_file"] == f"/run/secrets/{secret}"
+    variable = compose["secrets"][secret]["environment"]
+    token = environment(services["api"])["ELASTRON_METRICS_TOKEN"]
+    assert token and token == read_env_file(ENV_EXAMPLE)[variable]
+    missing: set[str] = set()
+    interpolate(yaml.safe_load(COMPOSE.read_text()), {}, missing)
+    assert variable in missing  # no default: compose refuses to start without one

@@ -279,6 +279,19 @@ def test_service_monitor_scrapes_the_api_and_keeps_job_labels(helm: Path) -> Non
     # job="elastron-api", as the alert rules and deploy/prometheus/prometheus.yml expect
     assert service["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "elastron-api"
     assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    # /metrics asks for the scrape token: the monitor sends the one the API reads, from one Secret.
+    credentials = endpoint["authorization"]["credentials"]
+    (api,) = [
+        c for c in one(docs, "Deployment")["spec"]["template"]["spec"]["containers"] if c["name"] == "api"
+    ]
+    (token,) = [e for e in api["env"] if e["name"] == "ELASTRON_METRICS_TOKEN"]
+    assert endpoint["authorization"]["type"] == "Bearer"
+    assert token["valueFrom"]["secretKeyRef"] == {"name": credentials["name"], "key": credentials["key"]}
+    secrets = {s["metadata"]["name"]: s for s in of_kind(docs, "Secret")}
+    if credentials["name"] in secrets:  # else an existing Secret the values name
+        assert credentials["key"] in secrets[credentials["name"]]["data"]
+    default = {s["metadata"]["name"]: s for s in of_kind(render(helm), "Secret")}
+    assert any("metrics-token" in s["data"] for s in default.values())  # generated when not given
 
 
 def test_pod_monitor_scrapes_the_ray_pods(helm: Path) -> None:

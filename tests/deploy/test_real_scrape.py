@@ -51,6 +51,8 @@ from tests.service.launchers import FakeLauncher  # noqa: E402
 from tests.waiting import wait_for
 
 DEPLOY = ROOT / "deploy"
+METRICS_TOKEN = "scrape-token-for-the-test"  # what deploy's Prometheus reads from its secret file
+SCRAPE_AUTH = {"Authorization": f"Bearer {METRICS_TOKEN}"}
 DASHBOARDS = sorted((DEPLOY / "grafana" / "dashboards").glob("*.json"))
 JOB_SPEC = yaml.safe_load((ROOT / "examples" / "llama_tiny_tp2.yaml").read_text())
 TIMERS = ["data", "forward", "backward", "forward-backward", "grads-finalize", "optimizer", "checkpoint-save"]
@@ -91,7 +93,11 @@ class Api:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.settings = Settings(
-            home=home, api_url=self.url, reconcile_interval_s=0.1, checkpoint_dir=str(home / "ck")
+            home=home,
+            api_url=self.url,
+            reconcile_interval_s=0.1,
+            checkpoint_dir=str(home / "ck"),
+            metrics_token=METRICS_TOKEN,
         )
         engine = make_engine(self.settings.resolved_database_url)
         upgrade(engine)
@@ -144,7 +150,14 @@ class Prometheus:
     def __init__(self, binary: Path, api_port: int, workdir: Path) -> None:
         deploy_config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
         (api_job,) = [j for j in deploy_config["scrape_configs"] if j["job_name"] == "elastron-api"]
-        api_job = {**api_job, "static_configs": [{"targets": [f"127.0.0.1:{api_port}"]}]}
+        # deploy's scrape job as is, but for the target and where the scrape token's file is
+        (workdir / "metrics_token").write_text(METRICS_TOKEN)
+        authorization = {**api_job["authorization"], "credentials_file": str(workdir / "metrics_token")}
+        api_job = {
+            **api_job,
+            "static_configs": [{"targets": [f"127.0.0.1:{api_port}"]}],
+            "authorization": authorization,
+        }
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(p) for p in sorted((DEPLOY / "prometheus" / "rules").glob("*.yml"))],
@@ -292,7 +305,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, prometheus_bin: Path) -> Ite
 
 def test_exported_names_and_labels_are_exactly_metrics_md(stack: dict[str, Any]) -> None:
     contract = load_metrics_contract()
-    exposition = httpx.get(f"{stack['api'].url}/metrics").text
+    exposition = httpx.get(f"{stack['api'].url}/metrics", headers=SCRAPE_AUTH).text
     exported: dict[str, set[str]] = {}
     for family in text_string_to_metric_families(exposition):
         if not family.name.startswith("elastron_"):
@@ -310,7 +323,7 @@ def test_exported_names_and_labels_are_exactly_metrics_md(stack: dict[str, Any])
 
 
 def test_exposition_passes_promtool_lint(stack: dict[str, Any], promtool: Path) -> None:
-    exposition = httpx.get(f"{stack['api'].url}/metrics").text
+    exposition = httpx.get(f"{stack['api'].url}/metrics", headers=SCRAPE_AUTH).text
     proc = run([promtool, "check", "metrics"], input=exposition)
     # promtool exits 1 on lint findings too; only report the ones about elastron's own names.
     findings = [line for line in (proc.stdout + proc.stderr).splitlines() if "elastron_" in line]
