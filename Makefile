@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench bench-smoke install browser clean gpu-wheels gpu-ray
+.PHONY: demo test lint bench bench-smoke install browser postgres tools clean gpu-wheels gpu-ray
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,7 +31,22 @@ browser:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; \
 	else echo "no chromium/chromedriver and no root apt-get: the browser tests will skip (apt-get install chromium chromium-driver)"; fi
 
-test: $(STAMP) browser
+# The store's tests run against a throwaway PostgreSQL cluster (initdb + pg_ctl from Debian's
+# postgresql; the package's own cluster is not used). Installed like chromium above.
+postgres:
+	@if command -v initdb >/dev/null || ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing postgresql (Debian) for the store's Postgres tests"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null; \
+	else echo "no PostgreSQL server and no root apt-get: the Postgres tests will skip (apt-get install postgresql)"; fi
+
+# The deploy tests' promtool/prometheus, helm and dclint, into .tools/ (deploy/tools/install-tools.sh:
+# idempotent, silent when they are in place). A tool that cannot be installed is named here and
+# its tests skip; under ELASTRON_REQUIRE_TOOLS=1 (.ci/run) they fail instead (tests/tools.py).
+tools:
+	@bash deploy/tools/install-tools.sh >/dev/null || echo "deploy/tools/install-tools.sh failed: the tests that need its tools will skip"
+
+test: $(STAMP) browser postgres tools
 	$(VENV)/bin/ruff check .
 	$(PY) -m pytest -q --durations=30 tests
 

@@ -20,10 +20,12 @@ import yaml
 
 from tests.deploy.test_compose import settings_env_names
 from tests.deploy.tools import ROOT, run
+from tests.tools import missing_tool
 
-kubernetes_validate = pytest.importorskip(
-    "kubernetes_validate", reason="kubernetes-validate is not installed (pyproject's dev extra)"
-)
+try:
+    import kubernetes_validate
+except ImportError:
+    missing_tool("kubernetes-validate", "pip install -e '.[dev]' (pyproject's dev extra)", allow_module_level=True)
 
 CHART = ROOT / "helm" / "elastron"
 GPU_VALUES = ROOT / "helm" / "examples" / "gpu-cluster-values.yaml"

@@ -12,7 +12,7 @@ import os
 import subprocess
 from pathlib import Path
 
-import pytest
+from tests.tools import missing_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALLER = ROOT / "deploy" / "tools" / "install-tools.sh"
@@ -45,10 +45,7 @@ def require_tool(tool: str) -> Path:
     found = _install(tool)
     if isinstance(found, Path):
         return found
-    message = f"{tool} is not available: {INSTALLER.relative_to(ROOT)} {tool} said: {found}"
-    if os.environ.get("ELASTRON_REQUIRE_TOOLS") == "1":
-        pytest.fail(message)
-    pytest.skip(message)
+    missing_tool(tool, f"{INSTALLER.relative_to(ROOT)} {tool} said: {found}")
 
 
 def run(cmd: list[str | Path], *, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess[str]:

@@ -29,6 +29,7 @@ from service.store.db import make_engine, make_sessionmaker
 from service.store.migrate import upgrade
 from service.store.tokens import create_token
 from tests.service.launchers import FakeLauncher
+from tests.tools import missing_tool
 from tests.waiting import wait_for
 
 
@@ -169,7 +170,8 @@ def postgres_url() -> Iterator[str]:
     """A throwaway Postgres cluster; its URL names a fresh database per use via `fresh_pg_db`."""
     initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
     if not initdb or not pg_ctl:
-        pytest.skip("PostgreSQL server binaries (initdb, pg_ctl) are not installed")
+        missing_tool("postgres", "PostgreSQL's server binaries (initdb, pg_ctl) are not installed: make test "
+                     "installs Debian's postgresql (apt-get install postgresql)")
     root = Path(tempfile.mkdtemp(prefix="elastron-pg-"))
     as_user: list[str] = []
     if os.geteuid() == 0:  # postgres refuses to run as root

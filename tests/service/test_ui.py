@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.service.test_api_jobs import TINY
+from tests.tools import missing_tool
 from tests.waiting import wait_for
 
 
@@ -101,7 +102,7 @@ def test_parse_job_turns_yaml_into_the_object_to_submit(env):
 def browser():
     missing = [name for name in ("chromium", "chromedriver") if shutil.which(name) is None]
     if missing:
-        pytest.skip(f"needs {' and '.join(missing)} (Debian packages chromium, chromium-driver: make browser)")
+        missing_tool(" and ".join(missing), "Debian packages chromium, chromium-driver: make browser")
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
