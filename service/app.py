@@ -21,7 +21,7 @@ from service import errors
 from service.auth import TokenCache
 from service.context import AppContext
 from service.launcher import Launcher, RayJobsLauncher
-from service.limits import BodySizeLimit, RateLimiter
+from service.limits import BodySizeLimit, StoreRateLimiter, request_rates
 from service.metrics import HttpMetrics, JobSeries, SchedulerMetrics
 from service.reconciler import Reconciler
 from service.routers import exports, health, jobs, logs, scheduling, telemetry, ui
@@ -64,7 +64,7 @@ def create_app(
         launcher=launcher,
         reconciler=Reconciler(sessions, launcher, settings, metrics=SchedulerMetrics(registry)),
         tokens=TokenCache(sessions),
-        submit_limiter=RateLimiter(settings.submit_rate_per_minute, settings.submit_burst),
+        limits=StoreRateLimiter(sessions, request_rates(settings)),
         registry=registry,
         job_series=JobSeries(sessions, settings.metrics_retention_s),
     )

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service.auth import TokenCache
 from service.launcher import Launcher
-from service.limits import RateLimiter
+from service.limits import StoreRateLimiter
 from service.metrics import JobSeries
 from service.reconciler import Reconciler
 from service.settings import Settings
@@ -28,6 +28,6 @@ class AppContext:
     launcher: Launcher
     reconciler: Reconciler
     tokens: TokenCache
-    submit_limiter: RateLimiter
+    limits: StoreRateLimiter  # per-tenant request rates, in the store (shared by replicas)
     registry: CollectorRegistry  # the API's request metrics
     job_series: JobSeries  # the job series of METRICS.md

@@ -1,18 +1,33 @@
-"""Request limits: a body-size cap for every route and a per-tenant submission rate.
+"""Request limits: a body-size cap for every route and per-tenant request rates.
 
 The size cap is ASGI middleware that counts bytes as they arrive, so a client that lies in
 Content-Length, or sends a chunked body, still cannot make the API buffer more than the cap.
+
+The rates (submissions, exports, YAML parses, log reads) are token buckets kept in the store
+(table request_limits), not in the process: with several API replicas behind one Service, a
+bucket per process let each replica grant the whole burst (issue 61). A request spends one
+token with a single conditional UPDATE that refills and spends at once, so it is atomic on
+SQLite and Postgres alike (Postgres re-checks the condition on the row a concurrent request just
+updated), and the bucket's refill uses the wall clock every replica shares.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
+from fastapi import HTTPException as ApiError
+from fastapi import status
+from sqlalchemy import case, insert, literal, select, update
+from sqlalchemy.orm import Session, sessionmaker
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from service.store.db import in_transaction
+from service.store.models import RequestLimit
 
 
 class BodyTooLarge(HTTPException):
@@ -76,22 +91,76 @@ class BodySizeLimit:
         await send({"type": "http.response.body", "body": body})
 
 
-class RateLimiter:
-    """Token bucket per key: `burst` at once, then `per_minute` spread over the minute."""
+@dataclass(frozen=True)
+class Rate:
+    """`burst` requests at once, then `per_minute` spread over the minute; `setting` names the
+    ELASTRON_* variable in the 429's message."""
 
-    def __init__(self, per_minute: float, burst: int, clock=time.monotonic):
-        self.rate, self.burst, self.clock = per_minute / 60.0, burst, clock
-        self._buckets: dict[str, tuple[float, float]] = {}
-        self._lock = threading.Lock()
+    per_minute: float
+    burst: int
+    setting: str
 
-    def take(self, key: str) -> float:
-        """0 when allowed, else the seconds to wait before the next request would be."""
-        with self._lock:
-            now = self.clock()
-            tokens, last = self._buckets.get(key, (float(self.burst), now))
-            tokens = min(float(self.burst), tokens + (now - last) * self.rate)
-            if tokens >= 1.0:
-                self._buckets[key] = (tokens - 1.0, now)
-                return 0.0
-            self._buckets[key] = (tokens, now)
-            return math.ceil((1.0 - tokens) / self.rate * 10) / 10
+
+class StoreRateLimiter:
+    """Token buckets per (tenant, kind) in the store, shared by every API replica."""
+
+    def __init__(
+        self, sessions: sessionmaker[Session], rates: dict[str, Rate], clock: Callable[[], float] = time.time
+    ):
+        self.sessions, self.rates, self.clock = sessions, rates, clock
+
+    def take(self, tenant: str, kind: str) -> float:
+        """0 when allowed (one token spent), else the seconds until a token is there."""
+        rate = self.rates[kind]
+        per_s, burst = rate.per_minute / 60.0, float(rate.burst)
+        return in_transaction(self.sessions, lambda s: self._take(s, tenant, kind, per_s, burst))
+
+    def _take(self, session: Session, tenant: str, kind: str, per_s: float, burst: float) -> float:
+        now = self.clock()
+        row = (RequestLimit.tenant == tenant) & (RequestLimit.kind == kind)
+        elapsed = case((RequestLimit.updated_at < now, literal(now) - RequestLimit.updated_at), else_=0.0)
+        refilled = RequestLimit.tokens + elapsed * per_s
+        available = case((refilled > burst, literal(burst)), else_=refilled)
+        spent = session.execute(
+            update(RequestLimit)
+            .where(row, available >= 1.0)
+            .values(tokens=available - 1.0, updated_at=now)
+            .execution_options(synchronize_session=False)
+        ).rowcount
+        if spent:
+            return 0.0
+        tokens = session.scalar(select(available).where(row))
+        if tokens is None:
+            # The tenant's first request of this kind: a full bucket, less this one. A concurrent
+            # first request that inserted it first makes this an IntegrityError, and
+            # in_transaction runs the whole take again (then spending from that row).
+            session.execute(
+                insert(RequestLimit).values(tenant=tenant, kind=kind, tokens=burst - 1.0, updated_at=now)
+            )
+            return 0.0
+        return math.ceil((1.0 - tokens) / per_s * 10) / 10
+
+    def enforce(self, tenant: str, kind: str, what: str) -> None:
+        """Spend one token of `kind` or raise the 429 (with Retry-After) naming the setting."""
+        wait = self.take(tenant, kind)
+        if wait:
+            raise ApiError(
+                status.HTTP_429_TOO_MANY_REQUESTS,
+                detail=f"tenant {tenant!r} {what} faster than {self.rates[kind].setting} allows; "
+                f"retry in {wait:g} s",
+                headers={"Retry-After": str(max(1, math.ceil(wait)))},
+            )
+
+
+def request_rates(settings) -> dict[str, Rate]:
+    """The rates of service/settings.py, by the kind of request they limit."""
+    return {
+        "submit": Rate(
+            settings.submit_rate_per_minute, settings.submit_burst, "ELASTRON_SUBMIT_RATE_PER_MINUTE"
+        ),
+        "export": Rate(
+            settings.export_rate_per_minute, settings.export_burst, "ELASTRON_EXPORT_RATE_PER_MINUTE"
+        ),
+        "parse": Rate(settings.parse_rate_per_minute, settings.parse_burst, "ELASTRON_PARSE_RATE_PER_MINUTE"),
+        "logs": Rate(settings.log_rate_per_minute, settings.log_burst, "ELASTRON_LOG_RATE_PER_MINUTE"),
+    }

@@ -93,10 +93,25 @@ class Settings(BaseSettings):
         4, ge=1, description="Exports of one checkpoint pending or running at once (more: 429)."
     )
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
-    submit_rate_per_minute: float = Field(120.0, gt=0, description="Job submissions per tenant per minute.")
+    submit_rate_per_minute: float = Field(
+        120.0,
+        gt=0,
+        description="Job submissions per tenant per minute. This and the other rates are kept in the store, "
+        "so they hold across API replicas.",
+    )
     submit_burst: int = Field(
         30, ge=1, description="Submissions a tenant may make at once before the rate applies."
     )
+    export_rate_per_minute: float = Field(30.0, gt=0, description="Export requests per tenant per minute.")
+    export_burst: int = Field(10, ge=1, description="Export requests a tenant may make at once.")
+    parse_rate_per_minute: float = Field(
+        120.0, gt=0, description="Job files the web UI parses (/ui/parse-job) per tenant per minute."
+    )
+    parse_burst: int = Field(30, ge=1, description="Job file parses a tenant may ask for at once.")
+    log_rate_per_minute: float = Field(
+        120.0, gt=0, description="Log reads and streams (GET /v1/jobs/{id}/logs) per tenant per minute."
+    )
+    log_burst: int = Field(30, ge=1, description="Log reads a tenant may make at once.")
     metrics_retention_s: float = Field(
         86400.0, ge=0, description="How long a finished job's series stay on /metrics."
     )

@@ -52,7 +52,8 @@ ExportId = Annotated[str, Path(min_length=1, max_length=40, description="The exp
         422: {"model": Problem, "description": "A bad format, dtype or output, naming the field."},
         429: {
             "model": Problem,
-            "description": "Too many exports in flight for the tenant or the checkpoint (see Retry-After).",
+            "description": "Too many exports in flight for the tenant or the checkpoint, or asked for "
+            "too fast (see Retry-After).",
         },
     },
 )
@@ -63,6 +64,7 @@ def export_job_checkpoint(
     background: 202 with the export, `pending`; follow it at GET .../exports/{export_id}.
     The same request as an export pending, running or succeeded: 200 with that export. Limits
     on exports in flight: service/export_limits.py."""
+    ctx.limits.enforce(caller.tenant, "export", "asks for exports")  # ELASTRON_EXPORT_RATE_PER_MINUTE
 
     def record(session: Session) -> ExportOut:
         job = get_job(session, job_id)

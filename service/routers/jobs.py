@@ -8,7 +8,6 @@ are in routers/logs.py.)
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Annotated
 
@@ -119,14 +118,7 @@ def submit_job(
             response.headers["Idempotent-Replayed"] = "true"
             response.headers["Location"] = f"/v1/jobs/{replay.id}"
             return replay
-    wait = ctx.submit_limiter.take(caller.tenant)
-    if wait:
-        raise HTTPException(
-            status.HTTP_429_TOO_MANY_REQUESTS,
-            detail=f"tenant {caller.tenant!r} submits faster than ELASTRON_SUBMIT_RATE_PER_MINUTE allows; "
-            f"retry in {wait:g} s",
-            headers={"Retry-After": str(max(1, math.ceil(wait)))},
-        )
+    ctx.limits.enforce(caller.tenant, "submit", "submits")  # 429 naming ELASTRON_SUBMIT_RATE_PER_MINUTE
     job_id = new_job_id(spec.name)
 
     def create(session: Session) -> tuple[JobOut, bool]:

@@ -37,6 +37,7 @@ _FOLLOW_RETRIES, _FOLLOW_RETRY_S = 10, 2.0
         **AUTH,
         **NOT_FOUND,
         **_UNAVAILABLE,
+        429: {"model": Problem, "description": "Logs read too often (see Retry-After)."},
         200: {"content": {"text/plain": {}}, "description": "The driver's log (Ray)."},
     },
 )
@@ -48,8 +49,10 @@ async def job_logs(
         bool, Query(description="Keep the response open and stream new lines until the job ends.")
     ] = False,
 ) -> Response:
-    """The job's log from Ray (empty before it is launched); with follow, a stream."""
+    """The job's log from Ray (empty before it is launched); with follow, a stream. Each read or
+    stream spends from the tenant's ELASTRON_LOG_RATE_PER_MINUTE (each is a call on Ray)."""
     submission_id = await asyncio.to_thread(_visible_submission, ctx, caller, job_id)
+    await asyncio.to_thread(ctx.limits.enforce, caller.tenant, "logs", "reads logs")
     if not follow:
         if submission_id is None:
             return PlainTextResponse("")

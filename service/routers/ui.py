@@ -12,6 +12,7 @@ The pages' headers (CSP, no framing): service/surface_headers.py.
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -46,9 +47,11 @@ def ui_config(ctx: Ctx) -> dict[str, Any]:
 
 
 @router.post("/ui/parse-job", include_in_schema=False)
-async def parse_job_file(request: Request, _caller: Caller) -> dict[str, Any]:
+async def parse_job_file(request: Request, ctx: Ctx, caller: Caller) -> dict[str, Any]:
     """A job file's text (YAML or JSON) as the JSON object to submit; validation is the API's.
-    The body is capped like every request (ELASTRON_MAX_BODY_BYTES)."""
+    The body is capped like every request (ELASTRON_MAX_BODY_BYTES), the rate per tenant
+    (ELASTRON_PARSE_RATE_PER_MINUTE)."""
+    await asyncio.to_thread(ctx.limits.enforce, caller.tenant, "parse", "parses job files")
     text = (await request.body()).decode("utf-8", errors="replace")
     try:
         data = load_yaml(text)  # aliases bounded: engine/jobspec/yaml_text.py

@@ -193,6 +193,18 @@ class TenantQuota(Base):
     updated_at: Mapped[float] = mapped_column(Float)
 
 
+class RequestLimit(Base):
+    """A tenant's token bucket for one kind of request (submit, export, parse, logs), kept in the
+    store so every API replica spends from the same one (service/limits.py)."""
+
+    __tablename__ = "request_limits"
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16), primary_key=True)
+    tokens: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)  # unix seconds of the last refill
+
+
 class SchedulerStats(Base):
     """The scheduler's counters and wait histogram (service/store/scheduler_stats.py), in one row
     updated in the transaction that records what they count: a restarted API continues them and

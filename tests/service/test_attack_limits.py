@@ -7,6 +7,7 @@ responses without a size bound."""
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
@@ -14,6 +15,9 @@ import yaml
 from elastron.cli import app
 from engine.jobspec import JobSpecError, parse_job_text
 from engine.jobspec.yaml_text import YamlRefused, load_yaml
+from service.limits import Rate, StoreRateLimiter
+from service.store.db import make_engine, make_sessionmaker
+from service.store.migrate import upgrade
 from tests.service.test_api_exports import checkpoint_events, job_with_checkpoints
 from tests.service.test_api_jobs import TINY
 from tests.service.test_cli import runner
@@ -96,7 +100,7 @@ def _export(c, env, job_id: str, iteration: int, name: str, **body):
 
 
 def test_the_201st_export_is_refused_and_an_identical_request_returns_the_first(start_env):
-    env = start_env()
+    env = start_env(export_burst=1000)  # the limit on exports in flight, not the request rate
     env.launcher.up = False  # nothing finishes: every export stays pending
     job_id = job_with_checkpoints(env, saved=(10, 20))
     with env.client() as c:
@@ -132,3 +136,69 @@ def test_exports_are_limited_per_checkpoint_and_per_tenant(start_env):
     with env.client("bob") as bob:
         r = bob.post(f"/v1/jobs/{bobs}/checkpoints/10/export", json={})
         assert r.status_code == 202, r.text
+
+
+# -- rates across API replicas ------------------------------------------------------------------------
+
+
+def test_rate_limits_hold_across_two_api_replicas(start_env, tmp_path):
+    """Two API instances over one store: what a tenant spends on one counts on the other (a
+    per-process bucket let each replica grant the whole burst)."""
+    url = f"sqlite:///{tmp_path / 'shared.db'}"
+    rates = dict(
+        submit_rate_per_minute=1,
+        submit_burst=2,
+        export_rate_per_minute=1,
+        export_burst=1,
+        parse_rate_per_minute=1,
+        parse_burst=1,
+        log_rate_per_minute=1,
+        log_burst=1,
+    )
+    one = start_env(database_url=url, **rates)
+    two = start_env(database_url=url, **rates)
+    with one.client() as c:
+        assert [c.post("/v1/jobs", json=TINY).status_code for _ in range(2)] == [201, 201]
+        job_id = c.get("/v1/jobs").json()["jobs"][0]["id"]
+        assert c.post("/ui/parse-job", content="name: x\n").status_code == 200
+        assert c.get(f"/v1/jobs/{job_id}/logs").status_code == 200
+    checkpoint_events(job_id, one)
+    with one.client() as c:
+        assert _export(c, one, job_id, 10, "first").status_code == 202
+    with two.client() as c:
+        for r, setting in (
+            (c.post("/v1/jobs", json=TINY), "ELASTRON_SUBMIT_RATE_PER_MINUTE"),
+            (c.post("/ui/parse-job", content="name: x\n"), "ELASTRON_PARSE_RATE_PER_MINUTE"),
+            (c.get(f"/v1/jobs/{job_id}/logs"), "ELASTRON_LOG_RATE_PER_MINUTE"),
+            (_export(c, two, job_id, 10, "second"), "ELASTRON_EXPORT_RATE_PER_MINUTE"),
+        ):
+            assert r.status_code == 429, (setting, r.status_code, r.text)
+            assert setting in r.json()["detail"] and int(r.headers["retry-after"]) >= 1
+    with two.client("bob") as bob:  # per tenant: bob has spent nothing
+        assert bob.post("/v1/jobs", json=TINY).status_code == 201
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def store_url(request, tmp_path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'limits.db'}"
+    return request.getfixturevalue("fresh_pg_db")
+
+
+def test_concurrent_requests_on_two_replicas_spend_one_bucket_exactly(store_url):
+    """Many requests at once, half through each of two engines (two replicas): exactly the burst is
+    granted, whatever the interleaving (one conditional UPDATE per request)."""
+    engines = [make_engine(store_url) for _ in range(2)]
+    upgrade(engines[0])
+    limiters = [
+        StoreRateLimiter(make_sessionmaker(e), {"submit": Rate(1e-6, 20, "ELASTRON_SUBMIT_RATE_PER_MINUTE")})
+        for e in engines
+    ]
+    try:
+        with ThreadPoolExecutor(8) as pool:
+            waits = list(pool.map(lambda i: limiters[i % 2].take("alice", "submit"), range(60)))
+        assert waits.count(0.0) == 20 and all(w > 0 for w in waits if w)
+        assert limiters[1].take("bob", "submit") == 0.0  # another tenant, another bucket
+    finally:
+        for e in engines:
+            e.dispose()
