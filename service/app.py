@@ -21,7 +21,7 @@ from service import errors
 from service.auth import TokenCache
 from service.context import AppContext
 from service.launcher import Launcher, RayJobsLauncher
-from service.limits import BodySizeLimit, StoreRateLimiter, request_rates
+from service.limits import BodySizeLimit, ResponseSizeLimit, StoreRateLimiter, request_rates
 from service.metrics import HttpMetrics, JobSeries, SchedulerMetrics
 from service.reconciler import Reconciler
 from service.routers import exports, health, jobs, logs, scheduling, telemetry, ui
@@ -108,6 +108,7 @@ def create_app(
     app.mount("/ui/static", ui.static, name="ui-static")
     # Outermost first: request metrics see every response, the size cap runs before any route.
     app.add_middleware(BodySizeLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(ResponseSizeLimit, max_bytes=settings.max_response_bytes)
     app.add_middleware(SecurityHeaders)
     app.add_middleware(HttpMetrics, registry=registry)
     return app

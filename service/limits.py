@@ -164,3 +164,57 @@ def request_rates(settings) -> dict[str, Rate]:
         "parse": Rate(settings.parse_rate_per_minute, settings.parse_burst, "ELASTRON_PARSE_RATE_PER_MINUTE"),
         "logs": Rate(settings.log_rate_per_minute, settings.log_burst, "ELASTRON_LOG_RATE_PER_MINUTE"),
     }
+
+
+class ResponseSizeLimit:
+    """Refuse to send a response whose declared size passes the cap (ELASTRON_MAX_RESPONSE_BYTES).
+
+    Every list route has a `limit` and the YAML parse an alias budget, so a response is bounded
+    where it is built; this is the backstop for what those bounds miss (records full of per-rank
+    arrays, a huge driver log read whole): the client gets a small 400 naming the setting instead
+    of the bytes. A streamed response (a followed log) declares no size and is not cut: it is the
+    job's own log, and each stream spends from the tenant's log rate. /metrics is the operator's
+    (behind its token) and grows with the number of jobs: not capped either.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int, exempt: tuple[str, ...] = ("/metrics",)):
+        self.app, self.max_bytes, self.exempt = app, max_bytes, exempt
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") in self.exempt:
+            await self.app(scope, receive, send)
+            return
+        refused = False
+
+        async def checking_send(message: Message) -> None:
+            nonlocal refused
+            if refused:
+                return  # the refusal is sent; drop the body that would have followed
+            if message["type"] == "http.response.start":
+                declared = dict(message.get("headers") or []).get(b"content-length")
+                if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+                    refused = True
+                    await self._refuse(send, int(declared))
+                    return
+            await send(message)
+
+        await self.app(scope, receive, checking_send)
+
+    async def _refuse(self, send: Send, size: int) -> None:
+        body = json.dumps(
+            {
+                "detail": f"the response would be {size} bytes, more than ELASTRON_MAX_RESPONSE_BYTES "
+                f"({self.max_bytes}): ask for less (a smaller limit=, a narrower filter)"
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 400,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})

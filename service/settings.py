@@ -93,6 +93,12 @@ class Settings(BaseSettings):
         4, ge=1, description="Exports of one checkpoint pending or running at once (more: 429)."
     )
     max_body_bytes: int = Field(2 * 1024 * 1024, ge=1024, description="Largest request body accepted.")
+    max_response_bytes: int = Field(
+        64 * 1024 * 1024,
+        ge=1024,
+        description="Largest response sent (a larger one is a 400 naming this setting; streamed logs and "
+        "/metrics excepted).",
+    )
     submit_rate_per_minute: float = Field(
         120.0,
         gt=0,

@@ -202,3 +202,16 @@ def test_concurrent_requests_on_two_replicas_spend_one_bucket_exactly(store_url)
     finally:
         for e in engines:
             e.dispose()
+
+
+# -- response size -------------------------------------------------------------------------------
+
+
+def test_a_response_over_the_cap_is_refused_not_sent(start_env):
+    env = start_env(reconcile=False, max_response_bytes=2048)
+    big = "".join(f"k{i}: {'v' * 40}\n" for i in range(100))  # no aliases, ~5 KB of answer
+    with env.client() as c:
+        r = c.post("/ui/parse-job", content=big)
+        assert r.status_code == 400, (r.status_code, len(r.content))
+        assert "ELASTRON_MAX_RESPONSE_BYTES" in r.json()["detail"] and len(r.content) < 1000
+        assert c.post("/ui/parse-job", content="name: x\n").status_code == 200  # a small answer is sent
