@@ -268,6 +268,8 @@ def up(
         RAY_AUTH_MODE=env.get("RAY_AUTH_MODE", "token"),  # for a --ray-address cluster too
     )
     env.setdefault("ELASTRON_CHECKPOINT_DIR", str(home / "checkpoints"))
+    # On one machine the Ray dashboard is the user's own: the web UI may link to it.
+    env.setdefault("ELASTRON_RAY_DASHBOARD_URL", ray_address)
     cmd = [
         sys.executable,
         "-m",
