@@ -18,7 +18,8 @@ class SchedulingSpec(_Section):
         le=PRIORITY_MAX,
         strict=True,
         description="Higher runs first and may preempt lower-priority jobs when the cluster is full; a job "
-        "gains one level per hour it waits, so none waits forever. A tenant's quota may cap it.",
+        "gains one level per hour it waits, so none waits forever. Over REST, above the service's ceiling "
+        "(ELASTRON_MAX_PRIORITY, default 100) only for admins and tenants whose quota allows it.",
     )
     preemptible: bool = Field(
         True,
