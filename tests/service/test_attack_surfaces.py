@@ -11,6 +11,7 @@ from sqlalchemy.exc import OperationalError
 
 from service.routers import health
 from tests.service.test_api_jobs import TINY
+from tests.service.test_ui import browser, post_records, ready_after, records, sign_in  # noqa: F401
 from tests.waiting import wait_for
 
 INTERNAL_RAY = "http://ray-head.cluster.internal:8265"
@@ -113,3 +114,21 @@ def test_ui_pages_carry_csp_and_frame_headers(env):
             assert r.headers.get("x-content-type-options") == "nosniff", path
         api = c.get("/healthz")
         assert api.headers.get("x-content-type-options") == "nosniff"
+
+
+def test_the_ui_runs_under_its_csp_without_a_violation(env, browser):  # noqa: F811 (the fixture)
+    """The pages' own scripts and styles satisfy the policy: every view drawn, no violation."""
+    with env.client() as c:
+        job_id = c.post("/v1/jobs", json={**TINY, "name": "csp"}).json()["id"]
+    env.wait_state(job_id, "starting")
+    post_records(env, job_id, records(5))
+    sign_in(browser, env.server.url, env.tokens["alice"])
+    wait_for(lambda: browser.execute_script("return window.elastronReady"), 30, "the jobs list")
+    browser.execute_script(
+        "window.cspViolations = [];"
+        "document.addEventListener('securitypolicyviolation',"
+        " (e) => window.cspViolations.push(e.violatedDirective + ' ' + e.blockedURI));"
+    )
+    for view in ("#/", f"#/jobs/{job_id}", f"#/compare?jobs={job_id}", "#/queue", "#/submit"):
+        ready_after(browser, view)
+    assert browser.execute_script("return window.cspViolations") == []
