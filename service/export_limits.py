@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from service.settings import Settings
 from service.store.exports import SUCCEEDED, UNFINISHED
-from service.store.models import Export, Job
+from service.store.models import Export, Job, RequestLimit
 
 RETRY_AFTER_S = 30
 
@@ -43,7 +43,15 @@ def identical_export(
 
 
 def check_export_limits(session: Session, job: Job, iteration: int, settings: Settings) -> None:
-    """Raise the 429 a new export of `job`'s checkpoint `iteration` earns, if any."""
+    """Raise the 429 a new export of `job`'s checkpoint `iteration` earns, if any. Call it in the
+    transaction that records the export: concurrent requests of one tenant then count one after
+    the other (Postgres: the tenant's export rate row, locked; SQLite: one writer at a time, and a
+    count read before another writer's commit fails the transaction, which in_transaction redoes)."""
+    session.execute(
+        select(RequestLimit.tenant)
+        .where(RequestLimit.tenant == job.tenant, RequestLimit.kind == "export")
+        .with_for_update()
+    )
     in_flight = Export.status.in_(UNFINISHED)
     of_checkpoint = session.scalar(
         select(func.count())

@@ -215,3 +215,17 @@ def test_a_response_over_the_cap_is_refused_not_sent(start_env):
         assert r.status_code == 400, (r.status_code, len(r.content))
         assert "ELASTRON_MAX_RESPONSE_BYTES" in r.json()["detail"] and len(r.content) < 1000
         assert c.post("/ui/parse-job", content="name: x\n").status_code == 200  # a small answer is sent
+
+
+def test_concurrent_exports_of_one_tenant_stop_at_the_limit(start_env, store_url):
+    env = start_env(database_url=store_url, max_exports_per_tenant=3, export_burst=1000)
+    env.launcher.up = False
+    job_id = job_with_checkpoints(env, saved=(10, 20))
+
+    def ask(i: int) -> int:
+        with env.client() as c:
+            return _export(c, env, job_id, 10 + 10 * (i % 2), f"race-{i}").status_code
+
+    with ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(ask, range(16)))
+    assert answers.count(202) == 3 and answers.count(429) == 13, answers
