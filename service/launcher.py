@@ -117,16 +117,25 @@ _LIST_THRESHOLD = 20
 
 
 def worker_env(
-    job_id: str, spec_json: str, api_url: str, api_token: str, placement: dict[str, int] | None = None
+    job_id: str,
+    spec_json: str,
+    api_url: str,
+    api_token: str,
+    placement: dict[str, int] | None = None,
+    *,
+    fencing_token: int | None = None,
 ) -> dict[str, str]:
-    """The environment a job's workers get: their spec, how to report back to the API, and
-    where the scheduler admitted them (the driver pins its first attempt there)."""
+    """The environment a job's workers get: their spec, how to report back to the API, the
+    attempt's fencing token (service/fencing.py) and where the scheduler admitted them (the
+    driver pins its first attempt there)."""
     env = {
         contract.ENV_JOB_ID: job_id,
         contract.ENV_JOB_SPEC: spec_json,
         contract.ENV_API_URL: api_url,
         contract.ENV_API_TOKEN: api_token,
     }
+    if fencing_token is not None:
+        env[contract.ENV_FENCING_TOKEN] = str(fencing_token)
     if placement:
         env[contract.ENV_PLACEMENT] = json.dumps(placement, sort_keys=True, separators=(",", ":"))
     # Ray 2.60 turns token auth on by default; a driver inside the job that connects to the

@@ -45,6 +45,7 @@ from typing import Any
 from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from service import fencing
 from service.exports import export_command
 from service.launcher import Launcher, LauncherUnavailable, LaunchStatus, worker_env
 from service.metrics import SchedulerMetrics
@@ -162,6 +163,7 @@ class Reconciler:
                 else:
                     self._poll(on_start=False)
                 self._send_stops()
+                fencing.stop_orphans(self.sessions, self.launcher, self.clock)
                 self._dispatch()
                 self._exports()
             except LauncherUnavailable as err:  # Ray went away during the pass: try again later
@@ -302,6 +304,7 @@ class Reconciler:
         edited = job_stats.editable(job.stats)
         job_stats.count(edited, stat, "stopped")
         job.stats = edited
+        fencing.retire(s, job, fencing.STOPPED, self.clock(), watch=False)
         job.submission_id = job.telemetry_token_hash = job.stop_sent_at = job.preempt_requested_at = None
         job.placement = None
 
@@ -317,6 +320,8 @@ class Reconciler:
             add_event(
                 s, job, "launch_lost", f"{sid} never reached {self.launcher.describe()}; launching again"
             )
+            # Should it land late after all, it is an orphan: fenced, and stopped once seen.
+            fencing.retire(s, job, fencing.LAUNCH_LOST, self.clock(), watch=True)
             job.submission_id = None
             job.telemetry_token_hash = None
             job.placement = None
@@ -325,12 +330,16 @@ class Reconciler:
         if cancel:
             transition(s, job, JobState.CANCELLED, f"stopped on request ({sid} is gone)")
             return
+        if fencing.requeue_lost(s, job, self.settings, self.launcher.describe(), self.clock()):
+            return
         fail(
             s,
             job,
             f"the launched job {sid} vanished from {self.launcher.describe()} (the cluster restarted or its "
-            "record was deleted); submit it again (it resumes from its latest checkpoint with "
-            "checkpoint.resume: auto, or use checkpoint.resume_from)",
+            f"record was deleted) more often than its budget of {fencing.lost_budget(job, self.settings)} "
+            "requeues (ELASTRON_LOST_JOB_REQUEUES, or resilience.max_restarts if larger); submit it again "
+            "(it resumes from its latest checkpoint with checkpoint.resume: auto, or use "
+            "checkpoint.resume_from)",
             submission_id=sid,
         )
 
@@ -521,7 +530,7 @@ class Reconciler:
         wait counted)."""
         token = new_secret(JOB_PREFIX)
 
-        def intent(s: Session) -> tuple[str, dict[str, Any], dict[str, int] | None] | None:
+        def intent(s: Session) -> tuple[str, dict[str, Any], dict[str, int] | None, int] | None:
             job = get_job(s, job_id)
             if job is None or job.state != JobState.QUEUED or job.submission_id or job.cancel_requested_at:
                 return None
@@ -530,6 +539,7 @@ class Reconciler:
             sid = f"elastron-{job.id}-{job.attempt}"
             job.submission_id, job.launched_at = sid, now
             job.telemetry_token_hash = hash_secret(token)
+            fence = fencing.next_token(job)
             spec = job.spec
             if resized and admission is not None and demand is not None:
                 size = launch_size(demand, admission.ranks)
@@ -565,16 +575,16 @@ class Reconciler:
                 job,
                 "launch",
                 f"submitting to {self.launcher.describe()} as {sid}",
-                data={"submission_id": sid, "attempt": job.attempt},
+                data={"submission_id": sid, "attempt": job.attempt, "fencing_token": fence},
             )
-            return sid, spec, job.placement
+            return sid, spec, job.placement, fence
 
         claimed = in_transaction(self.sessions, intent)
         if claimed is None:
             return True
-        sid, spec, placement = claimed
+        sid, spec, placement, fence = claimed
         spec_json = json.dumps(spec, separators=(",", ":"))
-        env = worker_env(job_id, spec_json, self.settings.api_url, token, placement)
+        env = worker_env(job_id, spec_json, self.settings.api_url, token, placement, fencing_token=fence)
         try:
             self.launcher.submit(job_id, spec_json, env, submission_id=sid)
         except LauncherUnavailable as err:
@@ -600,6 +610,7 @@ class Reconciler:
         if job is None or job.submission_id != sid or job.state != JobState.QUEUED:
             return
         job.launch_failures += 1
+        fencing.retire(s, job, fencing.LAUNCH_FAILED, self.clock(), watch=True)
         job.submission_id = None
         job.telemetry_token_hash = None
         job.placement = None

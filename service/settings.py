@@ -74,6 +74,28 @@ class Settings(BaseSettings):
         "since its last launch: each resize is a save of its current step and a restart.",
     )
     max_launch_attempts: int = Field(5, ge=1, description="Failed submissions before a job is failed.")
+    lost_job_requeues: int = Field(
+        3,
+        ge=0,
+        description="Times a running job whose Ray job vanished (a head node lost, its job table with it) is "
+        "queued again from its newest checkpoint before it is failed; a job's resilience.max_restarts, if "
+        "larger, is its budget instead (service/fencing.py).",
+    )
+    export_num_cpus: float = Field(
+        1.0,
+        ge=0,
+        description="CPUs an export's Ray job asks for (entrypoint_num_cpus): more than 0 keeps it off a head "
+        "node started with num-cpus 0, as the Helm chart's is.",
+    )
+    export_memory_gib: float = Field(
+        0.0, ge=0, description="Memory an export's Ray job asks for (entrypoint_memory; 0: no request)."
+    )
+    driver_num_cpus: float = Field(
+        0.0,
+        ge=0,
+        description="CPUs a job's driver (its Ray job's entrypoint) asks for; 0 lets Ray run it on the head "
+        "node (it loads no model). Counted by Ray, not by elastron's scheduler.",
+    )
     scheduler_aging_s: float = Field(
         3600.0,
         gt=0,

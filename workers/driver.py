@@ -48,6 +48,7 @@ from typing import Any
 from engine.jobspec import JobSpec, JobSpecError, contract, parse_job_text, resolve_job
 from engine.jobspec.demand import CPUS_PER_RANK, rank_resources, run_sizes
 from engine.jobspec.layout import job_checkpoint_path, join_location
+from workers.fencing import exit_fenced
 from workers.policy import (
     EXIT_BAD_INPUT,
     EXIT_CANCELLED,
@@ -199,6 +200,7 @@ class JobDriver:
             "driver",
             flush_interval_s=self.options.flush_interval_s,
             event_defaults={"job_id": job_id},
+            on_fenced=exit_fenced,  # a newer attempt runs: this one ends now (workers/fencing.py)
         )
         self.registry = None
         self.use_gpu = False

@@ -182,6 +182,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     from engine.rank_hooks import RankHooks, RankIdentity
     from engine.train_loop import train_rank
     from engine.watchdog import StepWatchdog
+    from workers.fencing import commit_guard, exit_fenced
     from workers.replicas import form_replica, replace_replica, replica_job, replica_size
     from workers.snapshots import HolderStore, SnapshotPusher
     from workers.telemetry import TelemetrySender
@@ -249,6 +250,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
         fallback,
         flush_interval_s=config.get("flush_interval_s", 1.0),
         event_defaults={"attempt": attempt},
+        on_fenced=exit_fenced,  # a newer attempt runs: stop now, unsaved (workers/fencing.py)
     )
     sender.start()
     lost.sender = sender
@@ -329,6 +331,8 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
 
     def on_trainer(trainer) -> None:
         _STATE.trainer = trainer
+        if rank == 0 and trainer.checkpointer is not None:
+            trainer.checkpointer.before_commit = commit_guard(sender)
         built = time.time()
         recovery = {
             "recovered_from": "persistent",

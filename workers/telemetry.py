@@ -38,6 +38,12 @@ is dropped alone (a batch is at most ~1 MiB to begin with). Any other 4xx (bad t
 dropped with one line on stderr, since re-sending cannot fix it. A connection error or timeout is
 "try again later".
 
+Fencing: the sender sends its attempt's fencing token (ELASTRON_FENCING_TOKEN) in the header
+X-Elastron-Fencing-Token. A 409 whose detail has the type `attempt_fenced` means the control
+plane gave this attempt up and another one runs (service/fencing.py): nothing more is sent or
+spooled, `fenced` is set and `on_fenced` is called (workers/fencing.py exits the process without
+saving). `still_current()` asks synchronously (an empty batch) before a checkpoint is committed.
+
 Delivery is at least once and in order per source: batches are sent one at a time, oldest
 first, and a batch whose answer was lost is sent again with the same batch_id, so the receiver
 de-duplicates on batch_id. Records can also repeat (a restart or a resize re-runs the steps
@@ -62,6 +68,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +87,21 @@ def default_spool_dir() -> Path:
     return Path(os.environ.get(contract.ENV_SPOOL_DIR) or Path(tempfile.gettempdir()) / "elastron-telemetry")
 
 
-TELEMETRY_ENV = (contract.ENV_API_URL, contract.ENV_API_TOKEN, contract.ENV_SPOOL_DIR)
+TELEMETRY_ENV = (contract.ENV_API_URL, contract.ENV_API_TOKEN, contract.ENV_SPOOL_DIR, contract.ENV_FENCING_TOKEN)
+
+
+def fenced_answer(code: int, body: bytes) -> str | None:
+    """The control plane's message when an answer says this attempt is fenced, else None."""
+    if code != 409:
+        return None
+    try:
+        detail = json.loads(body or b"{}").get("detail")
+    except (ValueError, AttributeError):
+        return None
+    for item in detail if isinstance(detail, list) else []:
+        if isinstance(item, dict) and item.get("type") == contract.FENCED_CODE:
+            return str(item.get("msg") or contract.FENCED_CODE)
+    return None
 
 
 def telemetry_settings() -> dict[str, str]:
@@ -108,8 +129,13 @@ class TelemetrySender:
         max_batch_bytes: int = 1 << 20,
         timeout_s: float = 5.0,
         event_defaults: dict[str, Any] | None = None,
+        fencing_token: int | None = None,
+        on_fenced: Callable[[str], None] | None = None,
     ):
         self.url, self.job_id, self.source, self.token = url, job_id, source, token
+        self.fencing_token, self.on_fenced = fencing_token, on_fenced
+        # Set when the control plane says a newer attempt of this job runs (409 attempt_fenced).
+        self.fenced = threading.Event()
         self.flush_interval_s = flush_interval_s
         self.max_batch = max_batch
         self.max_batch_bytes = max_batch_bytes
@@ -146,6 +172,8 @@ class TelemetrySender:
         env = {k: os.environ.get(k) or (fallback or {}).get(k) for k in TELEMETRY_ENV}
         api = env[contract.ENV_API_URL]
         kwargs.setdefault("spool_dir", env[contract.ENV_SPOOL_DIR])
+        fence = env[contract.ENV_FENCING_TOKEN]
+        kwargs.setdefault("fencing_token", int(fence) if fence and fence.isdigit() else None)
         return cls(
             telemetry_url(api, job_id) if api else None,
             job_id,
@@ -161,20 +189,20 @@ class TelemetrySender:
     # ------------------------------------------------------------------ the producers' side
     def record(self, record: dict) -> None:
         """Queue one metrics record (never blocks)."""
-        if self.enabled:
+        if self.enabled and not self.fenced.is_set():
             self._records.append(record)
 
     def event(self, kind: str, **fields: Any) -> dict:
         """Queue one event; returns it (also when sending is disabled, for logging)."""
         ev = {"ts": time.time(), "kind": kind, **self.event_defaults, **fields}
-        if self.enabled:
+        if self.enabled and not self.fenced.is_set():
             self._events.append(ev)
         return ev
 
     def forward_event(self, event: dict) -> None:
         """Queue an event made elsewhere in this process (the engine's, through
         `RankHooks.on_event`), with this sender's defaults (`source`, ...) under its own fields."""
-        if self.enabled:
+        if self.enabled and not self.fenced.is_set():
             self._events.append({**self.event_defaults, **event})
 
     # ------------------------------------------------------------------ lifecycle
@@ -222,6 +250,45 @@ class TelemetrySender:
     # ------------------------------------------------------------------ delivery
     def _idle(self) -> bool:
         return not (self._pending or self._records or self._events)
+
+    def still_current(self, timeout_s: float = 5.0) -> bool:
+        """Ask the control plane now (an empty batch) whether this attempt is still the job's
+        current one: False only on its `attempt_fenced` answer (an unreachable control plane
+        cannot tell, and training goes on)."""
+        if self.fenced.is_set():
+            return False
+        if not self.enabled:
+            return True
+        self._batches_made += 1
+        probe = {
+            "version": WIRE_VERSION,
+            "job_id": self.job_id,
+            "source": self.source,
+            "batch_id": f"{self.source}-{self._incarnation}-probe-{self._batches_made}",
+            "records": [],
+            "events": [],
+        }
+        with self._lock:
+            saved, self.timeout_s = self.timeout_s, min(self.timeout_s, timeout_s)
+            try:
+                return self._post(probe) != "fenced"
+            finally:
+                self.timeout_s = saved
+
+    def _fence(self, message: str) -> None:
+        """This attempt is fenced: nothing more is sent or kept; the owner decides what stops."""
+        first = not self.fenced.is_set()
+        self.fenced.set()
+        self._records.clear()
+        self._events.clear()
+        self._pending.clear()
+        self._spooled = 0
+        self.spool_path.unlink(missing_ok=True)
+        self._stop.set()
+        if first:
+            print(f"[elastron] telemetry: {message}", file=sys.stderr, flush=True)
+            if self.on_fenced is not None:
+                self.on_fenced(message)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -271,6 +338,8 @@ class TelemetrySender:
             delivered = 0
             while self._pending:
                 outcome = self._post(self._pending[0])
+                if outcome == "fenced":
+                    return  # _fence emptied everything
                 if outcome == "retry":
                     break
                 if outcome == "too_large" and self._split_first():
@@ -308,13 +377,23 @@ class TelemetrySender:
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
+        if self.fencing_token is not None:
+            headers[contract.FENCING_HEADER] = str(self.fencing_token)
         request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 self._read_ack(response.read())
             return "ok"
         except urllib.error.HTTPError as err:
+            try:
+                answer = err.read() if err.code == 409 else b""
+            except OSError:
+                answer = b""
             err.close()
+            message = fenced_answer(err.code, answer)
+            if message is not None:
+                self._fence(message)
+                return "fenced"
             if err.code in RETRYABLE_STATUS or err.code >= 500:
                 self.last_error = f"HTTP {err.code}"
                 return "retry"

@@ -142,6 +142,9 @@ class Checkpointer:
         # Rank 0, synchronous saves: called with the iteration once its checkpoint is committed,
         # before the save's closing collective (train_loop hands the step's record on there).
         self.on_commit: Callable[[int], None] | None = None
+        # Rank 0: called with the iteration just before its checkpoint is committed; a launcher
+        # that learns its attempt was replaced (fenced) never returns from it (workers/fencing.py).
+        self.before_commit: Callable[[int], None] | None = None
         if self.spec.path:
             self.storage = open_storage(
                 self.spec.path, endpoint_url=self.spec.endpoint_url, region=self.spec.region
@@ -300,6 +303,8 @@ class Checkpointer:
         committed = None
         if rank == 0:
             files = [e for per_rank in gathered for e in per_rank]
+            if self.before_commit is not None:
+                self.before_commit(iteration)
             committed = self._on_rank0(
                 lambda: commit_checkpoint(self.storage, self.job_root, iteration, files, meta)
             )

@@ -16,6 +16,9 @@ ENV_API_URL = "ELASTRON_API_URL"  # where the workers post telemetry
 ENV_API_TOKEN = "ELASTRON_API_TOKEN"  # the job token: good for this job's telemetry only
 ENV_PLACEMENT = "ELASTRON_PLACEMENT"  # {Ray node id: ranks}, JSON: where the scheduler admitted the job
 ENV_SPOOL_DIR = "ELASTRON_SPOOL_DIR"  # where telemetry waits while the API is unreachable
+ENV_FENCING_TOKEN = "ELASTRON_FENCING_TOKEN"  # this attempt's fencing token (an integer; it only grows)
+FENCING_HEADER = "X-Elastron-Fencing-Token"  # telemetry carries the attempt's fencing token
+FENCED_CODE = "attempt_fenced"  # the 409's code: a newer attempt runs; this one must stop, unsaved
 # Set by the workers for the engine: the hardware identity the rerun state machine compares.
 ENV_NODE_ID = "ELASTRON_NODE_ID"
 

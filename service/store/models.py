@@ -73,6 +73,8 @@ class Job(Base):
     launched_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     launch_failures: Mapped[int] = mapped_column(Integer, default=0)
     telemetry_token_hash: Mapped[str | None] = mapped_column(String(64), nullable=True)
+    # The current attempt's fencing token: one more at each launch (service/fencing.py).
+    fencing_token: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
     cancel_requested_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     stop_sent_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     # Progress, from telemetry.
@@ -110,6 +112,24 @@ class Job(Base):
     version: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
 
     __mapper_args__ = {"version_id_col": version}
+
+
+class AttemptFence(Base):
+    """An attempt a job left behind (service/fencing.py): its token hash, so that its telemetry is
+    refused as stale (409) rather than unknown (401), and, while `watch_until` is ahead, its
+    submission id, which the reconciler stops should it land late on Ray (an orphan)."""
+
+    __tablename__ = "attempt_fences"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    fencing_token: Mapped[int] = mapped_column(Integer)
+    submission_id: Mapped[str] = mapped_column(String(160))
+    reason: Mapped[str] = mapped_column(String(32))  # stopped, lost, launch_lost, launch_failed
+    token_hash: Mapped[str | None] = mapped_column(String(64), nullable=True, index=True)
+    retired_at: Mapped[float] = mapped_column(Float)
+    watch_until: Mapped[float | None] = mapped_column(Float, nullable=True, index=True)
+    stopped_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
 class JobEvent(Base):

@@ -53,7 +53,8 @@ def test_api_restart_mid_job_keeps_the_job_and_reports_it(start_env, processes, 
 
 def test_jobs_that_ended_or_vanished_while_the_api_was_away(start_env):
     fake = FakeLauncher()
-    env = start_env(fake)
+    # No requeue budget: a vanished job fails (tests/service/test_fencing.py: it is requeued).
+    env = start_env(fake, lost_job_requeues=0)
     with env.client() as c:
         ids = [c.post("/v1/jobs", json={**TINY, "name": f"j{i}"}).json()["id"] for i in range(4)]
     sids = [env.wait_state(i, "starting")["submission_id"] for i in ids]
