@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from sqlalchemy import Engine, inspect, text
+from sqlalchemy import Connection, Engine, inspect, text
 
 HEAD = "0007_fencing"
 MIGRATIONS = Path(__file__).parent / "migrations"
@@ -33,9 +33,31 @@ def upgrade(engine: Engine) -> bool:
 
     config = Config()
     config.set_main_option("script_location", str(MIGRATIONS))
-    with engine.begin() as conn:
-        if conn.dialect.name == "postgresql":
-            conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": _PG_LOCK_ID})
-        config.attributes["connection"] = conn
-        command.upgrade(config, "head")
+    with engine.connect() as conn:
+        sqlite = conn.dialect.name == "sqlite"
+        if sqlite:
+            _sqlite_foreign_keys(conn, on=False)
+        try:
+            with conn.begin():
+                if conn.dialect.name == "postgresql":
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": _PG_LOCK_ID})
+                config.attributes["connection"] = conn
+                command.upgrade(config, "head")
+                if sqlite:
+                    broken = conn.exec_driver_sql("PRAGMA foreign_key_check").fetchall()
+                    if broken:
+                        raise RuntimeError(f"migrating the store left rows without their parent: {broken[:5]}")
+        finally:
+            if sqlite:
+                _sqlite_foreign_keys(conn, on=True)
     return True
+
+
+def _sqlite_foreign_keys(conn: Connection, *, on: bool) -> None:
+    """SQLite changes most of a table by rebuilding it (Alembic's batch mode: copy, DROP, rename).
+    With foreign keys on, dropping `jobs` deletes every job's events, metrics, checkpoints and
+    exports (ON DELETE CASCADE), so migrations run with them off, as SQLite's own procedure for a
+    rebuild says, and `PRAGMA foreign_key_check` proves nothing was left dangling. The pragma is
+    ignored inside a transaction: it is set between transactions."""
+    conn.exec_driver_sql(f"PRAGMA foreign_keys={'ON' if on else 'OFF'}")
+    conn.commit()

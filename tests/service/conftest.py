@@ -165,35 +165,61 @@ def _pg_bin(name: str) -> str | None:
     return None
 
 
+class PgCluster:
+    """A throwaway Postgres cluster (initdb in a temporary folder, served on a loopback port);
+    `restart()` stops and starts it on the same port and data, as an operator's or a crash's
+    restart would: every open connection is cut."""
+
+    def __init__(self, initdb: str, pg_ctl: str):
+        self.pg_ctl = pg_ctl
+        self.root = Path(tempfile.mkdtemp(prefix="elastron-pg-"))
+        self.as_user: list[str] = []
+        if os.geteuid() == 0:  # postgres refuses to run as root
+            shutil.chown(self.root, "postgres")
+            self.as_user = ["runuser", "-u", "postgres", "--"]
+        self.data, self.port = self.root / "data", free_port()
+        self.url = f"postgresql+psycopg://elastron@127.0.0.1:{self.port}"
+        subprocess.run(
+            [*self.as_user, initdb, "-D", str(self.data), "-A", "trust", "-U", "elastron", "--no-sync", "-E", "UTF8"],
+            check=True,
+            capture_output=True,
+        )
+
+    def _ctl(self, *args: str, check: bool = True) -> None:
+        subprocess.run([*self.as_user, self.pg_ctl, "-D", str(self.data), *args], check=check, capture_output=True)
+
+    def start(self) -> None:
+        options = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
+        self._ctl("-o", options, "-l", str(self.root / "log"), "-w", "start")
+
+    def stop(self, mode: str = "fast") -> None:
+        self._ctl("-m", mode, "-w", "stop", check=False)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
 @pytest.fixture(scope="session")
-def postgres_url() -> Iterator[str]:
-    """A throwaway Postgres cluster; its URL names a fresh database per use via `fresh_pg_db`."""
+def postgres_cluster() -> Iterator[PgCluster]:
+    """The session's throwaway Postgres cluster (see `fresh_pg_db` for a database of one's own)."""
     initdb, pg_ctl = _pg_bin("initdb"), _pg_bin("pg_ctl")
     if not initdb or not pg_ctl:
         missing_tool("postgres", "PostgreSQL's server binaries (initdb, pg_ctl) are not installed: make test "
                      "installs Debian's postgresql (apt-get install postgresql)")
-    root = Path(tempfile.mkdtemp(prefix="elastron-pg-"))
-    as_user: list[str] = []
-    if os.geteuid() == 0:  # postgres refuses to run as root
-        shutil.chown(root, "postgres")
-        as_user = ["runuser", "-u", "postgres", "--"]
-    data, port = root / "data", free_port()
-    subprocess.run(
-        [*as_user, initdb, "-D", str(data), "-A", "trust", "-U", "elastron", "--no-sync", "-E", "UTF8"],
-        check=True,
-        capture_output=True,
-    )
-    options = f"-p {port} -k {root} -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200"
-    subprocess.run(
-        [*as_user, pg_ctl, "-D", str(data), "-o", options, "-l", str(root / "log"), "-w", "start"],
-        check=True,
-        capture_output=True,
-    )
+    cluster = PgCluster(initdb, pg_ctl)
     try:
-        yield f"postgresql+psycopg://elastron@127.0.0.1:{port}"
+        cluster.start()
+        yield cluster
     finally:
-        subprocess.run([*as_user, pg_ctl, "-D", str(data), "-m", "immediate", "stop"], capture_output=True)
-        shutil.rmtree(root, ignore_errors=True)
+        cluster.stop("immediate")
+        shutil.rmtree(cluster.root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def postgres_url(postgres_cluster) -> str:
+    """The throwaway cluster's URL (no database named): `fresh_pg_db` adds a fresh one per use."""
+    return postgres_cluster.url
 
 
 @pytest.fixture
