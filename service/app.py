@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, disable_created_metrics
 from service import errors
 from service.auth import TokenCache
 from service.context import AppContext
-from service.launcher import Launcher, RayJobsLauncher
+from service.launcher import EntrypointResources, Launcher, RayJobsLauncher
 from service.limits import BodySizeLimit, ResponseSizeLimit, StoreRateLimiter, request_rates
 from service.metrics import HttpMetrics, JobSeries, SchedulerMetrics
 from service.reconciler import Reconciler
@@ -53,7 +53,10 @@ def create_app(
         # before its first Ray call; an explicit RAY_AUTH_MODE (e.g. disabled) is respected.
         os.environ.setdefault("RAY_AUTH_MODE", "token")
         launcher = RayJobsLauncher(
-            settings.ray_address, entrypoint=settings.worker_entrypoint, timeout_s=settings.ray_timeout_s
+            settings.ray_address,
+            entrypoint=settings.worker_entrypoint,
+            timeout_s=settings.ray_timeout_s,
+            driver_resources=EntrypointResources(num_cpus=settings.driver_num_cpus),
         )
     disable_created_metrics()  # METRICS.md names exactly what is exposed: no *_created series
     registry = CollectorRegistry(auto_describe=False)

@@ -14,6 +14,10 @@ Contract:
   "cannot tell now, try later" (Ray down, slow, or busy) and never changes a job's state;
 - `stop` is graceful: Ray sends the job's driver RAY_JOB_STOP_SIGNAL, which `elastron up` sets
   to SIGINT, the signal Ray Train handles (Ray Train V2 aborts a run gracefully on SIGINT only);
+- `EntrypointResources`: what a submission's entrypoint process asks Ray for. An export loads the
+  whole model, so it asks for CPUs (and memory) and Ray places it on a node with room, never on
+  a head started with num-cpus 0 (the Helm chart's); a job's driver asks for what the operator
+  sets (nothing by default: it loads no model and runs on the head);
 - `capacity` lists the cluster's nodes (alive or not, their CPU and GPU totals) for the scheduler
   (service/scheduling/), or None when the launcher cannot tell: then the reconciler hands every
   queued job to the launcher in order, as before there was a scheduler.
@@ -32,6 +36,7 @@ import shlex
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -60,6 +65,31 @@ class SubmissionRejected(Exception):
     """The launcher refused this submission; retrying the same submission will not help."""
 
 
+@dataclass(frozen=True)
+class EntrypointResources:
+    """Ray Jobs' entrypoint_num_cpus / entrypoint_memory / entrypoint_resources for one
+    submission's entrypoint process (0 and empty: no request, Ray may run it on the head)."""
+
+    num_cpus: float = 0.0
+    memory_bytes: int = 0
+    custom: dict[str, float] = field(default_factory=dict)
+
+    def ray_kwargs(self) -> dict[str, Any]:
+        kwargs: dict[str, Any] = {}
+        if self.num_cpus > 0:
+            kwargs["entrypoint_num_cpus"] = self.num_cpus
+        if self.memory_bytes > 0:
+            kwargs["entrypoint_memory"] = int(self.memory_bytes)
+        if self.custom:
+            kwargs["entrypoint_resources"] = dict(self.custom)
+        return kwargs
+
+
+def export_resources(num_cpus: float, memory_gib: float) -> EntrypointResources:
+    """An export's request (settings export_num_cpus, export_memory_gib)."""
+    return EntrypointResources(num_cpus=num_cpus, memory_bytes=int(memory_gib * (1 << 30)))
+
+
 class Launcher(ABC):
     @abstractmethod
     def submit(
@@ -67,9 +97,17 @@ class Launcher(ABC):
     ) -> str:
         """Start the job's entrypoint with `env`; returns the submission id."""
 
-    def submit_command(self, submission_id: str, entrypoint: Sequence[str] | str, env: dict[str, str]) -> str:
-        """Start `entrypoint` (argv, or one shell command line) with `env` as its own submission;
-        idempotent per `submission_id`; returns it. Launchers that cannot run commands refuse."""
+    def submit_command(
+        self,
+        submission_id: str,
+        entrypoint: Sequence[str] | str,
+        env: dict[str, str],
+        *,
+        resources: EntrypointResources | None = None,
+    ) -> str:
+        """Start `entrypoint` (argv, or one shell command line) with `env` as its own submission,
+        its process placed where `resources` fit; idempotent per `submission_id`; returns it.
+        Launchers that cannot run commands refuse."""
         raise SubmissionRejected(f"{self.describe()} cannot run commands")
 
     @abstractmethod
@@ -153,9 +191,15 @@ class RayJobsLauncher(Launcher):
     `elastron up`), not this class, so building one never changes a process-wide setting."""
 
     def __init__(
-        self, address: str, *, entrypoint: str = "elastron worker-run {job_id}", timeout_s: float = 5.0
+        self,
+        address: str,
+        *,
+        entrypoint: str = "elastron worker-run {job_id}",
+        timeout_s: float = 5.0,
+        driver_resources: EntrypointResources | None = None,
     ):
         self.address = address
+        self.driver_resources = driver_resources or EntrypointResources()
         self.entrypoint = entrypoint
         self.timeout_s = timeout_s
         self._client_obj: Any = None
@@ -224,14 +268,23 @@ class RayJobsLauncher(Launcher):
                 submission_id=submission_id,
                 runtime_env={"env_vars": dict(env)},
                 metadata={"elastron_job_id": job_id},
+                **self.driver_resources.ray_kwargs(),
             )
         except RuntimeError as err:
             if submission_id and "already exists" in str(err):
                 return submission_id  # an earlier attempt got through: submit is idempotent
             raise SubmissionRejected(str(err)) from err
 
-    def submit_command(self, submission_id: str, entrypoint: Sequence[str] | str, env: dict[str, str]) -> str:
-        """A Ray job running `entrypoint` (argv is shell-quoted into Ray's one command line)."""
+    def submit_command(
+        self,
+        submission_id: str,
+        entrypoint: Sequence[str] | str,
+        env: dict[str, str],
+        *,
+        resources: EntrypointResources | None = None,
+    ) -> str:
+        """A Ray job running `entrypoint` (argv is shell-quoted into Ray's one command line),
+        its process placed by Ray where `resources` fit."""
         command = entrypoint if isinstance(entrypoint, str) else shlex.join(entrypoint)
         client = self._client()
         try:
@@ -241,6 +294,7 @@ class RayJobsLauncher(Launcher):
                 submission_id=submission_id,
                 runtime_env={"env_vars": dict(env)},
                 metadata={"elastron_command": command[:256]},
+                **(resources or EntrypointResources()).ray_kwargs(),
             )
         except RuntimeError as err:
             if "already exists" in str(err):

@@ -47,7 +47,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from service import fencing
 from service.exports import export_command
-from service.launcher import Launcher, LauncherUnavailable, LaunchStatus, worker_env
+from service.launcher import Launcher, LauncherUnavailable, LaunchStatus, export_resources, worker_env
 from service.metrics import SchedulerMetrics
 from service.scheduling.core import Admission, Node, Policy, Resize, decide
 from service.scheduling.demand import Demand, launch_size, sized_spec, trim_placement
@@ -671,7 +671,9 @@ class Reconciler:
             )
             sid = export.submission_id
         try:
-            self.launcher.submit_command(sid, argv, {})  # idempotent per sid: a retry is safe
+            # Idempotent per sid: a retry is safe. It loads the whole model: never on the head.
+            resources = export_resources(self.settings.export_num_cpus, self.settings.export_memory_gib)
+            self.launcher.submit_command(sid, argv, {}, resources=resources)
         except LauncherUnavailable:
             raise  # the pass stops; the next one submits it again
         except Exception as err:

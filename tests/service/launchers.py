@@ -48,7 +48,7 @@ class FakeLauncher(Launcher):
         self.submissions[submission_id] = {"job_id": job_id, "env": dict(env), "status": LaunchStatus.PENDING}
         return submission_id
 
-    def submit_command(self, submission_id, entrypoint, env):
+    def submit_command(self, submission_id, entrypoint, env, *, resources=None):
         self._check()
         if self.reject_with is not None:
             raise self.reject_with
@@ -58,6 +58,7 @@ class FakeLauncher(Launcher):
                 "entrypoint": entrypoint,
                 "env": dict(env),
                 "status": LaunchStatus.PENDING,
+                "resources": resources,
             }
         return submission_id
 
@@ -130,7 +131,7 @@ class ProcessLauncher(Launcher):
     def submit(self, job_id, spec_json, env, *, submission_id=None):
         return self._start(submission_id, self.command, env)
 
-    def submit_command(self, submission_id, entrypoint, env):
+    def submit_command(self, submission_id, entrypoint, env, *, resources=None):
         """Really runs `entrypoint` (argv, or a shell command line) as a detached process."""
         argv = ["/bin/sh", "-c", entrypoint] if isinstance(entrypoint, str) else list(entrypoint)
         return self._start(submission_id, argv, env)
