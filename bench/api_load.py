@@ -81,7 +81,11 @@ def serve(home: Path, port: int) -> None:
             return True
 
     settings = Settings(
-        home=home, api_url=f"http://127.0.0.1:{port}", submit_rate_per_minute=1e9, submit_burst=10**9
+        home=home,
+        api_url=f"http://127.0.0.1:{port}",
+        submit_rate_per_minute=1e9,
+        submit_burst=10**9,
+        metrics_require_token=False,  # the scrapes measure the exposition, on loopback
     )
     uvicorn.run(create_app(settings, launcher=AcceptAll()), host="127.0.0.1", port=port, log_level="warning")
 
