@@ -11,10 +11,10 @@ Every pass (every `reconcile_interval_s`, or sooner when a request nudges it):
    core (service/scheduling/core.py) decides who is admitted where, who is preempted, and each
    waiting job's position and reason (`_schedule`); when it cannot tell, oldest first,
    `dispatch_batch` per pass, as Ray Jobs queues them itself;
-6. checkpoint exports: submit the recorded ones (`elastron export` as their own submission),
-   then poll the submitted unfinished ones and record how they ended (status, message, and the
-   job's `export_succeeded` / `export_failed` event). Done here rather than on read so that no
-   request waits on Ray and an export's end is recorded whether or not anyone asks.
+6. checkpoint exports (service/export_runs.py): submit the recorded ones as their own Ray jobs
+   with resource requests, poll the unfinished ones and record how they ended.
+Between 3 and 5, retired attempts that Ray never confirmed ended are watched and stopped should
+they show up (service/fencing.py: fencing tokens, orphan attempts, lost jobs requeued).
 
 Ordering that makes a crash at any point safe: a launch writes its submission id, attempt and
 telemetry token hash (an intent) and commits *before* calling Ray. After a crash the next pass
@@ -46,8 +46,8 @@ from sqlalchemy import bindparam, or_, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import fencing
-from service.exports import export_command
-from service.launcher import Launcher, LauncherUnavailable, LaunchStatus, export_resources, worker_env
+from service.export_runs import ExportRuns
+from service.launcher import Launcher, LauncherUnavailable, LaunchStatus, worker_env
 from service.metrics import SchedulerMetrics
 from service.scheduling.core import Admission, Node, Policy, Resize, decide
 from service.scheduling.demand import Demand, launch_size, sized_spec, trim_placement
@@ -58,9 +58,8 @@ from service.states import FINAL, JobState
 from service.store import scheduler_stats
 from service.store import stats as job_stats
 from service.store.db import in_transaction
-from service.store.exports import FAILED, RUNNING, SUCCEEDED, UNFINISHED, finish_export
 from service.store.jobs import add_event, fail, get_job, transition
-from service.store.models import Export, Job, JobEvent
+from service.store.models import Job, JobEvent
 from service.store.tokens import JOB_PREFIX, hash_secret, new_secret
 
 log = logging.getLogger(__name__)
@@ -124,6 +123,7 @@ class Reconciler:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._stopping = threading.Event()
         self._tick_lock = threading.Lock()
+        self.exports = ExportRuns(sessions, launcher, settings, self.clock, self._stopping)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -165,7 +165,7 @@ class Reconciler:
                 self._send_stops()
                 fencing.stop_orphans(self.sessions, self.launcher, self.clock)
                 self._dispatch()
-                self._exports()
+                self.exports.run_pass()
             except LauncherUnavailable as err:  # Ray went away during the pass: try again later
                 self.ray_reachable = False
                 log.warning("reconcile pass cut short: %s", err)
@@ -624,109 +624,3 @@ class Reconciler:
         )
         if job.launch_failures >= self.settings.max_launch_attempts:
             fail(s, job, f"could not launch after {job.launch_failures} attempts; last error: {err}")
-
-    # -- exports ----------------------------------------------------------------------------
-
-    def _exports(self) -> None:
-        with self.sessions() as s:
-            rows = s.execute(
-                select(Export.id, Export.submission_id, Export.submitted_at, Export.status)
-                .where(Export.status.in_(UNFINISHED))
-                .order_by(Export.created_at)
-            ).all()
-        fresh = [export_id for export_id, _, submitted_at, _ in rows if submitted_at is None]
-        for export_id in fresh[: self.settings.dispatch_batch]:
-            if self._stopping.is_set():
-                return
-            self._submit_export(export_id)
-        submitted = {sid: (export_id, status) for export_id, sid, at, status in rows if at is not None}
-        if not submitted:
-            return
-        found = self.launcher.statuses(submitted)
-        for sid, (export_id, status) in submitted.items():
-            seen = found.get(sid, LaunchStatus.MISSING)
-            if seen == LaunchStatus.PENDING or (seen == LaunchStatus.RUNNING and status == RUNNING):
-                continue  # nothing new: no transaction
-            message = None if seen == LaunchStatus.RUNNING else self._export_message(sid, seen)
-            try:
-                in_transaction(
-                    self.sessions, lambda s, e=export_id, st=seen, m=message: self._apply_export(s, e, st, m)
-                )
-            except Exception:
-                log.exception("export %s: could not apply launcher status %s", export_id, seen)
-
-    def _submit_export(self, export_id: str) -> None:
-        with self.sessions() as s:
-            export = s.get(Export, export_id)
-            job = get_job(s, export.job_id) if export is not None else None
-            if export is None or job is None or export.submitted_at is not None:
-                return
-            argv = export_command(
-                self.settings,
-                source=export.source,
-                output=export.output,
-                format=export.format,
-                dtype=export.dtype,
-                endpoint_url=(job.spec.get("checkpoint") or {}).get("endpoint_url"),
-            )
-            sid = export.submission_id
-        try:
-            # Idempotent per sid: a retry is safe. It loads the whole model: never on the head.
-            resources = export_resources(self.settings.export_num_cpus, self.settings.export_memory_gib)
-            self.launcher.submit_command(sid, argv, {}, resources=resources)
-        except LauncherUnavailable:
-            raise  # the pass stops; the next one submits it again
-        except Exception as err:
-            log.exception("export %s: submitting %s failed", export_id, sid)
-
-            def refused(s: Session, e: Exception = err) -> None:
-                row = s.get(Export, export_id)
-                if row is not None:
-                    finish_export(s, row, FAILED, f"{self.launcher.describe()} refused {sid}: {e}")
-
-            in_transaction(self.sessions, refused)
-            return
-
-        def submitted(s: Session) -> None:
-            row = s.get(Export, export_id)
-            if row is not None and row.submitted_at is None:
-                row.submitted_at = self.clock()
-
-        in_transaction(self.sessions, submitted)
-
-    def _export_message(self, sid: str, status: LaunchStatus) -> str | None:
-        """The launcher's message, with the command's own verdict from its log: the `error: ...`
-        line of a failure, the `exported iteration ...` line of a success."""
-        if status == LaunchStatus.MISSING:
-            return f"{sid} vanished from {self.launcher.describe()} (the cluster restarted or its record was deleted)"
-        try:
-            message = self.launcher.message(sid)
-            text = self.launcher.logs(sid) or ""
-        except LauncherUnavailable:
-            message, text = None, ""
-        prefix = "exported iteration" if status == LaunchStatus.SUCCEEDED else "error:"
-        lines = [line.strip() for line in text.splitlines() if line.strip().startswith(prefix)]
-        if status == LaunchStatus.SUCCEEDED:
-            return lines[-1][:4000] if lines else message
-        parts = [
-            p
-            for p in (
-                f"{sid} was stopped" if status == LaunchStatus.STOPPED else None,
-                lines[-1] if lines else None,
-                message,
-            )
-            if p
-        ]
-        text = "; ".join(parts) or f"{sid} failed without a message"
-        return text if len(text) <= 4000 else text[:2000] + "\n...\n" + text[-2000:]
-
-    def _apply_export(self, s: Session, export_id: str, status: LaunchStatus, message: str | None) -> None:
-        export = s.get(Export, export_id)
-        if export is None or export.status not in UNFINISHED:
-            return
-        if status == LaunchStatus.RUNNING:
-            export.status = RUNNING
-        elif status == LaunchStatus.SUCCEEDED:
-            finish_export(s, export, SUCCEEDED, message)
-        else:  # failed, stopped, missing
-            finish_export(s, export, FAILED, message)
