@@ -38,11 +38,13 @@ CRD_KINDS = {
     ("monitoring.coreos.com/v1", "PrometheusRule"),
 }
 NAMESPACE = "training"
+# Under every value set: the one value without a default, a durable checkpoint location.
+DURABLE = ["-f", ROOT / "tests" / "deploy" / "helm-durable-values.yaml"]
 VALUE_SETS = {"default": [], "gpu-cluster": ["-f", GPU_VALUES]}
 
 
 def render(helm: Path, *args: str | Path) -> list[dict[str, Any]]:
-    proc = run([helm, "template", "elastron", CHART, "--namespace", NAMESPACE, *args])
+    proc = run([helm, "template", "elastron", CHART, "--namespace", NAMESPACE, *DURABLE, *args])
     assert proc.returncode == 0, proc.stderr
     return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
 
@@ -76,13 +78,13 @@ def ray_pod_templates(cluster: dict[str, Any]) -> Iterator[tuple[str, dict[str, 
 
 @pytest.mark.parametrize("values", list(VALUE_SETS))
 def test_chart_lints_strictly(helm: Path, values: str) -> None:
-    proc = run([helm, "lint", "--strict", CHART, *VALUE_SETS[values]])
+    proc = run([helm, "lint", "--strict", CHART, *DURABLE, *VALUE_SETS[values]])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "[WARNING]" not in proc.stdout and "[ERROR]" not in proc.stdout, proc.stdout
 
 
 def test_sqlite_store_refuses_a_second_api_replica(helm: Path) -> None:
-    proc = run([helm, "template", "elastron", CHART, "--set", "api.replicas=2"])
+    proc = run([helm, "template", "elastron", CHART, *DURABLE, "--set", "api.replicas=2"])
     assert proc.returncode != 0
     assert "database.url" in proc.stderr
     render(helm, "--set", "api.replicas=2", "--set", "database.existingSecret=db")
@@ -99,7 +101,7 @@ def test_manifests_validate_against_kubernetes_schemas(rendered: tuple[str, list
             continue
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
         validated.add(doc["kind"])
-    assert {"Deployment", "Service", "ConfigMap", "ServiceAccount"} <= validated
+    assert {"Deployment", "Service", "ConfigMap", "ServiceAccount", "PodDisruptionBudget", "NetworkPolicy"} <= validated
     # the GPU example names existing Secrets instead
     assert ("Secret" in validated) == (name == "default")
 

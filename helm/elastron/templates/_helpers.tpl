@@ -29,11 +29,68 @@ derives pod and service names from it. */}}
 {{- printf "%s-ray" (include "elastron.fullname" .) | trunc 40 | trimSuffix "-" }}
 {{- end }}
 
+{{/* The API's ServiceAccount. */}}
 {{- define "elastron.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "elastron.fullname" .) .Values.serviceAccount.name }}
 {{- else }}
 {{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{/* The Ray pods' ServiceAccount: another identity than the API's (the ranks run tenants' code). */}}
+{{- define "elastron.rayServiceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (printf "%s-ray" (include "elastron.fullname" .) | trunc 63 | trimSuffix "-") .Values.serviceAccount.ray.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.ray.name }}
+{{- end }}
+{{- end }}
+
+{{/* Checkpoints ------------------------------------------------------------------------- */}}
+
+{{/* ELASTRON_CHECKPOINT_DIR, or a `fail`: without it the API's default, <ELASTRON_HOME>/checkpoints,
+is each pod's own filesystem, so every rank would write its shards into its own Ray pod and lose
+them with the pod. Durable: s3://bucket/prefix, or a path on checkpointVolume (a shared
+ReadWriteMany claim mounted on the API and every Ray pod). */}}
+{{- define "elastron.checkpointDir" -}}
+{{- $dir := .Values.api.checkpointDir }}
+{{- $volume := .Values.checkpointVolume }}
+{{- $fix := printf "set api.checkpointDir to s3://BUCKET/PREFIX, or to a path under checkpointVolume.mountPath (%s) with checkpointVolume.existingClaim naming a ReadWriteMany PersistentVolumeClaim the API and every Ray pod mount" $volume.mountPath }}
+{{- if not $dir }}
+{{- fail (printf "api.checkpointDir is empty: jobs would checkpoint to the pods' throwaway filesystem (<ELASTRON_HOME>/checkpoints in each pod, lost with it); %s" $fix) }}
+{{- else if hasPrefix "s3://" $dir }}
+{{- if not (regexMatch "^s3://[^/]+" $dir) }}
+{{- fail (printf "api.checkpointDir %q names no bucket: %s" $dir $fix) }}
+{{- end }}
+{{- else if hasPrefix "/" $dir }}
+{{- if not $volume.existingClaim }}
+{{- fail (printf "api.checkpointDir %q is a path in the pods' throwaway filesystem (no checkpointVolume.existingClaim): %s" $dir $fix) }}
+{{- end }}
+{{- $mount := trimSuffix "/" $volume.mountPath }}
+{{- if not (or (eq (trimSuffix "/" $dir) $mount) (hasPrefix (printf "%s/" $mount) $dir)) }}
+{{- fail (printf "api.checkpointDir %q is not under checkpointVolume.mountPath %q: %s" $dir $volume.mountPath $fix) }}
+{{- end }}
+{{- else }}
+{{- fail (printf "api.checkpointDir %q is neither s3://BUCKET/PREFIX nor an absolute path: %s" $dir $fix) }}
+{{- end }}
+{{- $dir }}
+{{- end }}
+
+{{/* The shared checkpoint volume's mount and volume, for the API and every Ray container/pod
+(empty without checkpointVolume.existingClaim). */}}
+{{- define "elastron.checkpointVolumeMount" -}}
+{{- if .Values.checkpointVolume.existingClaim }}
+- name: checkpoints
+  mountPath: {{ .Values.checkpointVolume.mountPath }}
+{{- end }}
+{{- end }}
+
+{{- define "elastron.checkpointVolume" -}}
+{{- if .Values.checkpointVolume.existingClaim }}
+- name: checkpoints
+  persistentVolumeClaim:
+    claimName: {{ .Values.checkpointVolume.existingClaim }}
 {{- end }}
 {{- end }}
 
