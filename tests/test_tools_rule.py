@@ -1,6 +1,6 @@
 """tests/tools.py's rule, run on a throwaway test file in a pytest of its own: a missing tool
-skips, and fails under ELASTRON_REQUIRE_TOOLS=1 (through the helper and through a skipif marker
-whose reason names a missing tool); a hardware skip stays a skip either way."""
+skips, and fails under ELASTRON_REQUIRE_TOOLS=1 (through the helpers, a missing module included,
+and through a skipif marker whose reason names a missing tool); a hardware skip stays a skip either way."""
 
 from __future__ import annotations
 
@@ -14,7 +14,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 PROBE = '''
 import pytest
-from tests.tools import missing_tool
+from tests.tools import missing_tool, require_module
+
+def test_module():
+    require_module("elastron_no_such_module", "pip install it")
 
 def test_helper():
     missing_tool("no-such-tool", "install it with make test")
@@ -62,7 +65,7 @@ def outcomes(tmp_path: Path, require: str | None) -> dict[str, str]:
 
 def test_missing_tools_skip_on_a_developer_machine(tmp_path):
     assert outcomes(tmp_path, None) == {
-        "test_helper": "skipped", "test_fixture": "skipped", "test_marker": "skipped",
+        "test_module": "skipped", "test_helper": "skipped", "test_fixture": "skipped", "test_marker": "skipped",
         "test_hardware": "skipped", "test_runs": "passed",
     }
 
@@ -70,6 +73,6 @@ def test_missing_tools_skip_on_a_developer_machine(tmp_path):
 def test_missing_tools_fail_when_required(tmp_path):
     found = outcomes(tmp_path, "1")
     assert found == {
-        "test_helper": "failure", "test_fixture": "error", "test_marker": "error",
+        "test_module": "failure", "test_helper": "failure", "test_fixture": "error", "test_marker": "error",
         "test_hardware": "skipped", "test_runs": "passed",
     }

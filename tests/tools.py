@@ -12,7 +12,9 @@ as root are not missing tools and stay skips.
 
 from __future__ import annotations
 
+import importlib
 import os
+from types import ModuleType
 from typing import NoReturn
 
 import pytest
@@ -38,3 +40,12 @@ def missing_tool(name: str, reason: str, *, allow_module_level: bool = False) ->
 def is_missing_tool(reason: str) -> bool:
     """Whether a skip's reason is a missing tool's (pytest's skip reasons start with "Skipped: ")."""
     return reason.removeprefix("Skipped: ").startswith(PREFIX)
+
+
+def require_module(name: str, reason: str) -> ModuleType:
+    """`pytest.importorskip` under the rule above: the module, or a missing-tool skip (a failure
+    under ELASTRON_REQUIRE_TOOLS=1). Usable at a module's top, in a fixture or in a test."""
+    try:
+        return importlib.import_module(name)
+    except ImportError as err:
+        missing_tool(name, f"{reason} ({err})", allow_module_level=True)

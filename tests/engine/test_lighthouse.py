@@ -19,9 +19,9 @@ import threading
 import time
 from datetime import timedelta
 
-import pytest
+from tests.tools import require_module
 
-pytest.importorskip("torchft", reason="torchft (the ray extra) is not installed")
+require_module("torchft", "torchft (a main dependency: pip install -e '.[dev]') is not installed")
 
 from engine.distributed.lighthouse import RELAY_TIMEOUT_MS, Lighthouse, LivenessLink  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402

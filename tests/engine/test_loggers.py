@@ -21,6 +21,7 @@ from engine.launcher import spawn
 from engine.rank_hooks import RankIdentity
 from engine.train_loop import train_rank
 from tests.engine.parallel_harness import job
+from tests.tools import missing_tool
 
 ITERS = 5
 
@@ -38,7 +39,7 @@ def trained(tmp_path_factory):
     """One 1-rank job with every installed logger; returns (checkpoint folder, rank 0's records)."""
     names = [n for n, module in loggers._MODULES.items() if not _missing(module.split(".")[0])]
     if not names:
-        pytest.skip("none of tensorboard, mlflow, wandb is installed (pip install 'elastron[tensorboard,mlflow,wandb]')")
+        missing_tool("tensorboard, mlflow, wandb", "none is installed (pip install 'elastron[tensorboard,mlflow,wandb]')")
     root = tmp_path_factory.mktemp("loggers")
     spec = job(1, training={"train_iters": ITERS, "loggers": names}, checkpoint={"path": str(root)})
     with pytest.MonkeyPatch.context() as mp:  # the defaults: W&B offline, files in the job's folder
@@ -51,7 +52,7 @@ def trained(tmp_path_factory):
 
 def test_tensorboard_scalars_by_tag(trained):
     if _missing("tensorboard"):
-        pytest.skip("tensorboard is not installed (pip install 'elastron[tensorboard]')")
+        missing_tool("tensorboard", "pip install 'elastron[tensorboard]'")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     root, records = trained
@@ -67,7 +68,7 @@ def test_tensorboard_scalars_by_tag(trained):
 
 def test_mlflow_params_from_the_spec_and_metrics_by_step(trained):
     if _missing("mlflow"):
-        pytest.skip("mlflow is not installed (pip install 'elastron[mlflow]')")
+        missing_tool("mlflow", "pip install 'elastron[mlflow]'")
     from mlflow.tracking import MlflowClient
 
     root, records = trained
@@ -82,7 +83,7 @@ def test_mlflow_params_from_the_spec_and_metrics_by_step(trained):
 
 def test_wandb_offline_config_and_history(trained):
     if _missing("wandb"):
-        pytest.skip("wandb is not installed (pip install 'elastron[wandb]')")
+        missing_tool("wandb", "pip install 'elastron[wandb]'")
     root, records = trained
     (run_file,) = (root / "wandb").glob("offline-run-*/run-run-7.wandb")
     wandb_cli = Path(sys.executable).parent / "wandb"
@@ -117,7 +118,7 @@ def test_the_spec_field():
 
 def test_a_restarted_rank_continues_the_same_mlflow_run(tmp_path, monkeypatch):
     if _missing("mlflow"):
-        pytest.skip("mlflow is not installed (pip install 'elastron[mlflow]')")
+        missing_tool("mlflow", "pip install 'elastron[mlflow]'")
     from mlflow.tracking import MlflowClient
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

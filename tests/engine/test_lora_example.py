@@ -7,12 +7,12 @@ from __future__ import annotations
 import json
 import subprocess
 
-import pytest
 import torch
 
 from tests.engine.test_hf_example import ELASTRON, _assistant_loss, train_example
+from tests.tools import require_module
 
-peft = pytest.importorskip("peft", reason="peft (a test dependency: pip install -e '.[dev]') is not installed")
+peft = require_module("peft", "peft (a test dependency: pip install -e '.[dev]') is not installed")
 
 
 def test_lora_example_end_to_end(tmp_path):

@@ -16,8 +16,9 @@ from engine.cli import app
 from engine.launcher import RankFailure, spawn
 from tests.engine import hf_harness as h
 from tests.engine.test_lora_peft import LLAMA, VOCAB
+from tests.tools import require_module
 
-peft = pytest.importorskip("peft", reason="peft (a test dependency: pip install -e '.[dev]') is not installed")
+peft = require_module("peft", "peft (a test dependency: pip install -e '.[dev]') is not installed")
 
 RTOL = 1e-5
 TARGETS = ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"]  # every HF projection

@@ -18,8 +18,9 @@ from engine.launcher import spawn
 from engine.training import Trainer
 from engine.transformer.lora import adapter_params
 from tests.engine import hf_harness as h
+from tests.tools import require_module
 
-peft = pytest.importorskip("peft", reason="peft (a test dependency: pip install -e '.[dev]') is not installed")
+peft = require_module("peft", "peft (a test dependency: pip install -e '.[dev]') is not installed")
 
 RTOL = 1e-5
 VOCAB = 300

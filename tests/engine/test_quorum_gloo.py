@@ -12,7 +12,9 @@ from datetime import timedelta
 
 import pytest
 
-pytest.importorskip("torchft", reason="torchft (the ray extra) is not installed")
+from tests.tools import require_module
+
+require_module("torchft", "torchft (a main dependency: pip install -e '.[dev]') is not installed")
 
 import torch  # noqa: E402
 from torch.distributed import TCPStore  # noqa: E402

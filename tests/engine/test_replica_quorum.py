@@ -23,8 +23,9 @@ import pytest
 
 from tests.engine.replica_messages import drain_until, read_messages
 from tests.tiny_jobs import TINY_LLAMA
+from tests.tools import require_module
 
-pytest.importorskip("torchft", reason="torchft (the ray extra) is not installed")
+require_module("torchft", "torchft (a main dependency: pip install -e '.[dev]') is not installed")
 
 KILLS = 10
 ITERS = 1000  # the survivor must not finish before the tenth kill: ~10 ms steps idle

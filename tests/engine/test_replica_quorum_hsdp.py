@@ -29,8 +29,9 @@ import pytest
 from engine.distributed.replica_quorum import ReplicaQuorum
 from tests.engine.replica_messages import drain_until
 from tests.tiny_jobs import TINY_LLAMA
+from tests.tools import require_module
 
-pytest.importorskip("torchft", reason="torchft (the ray extra) is not installed")
+require_module("torchft", "torchft (a main dependency: pip install -e '.[dev]') is not installed")
 
 ITERS = 150
 KILL_AT = 12

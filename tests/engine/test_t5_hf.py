@@ -31,8 +31,9 @@ from engine.launcher import spawn
 from engine.training import Trainer
 from tests.engine.hf_harness import full_logits
 from tests.engine.parallel_harness import LOSS_RTOL
+from tests.tools import require_module
 
-transformers = pytest.importorskip("transformers")
+transformers = require_module("transformers", "transformers (a test dependency: pip install -e '.[dev]') is not installed")
 
 SEQ, VOCAB, SEED, MBS = 16, 300, 5, 2
 TINY_T5 = dict(

@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
+from tests.tools import require_module
 
-pytest.importorskip("fastapi")
+require_module("fastapi", "fastapi (a main dependency) is not installed")
 
 from engine.checkpointing.backends import open_storage  # noqa: E402
 from engine.launcher import spawn  # noqa: E402

@@ -23,6 +23,7 @@ import pytest
 from engine.launcher import free_port
 from tests.environ import environment
 from tests.tiny_jobs import TINY_LLAMA
+from tests.tools import require_module
 from tests.workers.telemetry_server import TelemetryServer
 
 # Small and quick: 2 layers, hidden 64, seq 32; 2 ranks of data parallelism.
@@ -94,7 +95,7 @@ def private_ray_env(tmp_root) -> Iterator[str]:
 @pytest.fixture(scope="session")
 def ray_cluster(tmp_path_factory):
     """The shared cluster (this process is connected to it; RAY_ADDRESS names it for others)."""
-    ray = pytest.importorskip("ray")
+    ray = require_module("ray", "ray (a main dependency) is not installed")
     from ray.cluster_utils import Cluster
 
     with private_ray_env(tmp_path_factory.mktemp("ray")):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.tools import require_module
 from workers import warm_processes
 from workers.rank import process_started_at
 from workers.warm_processes import process_was_warm, warm_restart_enabled
@@ -53,7 +54,7 @@ def test_preloading_never_fails_the_process(monkeypatch, caplog):
 
 
 def test_the_controller_callback_prestarts_once_per_controller(monkeypatch):
-    pytest.importorskip("ray")
+    require_module("ray", "ray (a main dependency) is not installed")
     from workers.trainer import WarmControllerProcesses
 
     calls = []
