@@ -121,24 +121,30 @@ class StoreRateLimiter:
         elapsed = case((RequestLimit.updated_at < now, literal(now) - RequestLimit.updated_at), else_=0.0)
         refilled = RequestLimit.tokens + elapsed * per_s
         available = case((refilled > burst, literal(burst)), else_=refilled)
-        spent = session.execute(
-            update(RequestLimit)
-            .where(row, available >= 1.0)
-            .values(tokens=available - 1.0, updated_at=now)
-            .execution_options(synchronize_session=False)
-        ).rowcount
-        if spent:
-            return 0.0
-        tokens = session.scalar(select(available).where(row))
-        if tokens is None:
-            # The tenant's first request of this kind: a full bucket, less this one. A concurrent
-            # first request that inserted it first makes this an IntegrityError, and
-            # in_transaction runs the whole take again (then spending from that row).
-            session.execute(
-                insert(RequestLimit).values(tenant=tenant, kind=kind, tokens=burst - 1.0, updated_at=now)
-            )
-            return 0.0
-        return math.ceil((1.0 - tokens) / per_s * 10) / 10
+        tokens = 0.0
+        for _ in range(5):
+            spent = session.execute(
+                update(RequestLimit)
+                .where(row, available >= 1.0)
+                .values(tokens=available - 1.0, updated_at=now)
+                .execution_options(synchronize_session=False)
+            ).rowcount
+            if spent:
+                return 0.0
+            tokens = session.scalar(select(available).where(row))
+            if tokens is None:
+                # The tenant's first request of this kind: a full bucket, less this one. A
+                # concurrent first request that inserted it first makes this an IntegrityError,
+                # and in_transaction runs the whole take again (then spending from that row).
+                session.execute(
+                    insert(RequestLimit).values(tenant=tenant, kind=kind, tokens=burst - 1.0, updated_at=now)
+                )
+                return 0.0
+            if tokens < 1.0:
+                break
+            # A token is there after all: the row was inserted by a concurrent first request
+            # between the UPDATE and the SELECT (Postgres). Spend again.
+        return max(0.1, math.ceil((1.0 - tokens) / per_s * 10) / 10)
 
     def enforce(self, tenant: str, kind: str, what: str) -> None:
         """Spend one token of `kind` or raise the 429 (with Retry-After) naming the setting."""
