@@ -96,6 +96,28 @@ def times_lost(s: Session, job_id: str) -> int:
     )
 
 
+class OrphanWatch:
+    """Asks Ray about the watched retired submissions every `every_s` (not every reconcile pass:
+    one status call each), and stops those that run."""
+
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        launcher: Launcher,
+        clock: Callable[[], float],
+        every_s: float,
+    ):
+        self.sessions, self.launcher, self.clock, self.every_s = sessions, launcher, clock, every_s
+        self.checked_at: float | None = None
+
+    def run_pass(self) -> None:
+        now = self.clock()
+        if self.checked_at is not None and now - self.checked_at < self.every_s:
+            return
+        stop_orphans(self.sessions, self.launcher, self.clock)
+        self.checked_at = now
+
+
 def stop_orphans(sessions: sessionmaker[Session], launcher: Launcher, clock: Callable[[], float]) -> None:
     """One pass over the watched retired submissions: stop those Ray runs, forget those that
     ended or whose watch is over. LauncherUnavailable propagates (the pass is cut short)."""
@@ -180,6 +202,6 @@ def requeue_lost(s: Session, job: Job, settings: Settings, where: str, now: floa
     )
     retire(s, job, LOST, now, watch=True)
     job.submission_id = job.stop_sent_at = job.preempt_requested_at = None
-    job.placement = job.backfilled_for = None
+    job.placement = job.backfilled_for = job.resize_to = job.resize_placement = None
     job.queued_at = now
     return True

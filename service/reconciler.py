@@ -55,6 +55,7 @@ from service.scheduling.lease import SchedulerLease
 from service.scheduling.state import read_inputs
 from service.settings import Settings
 from service.states import FINAL, JobState
+from service.storage_policy import launch_env
 from service.store import scheduler_stats
 from service.store import stats as job_stats
 from service.store.db import in_transaction
@@ -124,6 +125,8 @@ class Reconciler:
         self._stopping = threading.Event()
         self._tick_lock = threading.Lock()
         self.exports = ExportRuns(sessions, launcher, settings, self.clock, self._stopping)
+        # Retired attempts Ray never confirmed ended: stopped should they turn up (orphans).
+        self.orphans = fencing.OrphanWatch(sessions, launcher, self.clock, 10 * settings.reconcile_interval_s)
 
     # -- the loop ---------------------------------------------------------------------------
 
@@ -163,7 +166,7 @@ class Reconciler:
                 else:
                     self._poll(on_start=False)
                 self._send_stops()
-                fencing.stop_orphans(self.sessions, self.launcher, self.clock)
+                self.orphans.run_pass()
                 self._dispatch()
                 self.exports.run_pass()
             except LauncherUnavailable as err:  # Ray went away during the pass: try again later
@@ -585,6 +588,8 @@ class Reconciler:
         sid, spec, placement, fence = claimed
         spec_json = json.dumps(spec, separators=(",", ":"))
         env = worker_env(job_id, spec_json, self.settings.api_url, token, placement, fencing_token=fence)
+        with self.sessions() as s:  # the roots it was admitted with, its tenant's credentials
+            env.update(launch_env(self.settings, s, job_id))
         try:
             self.launcher.submit(job_id, spec_json, env, submission_id=sid)
         except LauncherUnavailable as err:

@@ -160,3 +160,14 @@ def test_the_fenced_answer_is_told_from_other_refusals():
     assert fenced_answer(401, body) is None
     assert fenced_answer(409, b'{"detail": "conflict"}') is None
     assert fenced_answer(409, b"not json") is None
+
+
+def test_the_lost_budget_is_the_larger_of_the_setting_and_the_jobs_max_restarts():
+    from service.fencing import lost_budget
+    from service.settings import Settings
+    from service.store.models import Job
+
+    settings = Settings(lost_job_requeues=3)
+    assert lost_budget(Job(spec={"resilience": {"max_restarts": 5}}), settings) == 5
+    assert lost_budget(Job(spec={"resilience": {"max_restarts": 1}}), settings) == 3
+    assert lost_budget(Job(spec={}), Settings(lost_job_requeues=0)) == 0
