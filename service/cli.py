@@ -5,7 +5,10 @@
 
 from __future__ import annotations
 
-from service import cli_queue  # noqa: F401  (registers `queue` and `tenants` on the app)
+from service import (
+    cli_queue,  # noqa: F401  (registers `queue` and `tenants` on the app)
+    cli_storage,  # noqa: F401  (registers `tenants set-storage` / `tenants storage`)
+)
 from service.cli_jobs import app
 
 __all__ = ["app"]

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from service.exports import export_command
 from service.launcher import Launcher, LauncherUnavailable, LaunchStatus, export_resources
 from service.settings import Settings
+from service.storage_policy import export_env
 from service.store.db import in_transaction
 from service.store.exports import FAILED, RUNNING, SUCCEEDED, UNFINISHED, finish_export
 from service.store.jobs import get_job
@@ -82,10 +83,11 @@ class ExportRuns:
                 endpoint_url=(job.spec.get("checkpoint") or {}).get("endpoint_url"),
             )
             sid = export.submission_id
+            env = export_env(self.settings, s, job.id, job.tenant, export.output)
         try:
             # Idempotent per sid: a retry is safe. It loads the whole model: never on the head.
             resources = export_resources(self.settings.export_num_cpus, self.settings.export_memory_gib)
-            self.launcher.submit_command(sid, argv, {}, resources=resources)
+            self.launcher.submit_command(sid, argv, env, resources=resources)
         except LauncherUnavailable:
             raise  # the pass stops; the next one submits it again
         except Exception as err:

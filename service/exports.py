@@ -7,7 +7,8 @@ request, and it runs with the service's rights. Hence:
   `<checkpoint.path>/<job id>/<name>/iter_NNNNNNN` (engine/jobspec/layout.py, as for
   `resume_from: job:ID`), never the uri a telemetry batch carried: a job token cannot point an
   export at another tenant's files;
-- the output is an s3:// URI, or an absolute local path under the job's tenant's folders of
+- the output is an s3:// URI under the tenant's storage roots (service/storage_policy.py; any
+  bucket for an admin), or an absolute local path under the tenant's granted roots or the job's tenant's folders of
   this service: `<ELASTRON_CHECKPOINT_DIR>/<tenant>/` (when that is local) and
   `<ELASTRON_HOME>/exports/<tenant>/`, never inside a checkpoint's `iter_` folder; by default
   `<checkpoint folder>-hf`, beside the checkpoint (where every node that reads it can write);
@@ -23,6 +24,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from engine.jobspec.layout import checkpoint_location, job_checkpoint_path, join_location
+from engine.storage_roots import StorageRoots, normalize, outside_message
 from service.settings import Settings
 
 _S3 = re.compile(r"^s3://[A-Za-z0-9._-]{1,255}(/.*)?$")
@@ -70,27 +72,42 @@ def format_problem(spec: dict[str, Any], format: str) -> str | None:
     return None
 
 
-def resolve_output(output: str | None, source: str, settings: Settings, tenant: str, format: str = "hf") -> str:
-    """The export's destination: `output` if the service may write there, else OutputProblem."""
+def resolve_output(
+    output: str | None,
+    source: str,
+    settings: Settings,
+    tenant: str,
+    format: str = "hf",
+    allowed: StorageRoots | None = None,
+) -> str:
+    """The export's destination: `output` if the service may write there, else OutputProblem.
+    `allowed`: the tenant's storage roots (service/storage_policy.py; None for an admin), which
+    an s3:// output must be under, and which extend the local folders by the tenant's grants."""
     if output is None:
         return f"{source.rstrip('/')}-{format}"
     if output.startswith("s3://"):
-        if not _S3.match(output) or "/../" in f"{output}/":
+        if not _S3.match(output) or "/../" in f"{output}/" or normalize(output) is None:
             raise OutputProblem(f"output {output!r} is not an s3://bucket/prefix URI")
         if any(_ITER_DIR.match(part) for part in output[5:].split("/")):
             raise OutputProblem(
                 f"output {output!r} is inside a checkpoint's iter_ folder: choose another prefix"
             )
+        if allowed is not None and not allowed.allows(output, "write"):
+            raise OutputProblem(outside_message("output", output, allowed, "write"))
         return output.rstrip("/")
     roots = local_roots(settings, tenant)
-    allowed = " or ".join(f"{r}/" for r in roots)
+    if allowed is not None:  # the tenant's granted local roots too
+        roots += [r for r in allowed.write if r.startswith("/") and r not in roots]
+    shown = " or ".join(f"{r}/" for r in roots)
     if "://" in output or not output.startswith("/"):
-        raise OutputProblem(f"output {output!r}: give an s3:// URI or an absolute local path under {allowed}")
-    path = PurePosixPath(os.path.normpath(output))
-    if not any(path != PurePosixPath(r) and path.is_relative_to(r) for r in roots):
+        raise OutputProblem(f"output {output!r}: give an s3:// URI or an absolute local path under {shown}")
+    path = PurePosixPath(os.path.realpath(output))  # `..` and symlinks: where it really leads
+    real = [PurePosixPath(os.path.realpath(r)) for r in roots]
+    if not any(path != r and path.is_relative_to(r) for r in real):
         raise OutputProblem(
             f"output {output!r} is outside this tenant's folders of the service: the export runs with the "
-            f"service's rights, so a local output must be under {allowed} (or use an s3:// URI)"
+            f"service's rights, so a local output must be under {shown} (or use an s3:// URI under the "
+            "tenant's storage roots)"
         )
     if any(_ITER_DIR.match(part) for part in path.parts):
         raise OutputProblem(f"output {output!r} is inside a checkpoint's iter_ folder: choose another folder")

@@ -41,6 +41,25 @@ class Settings(BaseSettings):
         "Default: <home>/checkpoints, right for one machine; on a cluster give a place every node "
         "reaches (s3://bucket/prefix or a shared file system).",
     )
+    shared_read_roots: list[str] = Field(
+        default_factory=list,
+        description="Storage roots every tenant's jobs may READ (data, tokenizer, init_from), never write, e.g. "
+        'an operator\'s datasets: a JSON list, ELASTRON_SHARED_READ_ROOTS=\'["/data/sets", "s3://corpora"]\'. '
+        "Each tenant may also use <checkpoint_dir>/<tenant>/, <home>/exports/<tenant>/ and the roots an admin "
+        "grants (`elastron tenants set-storage`); anything else is a 422 (service/storage_policy.py).",
+    )
+    allowed_endpoints: list[str] = Field(
+        default_factory=list,
+        description="S3 endpoint URLs a job's checkpoint.endpoint_url may name (JSON list); default none: jobs "
+        "use the default endpoint (AWS_ENDPOINT_URL / boto3's chain). The cloud metadata address never passes.",
+    )
+    tenant_credentials: dict[str, dict[str, str]] = Field(
+        default_factory=dict,
+        description="Per-tenant storage credentials for its jobs and exports instead of the service's own, as "
+        'JSON: {"acme": {"AWS_PROFILE": "acme"}} or {"acme": {"AWS_ACCESS_KEY_ID": "$ACME_KEY_ID", '
+        '"AWS_SECRET_ACCESS_KEY": "$ACME_SECRET"}} (a value starting with $ is read from that variable of the '
+        "API's environment, so no secret sits in this setting).",
+    )
     ray_dashboard_url: str | None = Field(
         None,
         description="The Ray dashboard as users' browsers reach it, for a link in the web UI (none: no link; "

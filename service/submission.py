@@ -15,6 +15,8 @@ Two service-side rules on top of engine/jobspec/:
 Where a job writes: the workers namespace every job by its id and the engine adds the job's
 name, `<checkpoint.path>/<job id>/<name>/`, both composed by engine/jobspec/layout.py.
 The result is validated again with the same rules as the submission.
+Storage confinement (service/storage_policy.py) runs in accept_spec before anything is parsed
+or read.
 """
 
 from __future__ import annotations
@@ -29,7 +31,9 @@ from sqlalchemy.orm import Session
 
 from engine.jobspec import JobSpec, JobSpecError, parse_job
 from engine.jobspec.layout import checkpoint_location, job_checkpoint_path, join_location
+from engine.storage_roots import StorageRoots
 from service.settings import Settings
+from service.storage_policy import body_problems
 from service.store.jobs import get_job
 from service.store.tokens import Principal
 
@@ -69,10 +73,16 @@ class _DocumentedAsJobSpec:
 SpecBody = Annotated[dict[str, Any], _DocumentedAsJobSpec]
 
 
-def accept_spec(body: dict[str, Any]) -> JobSpec:
+def accept_spec(body: dict[str, Any], roots: StorageRoots | None = None) -> JobSpec:
     """A submitted job specification, validated, with `model.init_from`'s config.json read into
     it (blocking I/O: call this off the event loop). A `model.hf_config_digest` the client sent
-    is dropped: the API reads the folder itself rather than trust a digest it did not compute."""
+    is dropped: the API reads the folder itself rather than trust a digest it did not compute.
+
+    Every path, bucket and endpoint the body names is checked against `roots` (the caller's,
+    service/storage_policy.py; None: an admin, unconfined) FIRST, before anything is read."""
+    confinement = body_problems(body, roots)
+    if confinement:
+        raise SpecProblem(confinement)
     model = body.get("model")
     if isinstance(model, dict) and "hf_config_digest" in model:
         body = {**body, "model": {k: v for k, v in model.items() if k != "hf_config_digest"}}

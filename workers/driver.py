@@ -48,6 +48,7 @@ from typing import Any
 from engine.jobspec import JobSpec, JobSpecError, contract, parse_job_text, resolve_job
 from engine.jobspec.demand import CPUS_PER_RANK, rank_resources, run_sizes
 from engine.jobspec.layout import job_checkpoint_path, join_location
+from engine.storage_roots import StorageOutsideRoots, check_spec_within
 from workers.fencing import exit_fenced
 from workers.policy import (
     EXIT_BAD_INPUT,
@@ -193,6 +194,10 @@ class JobDriver:
         if why is not None:
             raise JobInputError(why)
         self.spec_dict = prepare_spec(job_id, spec, self.options.storage_path)
+        try:  # the roots the service gave this job (ELASTRON_STORAGE_ROOTS): checked again here
+            check_spec_within(self.spec_dict)
+        except StorageOutsideRoots as err:
+            raise JobInputError(str(err)) from None
         self.job = resolve_job(self.spec_dict)  # what the ranks get: typed, resolved once here
         self.stop = threading.Event()
         self.sender = TelemetrySender.from_env(

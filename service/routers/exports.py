@@ -22,6 +22,7 @@ from service.export_limits import check_export_limits, identical_export
 from service.exports import OutputProblem, checkpoint_folder, format_problem, resolve_output
 from service.routers.jobs import AUTH, NOT_FOUND
 from service.schemas import ITERATION_MAX, ExportIn, ExportList, ExportOut, Problem
+from service.storage_policy import tenant_roots
 from service.store.db import in_transaction
 from service.store.exports import create_export, get_export
 from service.store.jobs import get_job
@@ -101,7 +102,8 @@ def export_job_checkpoint(
                 detail=[{"loc": ["body", "format"], "msg": problem, "type": "value_error"}],
             )
         try:
-            output = resolve_output(body.output, source, ctx.settings, job.tenant, body.format)
+            roots = None if caller.admin else tenant_roots(ctx.settings, session, job.tenant)
+            output = resolve_output(body.output, source, ctx.settings, job.tenant, body.format, roots)
         except OutputProblem as err:
             raise HTTPException(
                 status.HTTP_422_UNPROCESSABLE_CONTENT,

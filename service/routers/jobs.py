@@ -29,6 +29,7 @@ from service.schemas import (
     Problem,
 )
 from service.states import JobState
+from service.storage_policy import record_job_roots, roots_for
 from service.store.db import in_transaction
 from service.store.jobs import add_event, create_job, find_by_idempotency_key, get_job, new_job_id, transition
 from service.store.models import Checkpoint, Job, JobEvent, JobMetric
@@ -110,7 +111,9 @@ def submit_job(
     The body is a job specification (`elastron schema`); the CLI sends YAML files as JSON."""
     # A plain `def`: FastAPI runs it in a worker thread, so reading model.init_from's config.json
     # (S3 too) here holds no other request; on the event loop the body is only parsed as JSON.
-    spec = accept_spec(body)
+    with ctx.sessions() as session:  # the caller's storage roots: checked before anything is read
+        roots = roots_for(ctx.settings, session, caller)
+    spec = accept_spec(body, roots)
     digest = request_hash(spec)
     if idempotency_key is not None:
         replay = _replay(ctx.sessions, caller, idempotency_key, digest)
@@ -136,6 +139,7 @@ def submit_job(
             idempotency_key=idempotency_key,
             request_hash=digest,
         )
+        record_job_roots(session, job_id, caller.tenant, roots)
         schedule_fields(job, spec, demand, run_spec["checkpoint"]["path"])
         return JobOut.from_row(job), False
 

@@ -213,6 +213,28 @@ class TenantQuota(Base):
     updated_at: Mapped[float] = mapped_column(Float)
 
 
+class TenantStorage(Base):
+    """Storage roots an admin granted a tenant beyond its defaults (service/storage_policy.py)."""
+
+    __tablename__ = "tenant_storage"
+
+    tenant: Mapped[str] = mapped_column(String(64), primary_key=True)
+    roots: Mapped[list[str]] = mapped_column(JSON)  # read and write
+    read_roots: Mapped[list[str]] = mapped_column(JSON)  # read only
+    updated_at: Mapped[float] = mapped_column(Float)
+
+
+class JobStorage(Base):
+    """The storage roots a job was admitted with, decided at submission and handed to its
+    workers at each launch (ELASTRON_STORAGE_ROOTS); `roots` null: unconfined (an admin's job)."""
+
+    __tablename__ = "job_storage"
+
+    job_id: Mapped[str] = mapped_column(String(96), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64))
+    roots: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)
+
+
 class RequestLimit(Base):
     """A tenant's token bucket for one kind of request (submit, export, parse, logs), kept in the
     store so every API replica spends from the same one (service/limits.py)."""
