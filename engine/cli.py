@@ -207,3 +207,39 @@ def preprocess(
         f"{stats.bytes / 1e6:.1f} MB in {stats.seconds:.2f} s ({stats.tokens_per_s:,.0f} tokens/s, "
         f"{stats.mb_per_s:.1f} MB/s) -> {output}.bin, {output}.idx"
     )
+
+
+checkpoint_commands = typer.Typer(
+    no_args_is_help=True,
+    help="Operator commands on committed checkpoints (run by an admin, never by a job).",
+)
+app.add_typer(checkpoint_commands, name="checkpoint")
+
+
+@checkpoint_commands.command("convert")
+def checkpoint_convert(
+    path: Annotated[
+        str,
+        typer.Argument(
+            help="A job's checkpoint root (every committed checkpoint in it) or one iter_NNNNNNN folder; "
+            "local or s3://."
+        ),
+    ],
+    endpoint_url: Annotated[str | None, typer.Option(help="S3 endpoint (default: the boto3 chain).")] = None,
+) -> None:
+    """Rewrite checkpoints saved in the old pickled format (raw-v1) as data (raw-v2), which every
+    load path then reads; no job loads a raw-v1 checkpoint. Only DCP metadata classes, torch.Size
+    and dtypes are unpickled (a payload is refused, never run). Run it only on checkpoints you
+    trust the origin of. Exit 2 when a checkpoint is refused."""
+    from engine.checkpointing.commit import CheckpointCorruptError
+    from engine.checkpointing.convert import convert_checkpoints
+
+    try:
+        report = convert_checkpoints(path, endpoint_url=endpoint_url)
+    except (ValueError, FileNotFoundError, CheckpointCorruptError) as err:  # ConvertError too
+        fail(str(err))
+    done = ", ".join(map(str, report.converted)) or "none"
+    typer.echo(
+        f"converted {len(report.converted)} checkpoint(s) of {path} to raw-v2 (iterations: {done}); "
+        f"{len(report.already)} already raw-v2"
+    )

@@ -26,7 +26,9 @@ routine restores an in-memory snapshot). State of a part this
 checkpointer was not given, or a part the checkpoint has no tensors of, is an error rather than a
 silently partial resume. Parts learn whether the layout is the one that saved them
 (stateful.SavedCheckpoint): RNG states come back only then; on any other layout each rank reseeds
-from (seed, iteration).
+from (seed, iteration). Nothing read from storage is executed: the DCP metadata is JSON
+(metadata_json.py), and a checkpoint of the old pickled format stops the resume on every rank
+(no fallback to an older one) with OldCheckpointFormatError naming `elastron checkpoint convert`.
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ from engine.checkpointing.commit import (
     latest_checkpoint,
     open_checkpoint,
     resolve_checkpoint,
+)
+from engine.checkpointing.metadata_json import (
+    CheckpointFormatError,
+    OldCheckpointFormatError,
+    old_format_message,
 )
 from engine.checkpointing.restore import is_tensor, restore_parts
 from engine.checkpointing.save_failures import CheckpointStorageError, SaveFailures, describe, out_of_space
@@ -434,8 +441,13 @@ class Checkpointer:
                     outcome = err
                 except ShardCorruptError as err:  # its .metadata changed since it was checked
                     outcome = corrupt_error(storage, job_root, iteration, err.problems)
+                except CheckpointFormatError as err:  # old (pickled) or foreign .metadata: never loaded
+                    outcome = err
             results = [None] * dist.get_world_size()
             dist.all_gather_object(results, outcome)
+            refused = [r for r in results if isinstance(r, CheckpointFormatError)]
+            if refused:  # every rank stops with the fetcher's message; no fallback reads it either
+                raise refused[0]
             errors = [r for r in results if isinstance(r, CheckpointCorruptError)]
             if errors:
                 if self.spec.resume_from or iteration == iterations[-1]:
@@ -456,8 +468,10 @@ class Checkpointer:
 
     def _load(self, opened: OpenCheckpoint, stored_parts: set[str]) -> None:
         meta = opened.meta
+        if meta.get("shard_format") in raw_io.OLD_FORMATS:
+            raise OldCheckpointFormatError(old_format_message(raw_io.RawStorageReader(opened).checkpoint_id))
         if meta.get("shard_format") != raw_io.FORMAT:
-            raise ValueError(f"checkpoint shard format {meta.get('shard_format')!r} is not {raw_io.FORMAT!r}")
+            raise CheckpointFormatError(f"checkpoint shard format {meta.get('shard_format')!r} is not {raw_io.FORMAT!r}")
         saved = SavedCheckpoint(opened.iteration, meta, same_layout=meta["layout"] == self.layout)
 
         def load_tensors(targets: dict[str, dict[str, Any]]) -> None:

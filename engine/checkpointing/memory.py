@@ -280,7 +280,10 @@ def parse(
     header_bytes, payload = view[head : head + header_len], view[head + header_len :]
     if len(header_bytes) != header_len or _checksum(header_bytes, payload) != digest:
         raise SnapshotError("in-memory snapshot: checksum mismatch (corrupted or truncated); it is not used")
-    h = json.loads(bytes(header_bytes))
+    try:  # JSON: data, never unpickled (issue 61)
+        h = json.loads(bytes(header_bytes))
+    except ValueError as err:
+        raise SnapshotError(f"in-memory snapshot: its header is not JSON ({err}); it is not used") from None
     want = {"job": job, "rank": rank, "world_size": world_size, "layout": layout}
     wrong = [f"{k} {h.get(k)!r} (this rank: {v!r})" for k, v in want.items() if h.get(k) != v]
     if wrong:

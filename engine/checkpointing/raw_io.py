@@ -20,19 +20,22 @@ can fall back together. A failed load may have left part of a corrupt tensor in 
 (whole chunks are read in place); the caller falls back to another checkpoint, whose load
 overwrites every loaded tensor, or stops.
 
-Planning, deduplication, `.metadata` (pickled DCP Metadata) and the file naming
-__<rank>_<n>.distcp, several files per rank written by parallel threads, follow DCP's
-FileSystemWriter, so the bytes are laid out as before (`FORMAT`, named in the manifest's meta).
-It leans on two private DCP names (`_split_by_size_and_type`, `_StorageInfo`, which is pickled
-into `.metadata`) and `narrow_tensor_by_index`; the torch pin (< 2.14) keeps them stable, and
-the checkpoint tests (resharding matrix, resume, corruption) fail loudly if an upgrade moves them.
+Planning, deduplication and the file naming __<rank>_<n>.distcp, several files per rank written
+by parallel threads, follow DCP's FileSystemWriter, so the tensor bytes are laid out as before.
+Nothing read from storage is ever unpickled (format "raw-v2", named in the manifest's meta):
+`.metadata` is JSON (metadata_json.py), not DCP's pickle, and a non-tensor item (BYTE_IO: DCP
+would torch.save it and torch.load it with weights_only=False) is a JSON value, written from the
+planner's object and read back by `JsonLoadPlanner`; this reader hands such an item to no other
+planner. A raw-v1 checkpoint (pickled `.metadata`) is refused with OldCheckpointFormatError naming
+`elastron checkpoint convert` (convert.py), the admin-run command that rewrites it.
+It leans on private DCP names (`_split_by_size_and_type`, `_StorageInfo`, `set_element`) and
+`narrow_tensor_by_index`; the torch pin (< 2.14) keeps them stable, and the checkpoint tests
+(resharding matrix, resume, corruption, no pickle) fail loudly if an upgrade moves them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
-import pickle
 import threading
 import uuid
 import zlib
@@ -42,7 +45,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import (
     CURRENT_DCP_VERSION,
     DEFAULT_SUFFIX,
@@ -62,10 +67,14 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from engine.checkpointing import metadata_json
 from engine.checkpointing.commit import Checksums, FileEntry, OpenCheckpoint, ShardCorruptError, crc32_hex
+from engine.checkpointing.metadata_json import OldCheckpointFormatError, old_format_message
 from engine.checkpointing.storage import MiB, Storage
 
-FORMAT = "raw-v1"
+FORMAT = "raw-v2"
+# Formats whose `.metadata` is a pickle: loaded only after `elastron checkpoint convert`.
+OLD_FORMATS = ("raw-v1",)
 METADATA = ".metadata"
 # Adjacent items are read with one request up to this many bytes (a small tensor is not worth
 # a GET of its own); a bigger item is one run, which S3 splits into parallel ranged GETs.
@@ -124,11 +133,10 @@ class RawStorageWriter(StorageWriter):
             results, chunks, offset = [], [], 0
             with self.storage.open_write(_join(self.folder, name)) as out:
                 for item in items:
-                    data = planner.resolve_data(item)
                     if item.type == WriteItemType.BYTE_IO:
-                        view = data.getbuffer()
+                        view = memoryview(_json_item(planner, item))
                     else:
-                        view = _bytes_of(data.detach().cpu().contiguous())
+                        view = _bytes_of(planner.resolve_data(item).detach().cpu().contiguous())
                     crc = 0
                     for start in range(0, len(view), _SLICE):
                         piece = view[start : start + _SLICE]
@@ -157,7 +165,7 @@ class RawStorageWriter(StorageWriter):
         metadata.version = CURRENT_DCP_VERSION
         metadata.storage_data = {wr.index: wr.storage_data for per_rank in results for wr in per_rank}
         metadata.storage_meta = self.storage_meta()
-        data = pickle.dumps(metadata)
+        data = metadata_json.encode(metadata)
         self.storage.put_bytes(_join(self.folder, METADATA), data)
         self.entries.append(FileEntry(METADATA, len(data), ((0, len(data), crc32_hex(data)),)))
 
@@ -187,6 +195,7 @@ class RawStorageReader(StorageReader):
             {e["name"]: Checksums(e) for e in checkpoint.files} if checkpoint.verify_on_read else None
         )
         self._planner_lock = threading.Lock()  # DCP does not promise a thread-safe planner
+        self._decoded: Metadata | None = None  # read_metadata's answer: the file is read once
 
     def reset(self, checkpoint_id: Any = None) -> None:
         self.storage_data = {}
@@ -207,14 +216,22 @@ class RawStorageReader(StorageReader):
         return "not listed in the manifest" if checks is None else checks.problem(offset, data)
 
     def read_metadata(self) -> Metadata:
+        """The checkpoint's DCP metadata, decoded from JSON (never unpickled: metadata_json.py).
+        OldCheckpointFormatError for a raw-v1 checkpoint, CheckpointFormatError for bytes that
+        are not ours, ShardCorruptError when they are not the bytes the manifest lists."""
+        if self._decoded is not None:
+            return self._decoded
+        if self.checkpoint.meta.get("shard_format") in OLD_FORMATS:
+            raise OldCheckpointFormatError(old_format_message(self.checkpoint_id))
         data = self.checkpoint.storage.get_bytes(_join(self.checkpoint.folder, METADATA))
         problem = self._problem(METADATA, 0, data)
-        if problem is not None:  # never unpickle bytes that are not the ones the save wrote
+        if problem is not None:
             raise ShardCorruptError([(METADATA, problem)])
-        metadata = pickle.loads(data)
+        metadata = metadata_json.decode(data, self.checkpoint_id)
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
+        self._decoded = metadata
         return metadata
 
     def set_up_storage_reader(
@@ -300,9 +317,15 @@ class RawStorageReader(StorageReader):
             problem = self._problem(name, self.storage_data[req.storage_index].offset, view)
             if problem is not None:
                 return name, problem
-            if target is None:
+            if target is None:  # a non-tensor item: JSON, to our planner only (never torch.load)
+                if not isinstance(planner, JsonLoadPlanner):
+                    raise TypeError(
+                        f"{req.storage_index.fqn}: non-tensor checkpoint items are read with raw_io.JsonLoadPlanner, "
+                        f"not {type(planner).__name__} (whose load_bytes may unpickle)"
+                    )
+                value = metadata_json.decode_value(req.storage_index.fqn, buf, self.checkpoint_id)
                 with self._planner_lock:
-                    planner.load_bytes(req, io.BytesIO(buf))
+                    planner.set_value(req, value)
                 continue
             if buf is not target:
                 target.copy_(narrow_tensor_by_index(buf, req.storage_offsets, req.lengths))
@@ -322,13 +345,52 @@ class RawStorageReader(StorageReader):
         return fut
 
 
+def _json_item(planner: SavePlanner, item) -> bytes:
+    """A BYTE_IO item's value as JSON (DCP's planner would torch.save it: a pickle)."""
+    if not isinstance(planner, DefaultSavePlanner):
+        raise TypeError(f"non-tensor checkpoint items need DCP's DefaultSavePlanner, not {type(planner).__name__}")
+    return metadata_json.encode_value(item.index.fqn, planner.lookup_object(item.index))
+
+
+class JsonLoadPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, except that a non-tensor item is a JSON value set by the
+    reader (`set_value`); its `load_bytes` (DCP's torch.load, weights_only=False) never runs."""
+
+    def set_value(self, read_item: ReadItem, value: Any) -> None:
+        fqn = read_item.dest_index.fqn
+        if isinstance(self.state_dict.get(fqn), torch.Tensor):
+            raise metadata_json.CheckpointFormatError(
+                f"checkpoint item {fqn!r} is a tensor here but a non-tensor value in the checkpoint's .metadata"
+            )
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], value)
+        else:
+            self.state_dict[fqn] = value
+
+    def load_bytes(self, read_item: ReadItem, value) -> None:
+        raise TypeError(f"{read_item.dest_index.fqn}: non-tensor checkpoint items are JSON, set by RawStorageReader")
+
+
 def load(state_dict: dict[str, Any], checkpoint: OpenCheckpoint, process_group=None) -> None:
-    """`dcp.load` through RawStorageReader. Corruption any rank finds is raised on every rank as one
-    ShardCorruptError listing all of it; any other failure propagates as DCP raised it."""
+    """`dcp.load` through RawStorageReader and JsonLoadPlanner. Corruption any rank finds is raised
+    on every rank as one ShardCorruptError listing all of it; a format problem (an old or foreign
+    `.metadata`) as the CheckpointFormatError it is; any other failure as DCP raised it."""
+    reader = RawStorageReader(checkpoint)
+    # Read (and decode) the metadata first: DCP would turn a refusal into an AssertionError of its
+    # own; every rank reads the same bytes, so every rank raises the same error here.
+    reader.read_metadata()
     try:
-        dcp.load(state_dict, storage_reader=RawStorageReader(checkpoint), process_group=process_group)
+        dcp.load(
+            state_dict,
+            storage_reader=reader,
+            planner=JsonLoadPlanner(),
+            process_group=process_group,
+        )
     except CheckpointException as err:
         found = [exc for exc, _trace in err.failures.values()]
         if found and all(isinstance(exc, ShardCorruptError) for exc in found):
             raise ShardCorruptError([p for exc in found for p in exc.problems]) from err
+        formats = [exc for exc in found if isinstance(exc, metadata_json.CheckpointFormatError)]
+        if formats:
+            raise formats[0] from err
         raise
