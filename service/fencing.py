@@ -21,6 +21,7 @@ rather than failed: `lost_budget` says how many times.
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable
 
 from sqlalchemy import func, select
@@ -170,10 +171,25 @@ def _record(s: Session, fence_id: int, status: LaunchStatus, stopped: bool, now:
         fence.watch_until = None  # ended, or never showed up: nothing left to watch
 
 
-def requeue_lost(s: Session, job: Job, settings: Settings, where: str, now: float) -> bool:
-    """A launched job's Ray job vanished (a head node lost, and its job table with it): queue it
-    again, to resume from its newest checkpoint with a new attempt and fencing token, while its
-    budget lasts (`lost_budget`); False when it is spent (the caller fails the job)."""
+# Ray's words for a driver that did not end by itself (no verdict of its own): its process was
+# killed (SIGKILL: an OOM killer), or the job supervisor actor or its node died with the head.
+_DRIVER_LOST = re.compile(
+    r"exit code (-9|137)\b|supervisor actor (died|could not be scheduled)|actor died unexpectedly"
+    r"|node (died|was terminated|is dead)|out of memory|\bOOM\b",
+    re.IGNORECASE,
+)
+
+
+def driver_lost(message: str | None) -> bool:
+    """Whether Ray's message for a failed Ray job says its driver was lost rather than failed."""
+    return bool(message) and _DRIVER_LOST.search(message) is not None
+
+
+def requeue_lost(s: Session, job: Job, settings: Settings, how: str, now: float) -> bool:
+    """A launched job's Ray job vanished (a head node lost, and its job table with it) or lost its
+    driver (`how` says which): queue it again, to resume from its newest checkpoint with a new
+    attempt and fencing token, while its budget lasts (`lost_budget`); False when it is spent
+    (the caller fails the job)."""
     from service.states import JobState
     from service.store.jobs import transition
 
@@ -181,10 +197,8 @@ def requeue_lost(s: Session, job: Job, settings: Settings, where: str, now: floa
     if sid is None or lost >= budget:
         return False
     latest = (job.latest_checkpoint or {}).get("iteration")
-    what = (
-        f"{sid} vanished from {where} (its head node was lost or restarted); queued again "
-        f"({lost + 1} of {budget} such requeues), to resume from "
-        + (f"the checkpoint of iteration {latest}" if latest is not None else "its newest checkpoint")
+    what = f"{sid} {how}; queued again ({lost + 1} of {budget} such requeues), to resume from " + (
+        f"the checkpoint of iteration {latest}" if latest is not None else "its newest checkpoint"
     )
     transition(s, job, JobState.QUEUED, what, submission_id=sid)
     add_event(

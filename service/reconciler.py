@@ -256,8 +256,14 @@ class Reconciler:
             fail(s, job, failure_cause(message, f"{sid} was stopped outside elastron"), submission_id=sid)
         elif status == LaunchStatus.FAILED:
             # The driver's own verdict (its job_failed event) says it best; Ray's message (exit
-            # code and last log lines) stays in the event.
-            cause = _driver_reason(s, job.id) or failure_cause(message, f"{sid} failed without a message")
+            # code and last log lines) stays in the event. No verdict and a lost driver (killed,
+            # its head gone): requeued as a vanished job is (service/fencing.py).
+            verdict = _driver_reason(s, job.id)
+            how = f"lost its driver on {self.launcher.describe()}: {(message or '')[:300]}"
+            if verdict is None and fencing.driver_lost(message):
+                if fencing.requeue_lost(s, job, self.settings, how, self.clock()):
+                    return
+            cause = verdict or failure_cause(message, f"{sid} failed without a message")
             fail(s, job, cause, submission_id=sid, launcher_message=(message or "")[-4000:])
         elif status == LaunchStatus.MISSING:
             self._missing(s, job, sid, cancel)
@@ -333,7 +339,8 @@ class Reconciler:
         if cancel:
             transition(s, job, JobState.CANCELLED, f"stopped on request ({sid} is gone)")
             return
-        if fencing.requeue_lost(s, job, self.settings, self.launcher.describe(), self.clock()):
+        how = f"vanished from {self.launcher.describe()} (its head node was lost or restarted)"
+        if fencing.requeue_lost(s, job, self.settings, how, self.clock()):
             return
         fail(
             s,

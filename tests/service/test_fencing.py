@@ -171,3 +171,21 @@ def test_the_lost_budget_is_the_larger_of_the_setting_and_the_jobs_max_restarts(
     assert lost_budget(Job(spec={"resilience": {"max_restarts": 5}}), settings) == 5
     assert lost_budget(Job(spec={"resilience": {"max_restarts": 1}}), settings) == 3
     assert lost_budget(Job(spec={}), Settings(lost_job_requeues=0)) == 0
+
+
+def test_a_job_whose_driver_was_killed_is_queued_again(start_env):
+    """The driver's process was OOM-killed with the head (no verdict of its own): requeued; a
+    driver that failed by itself (exit 1) still fails the job."""
+    fake = FakeLauncher()
+    env = start_env(fake)
+    with env.client() as c:
+        lost_id = c.post("/v1/jobs", json={**TINY, "name": "lost"}).json()["id"]
+        failed_id = c.post("/v1/jobs", json={**TINY, "name": "failed"}).json()["id"]
+    lost_sid = env.wait_state(lost_id, "starting")["submission_id"]
+    failed_sid = env.wait_state(failed_id, "starting")["submission_id"]
+    fake.set_status(lost_sid, LaunchStatus.FAILED, "Job entrypoint command failed with exit code -9")
+    fake.set_status(failed_sid, LaunchStatus.FAILED, "Job entrypoint command failed with exit code 1")
+    wait_for(lambda: env.job(lost_id, "admin")["attempt"] == 2, 30, "the job to be launched again")
+    (lost,) = _events(env, lost_id, "attempt_lost")
+    assert "lost its driver" in lost["message"] and "exit code -9" in lost["message"]
+    assert "exit code 1" in env.wait_state(failed_id, "failed")["failure_cause"]
