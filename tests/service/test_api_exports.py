@@ -37,6 +37,13 @@ def checkpoint_events(job_id: str, env, saved=(10,), failed=()) -> None:
         assert r.status_code == 200, r.text
 
 
+def grant(env, *roots: str, tenant: str = "alice") -> None:
+    """An admin grants `tenant` storage roots (s3:// outputs must lie under them)."""
+    with env.client("admin") as admin:
+        r = admin.put(f"/v1/tenants/{tenant}/storage", json={"roots": list(roots)})
+        assert r.status_code == 200, r.text
+
+
 def job_with_checkpoints(env, **kwargs) -> str:
     with env.client() as c:
         job_id = c.post("/v1/jobs", json=TINY).json()["id"]
@@ -83,6 +90,7 @@ def test_export_is_accepted_recorded_and_submitted(env):
 
 def test_status_follows_the_launcher_and_the_end_is_a_job_event(env):
     job_id = job_with_checkpoints(env, saved=(10, 20))
+    grant(env, "s3://bucket")
     with env.client() as c:
         good = c.post(f"/v1/jobs/{job_id}/checkpoints/10/export", json={}).json()
         bad = c.post(f"/v1/jobs/{job_id}/checkpoints/20/export", json={"output": "s3://bucket/x"}).json()
@@ -174,8 +182,10 @@ def test_bad_bodies_are_422_naming_the_field(env, body, field):
 def test_local_outputs_only_under_the_tenants_folders(env):
     job_id = job_with_checkpoints(env)
     home, ckpt = env.settings.home, env.settings.checkpoint_dir
+    grant(env, "s3://models/alice")
     ok = [f"{home}/exports/alice/llama", f"{ckpt}/alice/hf/llama", "s3://models/alice/llama"]
     refused = [
+        "s3://models/bob/llama",  # another tenant's prefix (issue 61)
         f"{ckpt}/bob/llama",  # another tenant's folder
         f"{home}/exports/alice/../bob/llama",  # climbs out
         f"{home}/exports/alice",  # the root itself
@@ -233,12 +243,16 @@ def test_a_real_checkpoint_is_exported_by_a_real_process(start_env, processes, t
     """The job runs on the fake worker (it reports a checkpoint at iteration 2); `elastron train`
     writes that very checkpoint where the job's spec as run says, then the export runs as a
     detached `elastron export` process and the folder has what transformers loads."""
-    env = start_env(processes, export_entrypoint=f"{sys.executable} -m elastron.cli export")
+    # alice's checkpoints under <ELASTRON_CHECKPOINT_DIR>/alice, her storage root (issue 61)
+    env = start_env(
+        processes, export_entrypoint=f"{sys.executable} -m elastron.cli export", checkpoint_dir=str(tmp_path)
+    )
+    ckpt = tmp_path / "alice"
     spec = {
         "name": "exp-e2e",
         "model": TINY_LLAMA,
         "training": {"train_iters": 2, "global_batch_size": 2, "micro_batch_size": 1},
-        "checkpoint": {"path": str(tmp_path / "ckpt"), "interval": 2},
+        "checkpoint": {"path": str(ckpt), "interval": 2},
         "resources": {"ranks": 1, "device": "cpu"},
     }
     with env.client() as c:
@@ -249,7 +263,7 @@ def test_a_real_checkpoint_is_exported_by_a_real_process(start_env, processes, t
     failed = wait_export(env, job_id, early["id"], ("succeeded", "failed"), timeout_s=180)
     assert failed["status"] == "failed" and "error:" in failed["message"], failed
     assert "exit code 2" in failed["message"], failed
-    run_spec["checkpoint"]["path"] = str(tmp_path / "ckpt" / job_id)  # what the workers do
+    run_spec["checkpoint"]["path"] = str(ckpt / job_id)  # what the workers do
     job_file = tmp_path / "job.yaml"
     job_file.write_text(yaml.safe_dump(run_spec))
     train = subprocess.run(
@@ -264,7 +278,7 @@ def test_a_real_checkpoint_is_exported_by_a_real_process(start_env, processes, t
         r = c.post(f"/v1/jobs/{job_id}/checkpoints/2/export", json={"dtype": "fp32"})
         assert r.status_code == 202, r.text
     export = r.json()
-    assert export["checkpoint"] == str(tmp_path / "ckpt" / job_id / "exp-e2e" / "iter_0000002")
+    assert export["checkpoint"] == str(ckpt / job_id / "exp-e2e" / "iter_0000002")
     done = wait_export(env, job_id, export["id"], ("succeeded", "failed"), timeout_s=180)
     assert done["status"] == "succeeded", (done, processes.logs(export["submission_id"]))
     assert done["message"].startswith("exported iteration 2 of ")

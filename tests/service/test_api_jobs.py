@@ -339,6 +339,9 @@ def test_a_job_asking_for_checkpoints_without_a_path_gets_the_services_root(star
         r = c.post("/v1/jobs", json={**TINY, "checkpoint": {"interval": 5}})
         assert r.status_code == 201, r.text
         assert r.json()["spec"]["checkpoint"]["path"] == str(env.settings.home / "checkpoints" / "alice")
+    with env.client("admin") as admin:  # a bucket of alice's own: granted by an admin (issue 61)
+        assert admin.put("/v1/tenants/alice/storage", json={"roots": ["s3://bucket/mine"]}).status_code == 200
+    with env.client() as c:
         mine = {**TINY, "checkpoint": {"interval": 5, "path": "s3://bucket/mine"}}
         assert c.post("/v1/jobs", json=mine).json()["spec"]["checkpoint"]["path"] == "s3://bucket/mine"
     other = start_env(checkpoint_dir="s3://bucket/jobs/")

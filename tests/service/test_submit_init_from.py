@@ -36,6 +36,13 @@ CONFIG = {
 }
 
 
+def _grant_bucket(env, bucket: str) -> None:
+    """Tenants read only their storage roots (service/storage_policy.py): alice may read the bucket."""
+    with env.client("admin") as admin:
+        r = admin.put("/v1/tenants/alice/storage", json={"read_roots": [f"s3://{bucket}"]})
+        assert r.status_code == 200, r.text
+
+
 def _upload_config(bucket: str) -> tuple[str, bytes]:
     raw = json.dumps(CONFIG, indent=2).encode()
     boto3.client("s3").put_object(Bucket=bucket, Key="models/tiny/config.json", Body=raw)
@@ -53,6 +60,7 @@ def _body(uri: str) -> dict:
 
 def test_a_held_s3_config_read_does_not_block_other_requests(env, s3_bucket, monkeypatch):  # noqa: F811
     uri, raw = _upload_config(s3_bucket)
+    _grant_bucket(env, s3_bucket)
     started, release = threading.Event(), threading.Event()
     real_get = hf_config._s3_get
 
@@ -107,6 +115,7 @@ def test_a_held_s3_config_read_does_not_block_other_requests(env, s3_bucket, mon
 
 def test_the_api_reads_config_json_itself_and_names_its_problems(env, s3_bucket, monkeypatch):  # noqa: F811
     uri, raw = _upload_config(s3_bucket)
+    _grant_bucket(env, s3_bucket)
     reads = []
     real_get = hf_config._s3_get
     monkeypatch.setattr(hf_config, "_s3_get", lambda f, n: reads.append(n) or real_get(f, n))
