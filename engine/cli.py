@@ -1,6 +1,7 @@
 """The engine's own commands: `train` (the torchrun of this project: a job on N local processes,
 no Ray, no service: the quickest way to debug a job), `schema` (the job specification's JSON
-Schema) and `preprocess` (text files -> the indexed dataset `data.source: indexed` reads).
+Schema), `preprocess` (text files -> the indexed dataset `data.source: indexed` reads), `export`
+and the operator's `checkpoint convert` (old pickled checkpoints -> data, engine/checkpointing/convert.py).
 
 torch is imported only inside the commands that need it, so `elastron --help` and the service's
 commands start without it. The `elastron` entry point (elastron/cli.py) composes this app with
@@ -236,7 +237,7 @@ def checkpoint_convert(
 
     try:
         report = convert_checkpoints(path, endpoint_url=endpoint_url)
-    except (ValueError, FileNotFoundError, CheckpointCorruptError) as err:  # ConvertError too
+    except (ValueError, OSError, CheckpointCorruptError) as err:  # ConvertError; StorageOutsideRoots
         fail(str(err))
     done = ", ".join(map(str, report.converted)) or "none"
     typer.echo(

@@ -135,7 +135,7 @@ def test_the_dispatcher_lists_every_layers_commands_as_before_the_split():
 
     # typer keeps the commands in the order they were added (and lists them so in --help)
     assert list(typer.main.get_command(app).commands) == [
-        "train", "export", "schema", "preprocess",  # engine/cli.py
+        "train", "export", "schema", "preprocess", "checkpoint",  # engine/cli.py (checkpoint: the admin's convert)
         "worker-run",  # workers/cli.py
         # service/cli.py; its command groups (token, jobs: a listing with `jobs export`, tenants) come last
         "up", "down", "submit", "status", "logs", "cancel", "demo", "queue", "token", "jobs", "tenants",

@@ -288,6 +288,12 @@ class RawStorageReader(StorageReader):
         if req.type == LoadItemType.BYTE_IO:
             return None, bytearray(info.length)
         dtype, sizes = self._stored_chunk(req.storage_index)
+        nbytes = sizes.numel() * dtype.itemsize
+        if nbytes != info.length:  # checked before anything is allocated for it
+            raise ValueError(
+                f"{info.relative_path}: {req.storage_index.fqn} is {info.length} bytes in the checkpoint's "
+                f"metadata, not the {nbytes} its shape and dtype take"
+            )
         with self._planner_lock:
             target = planner.resolve_tensor(req).detach()
         whole = tuple(req.lengths) == tuple(sizes) and not any(req.storage_offsets)
@@ -295,11 +301,6 @@ class RawStorageReader(StorageReader):
             buf = target  # straight into the tensor that wants it
         else:
             buf = torch.empty(sizes, dtype=dtype)
-        if buf.numel() * buf.element_size() != info.length:
-            raise ValueError(
-                f"{info.relative_path}: {req.storage_index.fqn} is {info.length} bytes in the checkpoint's "
-                f"metadata, not the {buf.numel() * buf.element_size()} its shape and dtype take"
-            )
         return target, buf
 
     def _read_run(self, name: str, reqs: list[ReadItem], planner: LoadPlanner) -> tuple[str, str] | None:
