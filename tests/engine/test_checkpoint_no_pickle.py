@@ -302,3 +302,30 @@ def test_non_tensor_items_round_trip_as_json(tmp_path):
     with pytest.raises(CheckpointException) as err:  # not data: refused at save, never pickled
         dcp.save({"obj": object()}, storage_writer=raw_io.RawStorageWriter(storage, iteration_key(JOB, 2)))
     assert any("is not JSON data" in str(exc) for exc, _trace in err.value.failures.values())
+
+
+def test_convert_rewrites_old_non_tensor_items_as_json(tmp_path):
+    """An old checkpoint's non-tensor item (torch.save bytes) comes back as the same value, as JSON."""
+    import io
+
+    storage = LocalStorage(tmp_path / "old")
+    writer = raw_io.RawStorageWriter(storage, iteration_key(JOB, 1))
+    ctx = _quiet()
+    dcp.save({"model/w": WEIGHTS.clone(), "count": 3}, storage_writer=writer)
+    ctx.__exit__(None, None, None)
+    commit_checkpoint(storage, JOB, 1, writer.entries, {"shard_format": raw_io.FORMAT})
+    md = _metadata(storage)
+    saved = io.BytesIO()
+    torch.save({"steps": [1, 2]}, saved)  # what DCP's planner wrote for a non-tensor value
+    md.storage_data = {i: s for i, s in md.storage_data.items() if i.fqn != "count"}
+    md.storage_data[MetadataIndex("count")] = _StorageInfo("__0_9.distcp", 0, len(saved.getvalue()))
+    files = {raw_io.METADATA: pickle.dumps(md), "__0_9.distcp": saved.getvalue()}
+    _recommit(storage, files, shard_format="raw-v1")
+
+    result = CliRunner().invoke(app, ["checkpoint", "convert", str(storage.root / JOB)])
+    assert result.exit_code == 0, result.output
+    target = {"model/w": torch.zeros(2, 3), "count": None}
+    ctx = _quiet()
+    raw_io.load(target, open_checkpoint(storage, JOB, 1, tmp_path / "cache", check_now=[raw_io.METADATA]))
+    ctx.__exit__(None, None, None)
+    assert target["count"] == {"steps": [1, 2]} and torch.equal(target["model/w"], WEIGHTS)
