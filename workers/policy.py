@@ -24,7 +24,7 @@ and `RestartPolicy.decide` turns the outcome into a `Decision`:
 | exit 16 (a rejected result reproduced in place) | restart from the checkpoint it just saved, avoiding the nodes it ran on; fail with 16 when the cluster has no room elsewhere | no |
 | exit 17, persistent error | exclude the nodes of the attempt that exited 16 for the rest of the job, resume; fail with 17 when no room is left | no |
 | exit 17, correct result (skip_bad_batches false) or no diagnosis | fail with 17 and the diagnosis | |
-| checkpoint storage failing (CheckpointStorageError) | fail with exit 1 and the storage error: no crash loop | |
+| checkpoint storage failing (CheckpointStorageError), or a checkpoint no resume reads (CheckpointFormatError: the old pickled format) | fail with exit 1 and the storage error: no crash loop | |
 | anything else (raise, kill, node lost, watchdog, ...) | restart from the newest committed checkpoint while the budget lasts, else fail with exit 1 and the per-rank causes | yes |
 
 A transient error never reaches the driver: the engine re-runs the step in place and goes on.
@@ -162,7 +162,9 @@ def classify(
         if isinstance(err, RerunExit):
             cause.kind, cause.exit_code, cause.diagnosis = "rerun", err.exit_code, err.diagnosis
             cause.message = f"RerunExit (exit {err.exit_code}): {err.message}"
-        elif isinstance(err, CheckpointStorageError) or type(err).__name__ == "CheckpointStorageError":
+        elif isinstance(err, CheckpointStorageError) or {"CheckpointStorageError", "CheckpointFormatError"} & {
+            cls.__name__ for cls in type(err).__mro__
+        }:  # a restart would fail the same way (issue 34; issue 61: by name, metadata_json needs torch)
             cause.kind, cause.message = "storage", _one_line(str(err), 1000)
         elif rank in watchdog:
             cause.kind, cause.message = "watchdog", watchdog[rank]

@@ -113,6 +113,18 @@ def test_checkpoint_storage_failing_fails_the_job_without_a_restart():
     assert "No space left on device" in decision.reason
 
 
+def test_a_checkpoint_of_the_old_pickled_format_fails_the_job_without_a_restart():
+    """Issue 61: every resume of a raw-v1 checkpoint is refused the same way; a restart would
+    only be refused again. The reason names the admin's conversion command."""
+    from engine.checkpointing.metadata_json import OldCheckpointFormatError, old_format_message
+
+    p = policy(max_restarts=5)
+    causes = classify({0: OldCheckpointFormatError(old_format_message("s3://b/job/iter_0000010"))}, RANKS)
+    decision = p.decide(Outcome(causes=causes))
+    assert decision.action == "fail" and p.restarts_used == 0
+    assert "elastron checkpoint convert s3://b/job/iter_0000010" in decision.reason
+
+
 def test_exit_16_resumes_away_from_its_nodes_without_charging_the_budget():
     p = policy(max_restarts=0)
     out = Outcome(causes=classify({0: RerunExit(16, "reproduced in place")}, RANKS), nodes={"a", "b"})
