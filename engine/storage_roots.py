@@ -36,7 +36,10 @@ def normalize(location: str) -> tuple[str, ...] | None:
     if not isinstance(location, str) or not location.strip():
         return None
     if "://" not in location:
-        path = os.path.realpath(os.path.expanduser(location))
+        try:
+            path = os.path.realpath(os.path.expanduser(location))
+        except (ValueError, OSError):  # a NUL byte, a symlink loop: nothing to match
+            return None
         return ("local", *[p for p in path.split("/") if p])
     scheme, _, rest = location.partition("://")
     scheme = scheme.lower()
@@ -47,7 +50,10 @@ def normalize(location: str) -> tuple[str, ...] | None:
         return normalize(rest) if rest else None
     if scheme != "s3":
         return None
-    parts = urlsplit(location)
+    try:
+        parts = urlsplit(location)
+    except ValueError:
+        return None
     if not parts.netloc or "@" in parts.netloc or parts.query or parts.fragment:
         return None
     segments = parts.path.split("/")[1:] if parts.path else []
@@ -111,7 +117,10 @@ class StorageRoots:
 
 def normalize_endpoint(url: str) -> str:
     """scheme://host[:port] in lower case, no trailing slash: how endpoint URLs are compared."""
-    parts = urlsplit(url.strip()) if isinstance(url, str) else None
+    try:
+        parts = urlsplit(url.strip()) if isinstance(url, str) else None
+    except ValueError:
+        parts = None
     if parts is None or not parts.scheme or not parts.netloc:
         return f"invalid:{url!r}"
     return f"{parts.scheme.lower()}://{parts.netloc.lower()}{parts.path.rstrip('/')}"

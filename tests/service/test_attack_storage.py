@@ -214,3 +214,37 @@ def test_matching_is_by_whole_segments():
     assert not is_within("s3://b/prefix-other", "s3://b/p") and not is_within("s3://b/p", "s3://b/p/x")
     assert not is_within("s3://b/p/../q", "s3://b/p") and not is_within("s3://c/p", "s3://b/p")
     assert not is_within("/a/bc", "/a/b") and is_within("/a/b/../b/c", "/a/b")
+
+
+def test_a_tenants_jobs_and_exports_get_its_own_credentials(start_env, monkeypatch):
+    monkeypatch.setenv("ACME_SECRET_FOR_TEST", "s3cr3t")
+    env = start_env(
+        tenant_credentials={
+            "alice": {"AWS_ACCESS_KEY_ID": "alice-key", "AWS_SECRET_ACCESS_KEY": "$ACME_SECRET_FOR_TEST"}
+        }
+    )
+    ids = {}
+    for who in ("alice", "bob"):
+        with env.client(who) as c:
+            ids[who] = c.post("/v1/jobs", json=TINY).json()["id"]
+    for who in ids:
+        wait_for(
+            lambda w=who: any(s["job_id"] == ids[w] for s in env.launcher.submissions.values()), 10, "launch"
+        )
+    alice, bob = env.launcher.env_of(ids["alice"]), env.launcher.env_of(ids["bob"])
+    assert alice["AWS_ACCESS_KEY_ID"] == "alice-key" and alice["AWS_SECRET_ACCESS_KEY"] == "s3cr3t"
+    assert "AWS_ACCESS_KEY_ID" not in bob  # the service's own chain
+    assert StorageRoots.from_env(bob).write[0] == f"{env.settings.checkpoint_dir}/bob"
+    # An export of alice's job runs with her credentials and roots.
+    job_id = job_with_checkpoints(env)
+    with env.client() as c:
+        sid = c.post(f"/v1/jobs/{job_id}/checkpoints/10/export", json={}).json()["submission_id"]
+    wait_for(lambda: sid in env.launcher.submissions, 10, "the export's submission")
+    exported = env.launcher.submissions[sid]["env"]
+    assert exported["AWS_ACCESS_KEY_ID"] == "alice-key"
+    assert StorageRoots.from_env(exported).allows(f"{env.settings.checkpoint_dir}/alice/x", "write")
+
+
+@pytest.mark.parametrize("path", ["/tmp/x\x00y", "s3://[bad/x", "gs://bucket/x", "s3://b/a//b"])
+def test_unmatchable_locations_are_422_not_500(env, path):
+    refused(env, spec(checkpoint={"path": path}), "checkpoint.path")
