@@ -24,7 +24,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from engine.jobspec.layout import checkpoint_location, job_checkpoint_path, join_location
-from engine.storage_roots import StorageRoots, normalize, outside_message
+from engine.jobspec.storage_roots import StorageRoots, normalize, outside_message
 from service.settings import Settings
 
 _S3 = re.compile(r"^s3://[A-Za-z0-9._-]{1,255}(/.*)?$")

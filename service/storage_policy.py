@@ -9,7 +9,7 @@ model.init_from's config.json: that read would itself be the leak), against:
 - `checkpoint.endpoint_url`: only ELASTRON_ALLOWED_ENDPOINTS (never the metadata address).
 Outside: 422 naming the field and the roots. Admins' submissions are not confined (their jobs
 run unconfined too). The decision is recorded per job (`job_storage`) and given to its workers
-at each launch in ELASTRON_STORAGE_ROOTS, where engine/storage_roots.py (the same matching
+at each launch in ELASTRON_STORAGE_ROOTS, where engine/jobspec/storage_roots.py (the same matching
 code) checks again as storage is opened. Tenants with credentials in ELASTRON_TENANT_CREDENTIALS
 get those in their jobs' and exports' environment instead of the service's own.
 """
@@ -23,7 +23,7 @@ from typing import Any
 from sqlalchemy.orm import Session
 
 from engine.jobspec.layout import join_location
-from engine.storage_roots import (
+from engine.jobspec.storage_roots import (
     ENV_STORAGE_ROOTS,
     StorageRoots,
     joined,

@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 
 from engine.jobspec import JobSpec, JobSpecError, parse_job
 from engine.jobspec.layout import checkpoint_location, job_checkpoint_path, join_location
-from engine.storage_roots import StorageRoots
+from engine.jobspec.storage_roots import StorageRoots
 from service.settings import Settings
 from service.storage_policy import body_problems
 from service.store.jobs import get_job

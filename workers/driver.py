@@ -48,7 +48,7 @@ from typing import Any
 from engine.jobspec import JobSpec, JobSpecError, contract, parse_job_text, resolve_job
 from engine.jobspec.demand import CPUS_PER_RANK, rank_resources, run_sizes
 from engine.jobspec.layout import job_checkpoint_path, join_location
-from engine.storage_roots import StorageOutsideRoots, check_spec_within
+from engine.jobspec.storage_roots import StorageOutsideRoots, check_spec_within
 from workers.fencing import exit_fenced
 from workers.policy import (
     EXIT_BAD_INPUT,

@@ -12,7 +12,7 @@ from urllib.parse import unquote, urlsplit
 
 from engine.checkpointing.local_storage import LocalStorage
 from engine.checkpointing.storage import Storage
-from engine.storage_roots import require_within
+from engine.jobspec.storage_roots import require_within
 
 
 def _redact(uri: str) -> str:
@@ -29,7 +29,7 @@ def open_storage(uri: str, *, endpoint_url: str | None = None, region: str | Non
     only then: boto3 is an optional dependency of the engine).
 
     S3 credentials come from boto3's chain (env, config files, roles), never from the URI.
-    A process the service started with storage roots (ELASTRON_STORAGE_ROOTS, engine/storage_roots.py)
+    A process the service started with storage roots (ELASTRON_STORAGE_ROOTS, engine/jobspec/storage_roots.py)
     opens nothing outside them: StorageOutsideRoots (a PermissionError).
     """
     accepted = "accepted forms: a local path, file:///abs/path (or file://rel/path), s3://bucket[/prefix]"

@@ -1,7 +1,7 @@
 """Issue 61, storage confinement: every path, bucket and endpoint a tenant's job spec or export
 names lies under that tenant's roots (service/storage_policy.py), else 422 naming the field and
 the roots; the roots go to the job's workers, where opening storage outside them raises
-(engine/storage_roots.py). One test per vector of the audit, each seen failing (201/202) before
+(engine/jobspec/storage_roots.py). One test per vector of the audit, each seen failing (201/202) before
 the fix."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import os
 import pytest
 
 from engine.checkpointing.backends import open_storage
-from engine.storage_roots import ENV_STORAGE_ROOTS, StorageOutsideRoots, StorageRoots, is_within
+from engine.jobspec.storage_roots import ENV_STORAGE_ROOTS, StorageOutsideRoots, StorageRoots, is_within
 from tests.service.test_api_exports import job_with_checkpoints
 from tests.service.test_api_jobs import TINY
 from tests.waiting import wait_for
