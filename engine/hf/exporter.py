@@ -67,11 +67,18 @@ def read_model_tensors(uri: str, *, endpoint_url: str | None = None, region: str
     with tempfile.TemporaryDirectory(prefix="elastron-export-") as cache:
         opened = open_checkpoint(storage, job_root, iteration, Path(cache), check_now=[raw_io.METADATA])
         metadata = raw_io.RawStorageReader(opened).read_metadata()
-        targets = {
-            k: torch.empty(md.size, dtype=md.properties.dtype)
+        wanted = {
+            k: md
             for k, md in metadata.state_dict_metadata.items()
             if k.startswith("model/") and isinstance(md, TensorStorageMetadata)
         }
+        for k, md in wanted.items():  # whole tensors only, and nothing allocated the files do not hold
+            if sum(c.sizes.numel() for c in md.chunks) != md.size.numel():
+                raise ExportError(f"checkpoint {uri}: its chunks of {k} do not make up the whole {list(md.size)} tensor")
+        stored = sum(int(e["size"]) for e in opened.files)
+        if sum(md.size.numel() * md.properties.dtype.itemsize for md in wanted.values()) > stored:
+            raise ExportError(f"checkpoint {uri}: its metadata names more tensor bytes than its {stored} stored bytes")
+        targets = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in wanted.items()}
         with warnings.catch_warnings():  # one process, no process group: exactly the intent
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
             raw_io.load(targets, opened)

@@ -329,3 +329,24 @@ def test_convert_rewrites_old_non_tensor_items_as_json(tmp_path):
     raw_io.load(target, open_checkpoint(storage, JOB, 1, tmp_path / "cache", check_now=[raw_io.METADATA]))
     ctx.__exit__(None, None, None)
     assert target["count"] == {"steps": [1, 2]} and torch.equal(target["model/w"], WEIGHTS)
+
+
+def test_export_allocates_nothing_the_checkpoint_does_not_hold(tmp_path):
+    """Crafted JSON metadata claiming a 4 TB tensor is refused before anything is allocated."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    from engine.checkpointing import metadata_json
+    from engine.hf.exporter import ExportError, read_model_tensors
+
+    storage = _genuine(tmp_path / "big")
+    md = _metadata(storage)
+    huge = torch.Size([10**6, 10**6])
+    md.state_dict_metadata["model/w"].size = huge
+    md.state_dict_metadata["model/w"].chunks = [ChunkStorageMetadata(torch.Size([0, 0]), huge)]
+    _recommit(storage, {raw_io.METADATA: metadata_json.encode(md)})
+    with pytest.raises(ExportError, match="more tensor bytes than"):
+        read_model_tensors(str(storage.root / JOB))
+    md.state_dict_metadata["model/w"].chunks = []  # a tensor the checkpoint holds no part of
+    _recommit(storage, {raw_io.METADATA: metadata_json.encode(md)})
+    with pytest.raises(ExportError, match="do not make up the whole"):
+        read_model_tensors(str(storage.root / JOB))
