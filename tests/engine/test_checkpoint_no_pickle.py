@@ -11,7 +11,8 @@ Every load path refuses each of them and no marker appears: the raw reader, a re
 rank, a resume on two ranks of another layout (the resharding load), the exporter (library and
 `elastron export`), and the in-memory snapshot parser. A genuine checkpoint of the old pickled
 format is refused with an error naming `elastron checkpoint convert`, which converts it (and only
-it: a payload is refused there too).
+it: a payload is refused there too), non-tensor items included. Crafted JSON metadata cannot make
+the exporter allocate what the files do not hold, nor put a JSON value where a tensor belongs.
 """
 
 from __future__ import annotations
@@ -350,3 +351,14 @@ def test_export_allocates_nothing_the_checkpoint_does_not_hold(tmp_path):
     _recommit(storage, {raw_io.METADATA: metadata_json.encode(md)})
     with pytest.raises(ExportError, match="do not make up the whole"):
         read_model_tensors(str(storage.root / JOB))
+
+
+def test_a_json_value_never_replaces_a_tensor(tmp_path):
+    """Metadata declaring a tensor of ours a non-tensor item: even valid JSON is refused."""
+    storage = _genuine(tmp_path / "c")
+    md = _metadata(storage)
+    md.state_dict_metadata["model/w"] = BytesStorageMetadata()
+    md.storage_data = {i: s for i, s in md.storage_data.items() if i.fqn != "model/w"}
+    md.storage_data[MetadataIndex("model/w")] = _StorageInfo("__0_9.distcp", 0, 5)
+    _recommit(storage, {raw_io.METADATA: _encode_ours(md), "__0_9.distcp": b"[1,2]"})
+    assert "is a tensor here but a non-tensor value" in _raw_load(storage)
