@@ -93,11 +93,15 @@ def record_job_roots(session: Session, job_id: str, tenant: str, roots: StorageR
     )
 
 
-def job_roots(session: Session, job_id: str) -> StorageRoots | None:
-    """The roots a job was admitted with; None for an unconfined (admin's) job or one submitted
-    before confinement existed."""
+def job_roots(settings: Settings, session: Session, job_id: str, tenant: str) -> StorageRoots | None:
+    """The roots a job was admitted with; None only for an admin's job (recorded unconfined). A
+    job without a record was submitted before confinement existed: it gets its tenant's roots
+    as they are now, so an upgrade leaves no job unconfined (one that named a path outside them
+    stops at its start with the path and the roots named, instead of reading it)."""
     row = session.get(JobStorage, job_id)
-    if row is None or row.roots is None:
+    if row is None:
+        return tenant_roots(settings, session, tenant)
+    if row.roots is None:
         return None
     r = row.roots
     return StorageRoots(
@@ -119,8 +123,10 @@ def credentials_env(settings: Settings, tenant: str) -> dict[str, str]:
 def launch_env(settings: Settings, session: Session, job_id: str) -> dict[str, str]:
     """What a job's workers get on top of worker_env: its roots and its tenant's credentials."""
     job = get_job(session, job_id)
-    env = credentials_env(settings, job.tenant) if job is not None else {}
-    roots = job_roots(session, job_id)
+    if job is None:
+        return {}
+    env = credentials_env(settings, job.tenant)
+    roots = job_roots(settings, session, job_id, job.tenant)
     if roots is not None:
         env[ENV_STORAGE_ROOTS] = roots.to_env()
     return env
@@ -131,7 +137,7 @@ def export_env(settings: Settings, session: Session, job_id: str, tenant: str, o
     roots (the checkpoint read and the output written are inside them: both were checked when
     the export was asked for). An output an admin chose outside them runs unconfined."""
     env = credentials_env(settings, tenant)
-    if job_roots(session, job_id) is not None:
+    if job_roots(settings, session, job_id, tenant) is not None:
         roots = tenant_roots(settings, session, tenant)
         if roots.allows(output, "write"):
             env[ENV_STORAGE_ROOTS] = roots.to_env()

@@ -248,3 +248,24 @@ def test_a_tenants_jobs_and_exports_get_its_own_credentials(start_env, monkeypat
 @pytest.mark.parametrize("path", ["/tmp/x\x00y", "s3://[bad/x", "gs://bucket/x", "s3://b/a//b"])
 def test_unmatchable_locations_are_422_not_500(env, path):
     refused(env, spec(checkpoint={"path": path}), "checkpoint.path")
+
+
+def test_a_job_without_recorded_roots_is_confined_to_its_tenants_roots(start_env):
+    """A job submitted before confinement existed has no `job_storage` row: its launches and
+    exports still get its tenant's roots (it was unconfined: every path allowed)."""
+    from service.storage_policy import export_env, launch_env
+    from service.store.models import JobStorage
+
+    env = start_env(reconcile=False)
+    with env.client("bob") as c:
+        job_id = c.post("/v1/jobs", json=TINY).json()["id"]
+    with env.server.ctx.sessions() as s, s.begin():
+        s.delete(s.get(JobStorage, job_id))
+    with env.server.ctx.sessions() as s:
+        roots = StorageRoots.from_env(launch_env(env.settings, s, job_id))
+        exported = StorageRoots.from_env(
+            export_env(env.settings, s, job_id, "bob", f"{env.settings.checkpoint_dir}/bob/out")
+        )
+    assert roots is not None and roots.write[0] == f"{env.settings.checkpoint_dir}/bob"
+    assert not roots.allows(f"{env.settings.checkpoint_dir}/alice/x", "read")
+    assert exported is not None and exported.allows(f"{env.settings.checkpoint_dir}/bob/out", "write")
