@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -45,9 +46,38 @@ Panel = dict[str, Any]
 # --- building blocks ---------------------------------------------------------------------------
 
 
+# Series every API replica exports alike (read from the one store): per-job series and the job
+# counts by state. The API's own series (requests, the scheduler's) are each replica's and add up.
+_STORE_SERIES = re.compile(r"\belastron_jobs\b|\belastron_job_")
+_SUM = re.compile(r"\bsum(?:\s+by\s*\([^()]*\))?\s*\(")
+ONCE = "max without (instance, pod)"
+
+
+def counted_once(expr: str) -> str:
+    """`expr` with every sum over store-derived series taken over their max across API replicas
+    first: each replica exports the same per-job series, scraped as targets told apart by
+    `instance` (and `pod` through the chart's ServiceMonitor), so a plain sum counts a job once
+    per replica (the recording rules do the same; service/METRICS.md says why not one exporter)."""
+    out, i = [], 0
+    while (m := _SUM.search(expr, i)) is not None:
+        depth, j = 1, m.end()
+        while depth:
+            depth += {"(": 1, ")": -1}.get(expr[j], 0)
+            j += 1
+        inner = expr[m.end() : j - 1]
+        rewritten = counted_once(inner)
+        if _STORE_SERIES.search(inner) and not inner.startswith(ONCE):
+            rewritten = f"{ONCE} ({rewritten})"
+        out.append(f"{expr[i : m.end()]}{rewritten})")
+        i = j
+    out.append(expr[i:])
+    return "".join(out)
+
+
 def target(expr: str, legend: str = "", *, instant: bool = False, table: bool = False) -> dict[str, Any]:
-    """One Prometheus query of a panel (refIds are assigned by the panel)."""
-    t: dict[str, Any] = {"datasource": DS, "expr": expr, "legendFormat": legend or "__auto"}
+    """One Prometheus query of a panel (refIds are assigned by the panel), its sums over
+    store-derived series counted once across API replicas (`counted_once`)."""
+    t: dict[str, Any] = {"datasource": DS, "expr": counted_once(expr), "legendFormat": legend or "__auto"}
     if instant:
         t.update(instant=True, range=False)
     else:
@@ -281,7 +311,7 @@ def annotation(name: str, expr: str, *, color: str, title: str, text: str, tags:
         "name": name,
         "datasource": DS,
         "enable": True,
-        "expr": expr,
+        "expr": counted_once(expr),
         "iconColor": color,
         "step": "1m",
         "titleFormat": title,

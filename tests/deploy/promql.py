@@ -40,8 +40,8 @@ DCGM_LABELS = {
 
 # Series Prometheus writes itself for every target.
 PROMETHEUS_BUILTINS = {"up", "scrape_duration_seconds", "scrape_samples_scraped"}
-# Labels every scraped series has (target labels).
-TARGET_LABELS = {"job", "instance"}
+# Labels every scraped series has (target labels; `pod` where the chart's ServiceMonitor scrapes).
+TARGET_LABELS = {"job", "instance", "pod"}
 # Labels the elastron API puts on every per-job series (METRICS.md's preamble).
 PER_JOB_LABELS = {"job", "tenant"}
 

@@ -328,3 +328,50 @@ def test_provisioning_points_grafana_at_prometheus_and_the_dashboards() -> None:
     assert provider["type"] == "file"
     # The compose file mounts deploy/grafana/dashboards at this path (tests/deploy/test_compose.py).
     assert provider["options"]["path"] == "/var/lib/grafana/dashboards/elastron"
+
+
+def _generator():
+    sys.path.insert(0, str(GENERATOR.parent))
+    try:
+        import generate  # deploy/grafana/generate.py: standard library only
+    finally:
+        sys.path.pop(0)
+    return generate
+
+
+def test_sums_over_store_series_take_the_max_across_api_replicas_first() -> None:
+    """Every API replica exports the same per-job series (issue 61): a dashboard that sums them
+    as scraped shows each job once per replica (two replicas: 20 tokens/s for 10)."""
+    once = _generator().counted_once
+    assert once("sum(rate(elastron_job_tokens_total{job=\"a\"}[5m]))") == (
+        'sum(max without (instance, pod) (rate(elastron_job_tokens_total{job="a"}[5m])))'
+    )
+    assert once("histogram_quantile(0.5, sum by (le) (rate(elastron_job_step_seconds_bucket[1m])))") == (
+        "histogram_quantile(0.5, sum by (le) (max without (instance, pod) "
+        "(rate(elastron_job_step_seconds_bucket[1m]))))"
+    )
+    # Each replica's own series add up; recording-rule outputs are already counted once.
+    for own in ("sum by (status) (rate(elastron_http_requests_total[1m]))", "sum(elastron_job:tokens_per_second:rate2m)"):
+        assert once(own) == own
+    assert once(once("sum(elastron_jobs)")) == "sum(max without (instance, pod) (elastron_jobs))"
+    store = re.compile(r"\belastron_jobs\b|\belastron_job_")
+    summed = re.compile(r"\bsum(?:\s+by\s*\([^()]*\))?\s*\(")
+    checked = 0
+    for path in DASHBOARDS:
+        for where, expr in queries(load(path)):
+            for m in summed.finditer(expr):
+                inner = _balanced(expr[m.end() :])
+                if store.search(inner):
+                    checked += 1
+                    assert inner.startswith("max without (instance, pod)"), f"{path.name} {where}: {expr}"
+    assert checked >= 20  # the fleet's and one job's counters, rates and histograms
+
+
+def _balanced(text: str) -> str:
+    """The text up to the parenthesis that closes an already-open one."""
+    depth = 1
+    for i, ch in enumerate(text):
+        depth += {"(": 1, ")": -1}.get(ch, 0)
+        if depth == 0:
+            return text[:i]
+    return text
