@@ -75,20 +75,22 @@ class BodySizeLimit:
                 await self._reject(send)
 
     async def _reject(self, send: Send) -> None:
-        body = json.dumps(
-            {"detail": f"request body larger than {self.max_bytes} bytes (ELASTRON_MAX_BODY_BYTES)"}
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 413,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
+        await send_problem(
+            send, 413, f"request body larger than {self.max_bytes} bytes (ELASTRON_MAX_BODY_BYTES)"
         )
-        await send({"type": "http.response.body", "body": body})
+
+
+async def send_problem(send: Send, status: int, detail: str) -> None:
+    """A whole JSON `{"detail": ...}` response sent from middleware, where no route answers."""
+    body = json.dumps({"detail": detail}).encode()
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
 
 
 @dataclass(frozen=True)
@@ -207,20 +209,9 @@ class ResponseSizeLimit:
         await self.app(scope, receive, checking_send)
 
     async def _refuse(self, send: Send, size: int) -> None:
-        body = json.dumps(
-            {
-                "detail": f"the response would be {size} bytes, more than ELASTRON_MAX_RESPONSE_BYTES "
-                f"({self.max_bytes}): ask for less (a smaller limit=, a narrower filter)"
-            }
-        ).encode()
-        await send(
-            {
-                "type": "http.response.start",
-                "status": 400,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                ],
-            }
+        await send_problem(
+            send,
+            400,
+            f"the response would be {size} bytes, more than ELASTRON_MAX_RESPONSE_BYTES "
+            f"({self.max_bytes}): ask for less (a smaller limit=, a narrower filter)",
         )
-        await send({"type": "http.response.body", "body": body})
