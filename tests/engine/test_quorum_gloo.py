@@ -25,9 +25,11 @@ FULL = timedelta(seconds=4)
 RENDEZVOUS = timedelta(seconds=0.3)
 
 
-def _peer(store_addr: str, lag_s: float) -> None:
-    """Rank 1: configure, wait `lag_s`, one all-reduce."""
+def _peer(store_addr: str, lag_s: float, ready=None) -> None:
+    """Rank 1: (say it is about to) configure, wait `lag_s`, one all-reduce."""
     pg = QuorumGloo(FULL, RENDEZVOUS)
+    if ready is not None:
+        ready.set()
     pg.configure(store_addr, "peer", 1, 2)
     time.sleep(lag_s)
     pg.allreduce([torch.ones(4)], torch.distributed.ReduceOp.SUM).wait()
@@ -75,9 +77,13 @@ def test_the_collectives_keep_the_full_timeout(store):
     the all-reduce completes (the rendezvous timeout must not become the collectives')."""
     ctx = _ctx()
     addr = f"127.0.0.1:{store.port}/lag"
-    peer = ctx.Process(target=_peer, args=(addr, 3 * RENDEZVOUS.total_seconds()), daemon=True)
+    ready = ctx.Event()
+    peer = ctx.Process(target=_peer, args=(addr, 3 * RENDEZVOUS.total_seconds(), ready), daemon=True)
     peer.start()
     try:
+        # Both sides reach the rendezvous together, as a quorum's peers do: a peer process
+        # still starting on a loaded machine would otherwise miss the 0.3 s rendezvous itself.
+        assert ready.wait(30), "the peer process did not start"
         pg = QuorumGloo(FULL, RENDEZVOUS)
         pg.configure(addr, "me", 0, 2)
         t = torch.ones(4)
