@@ -217,5 +217,12 @@ def test_a_restart_starts_its_ranks_in_warm_processes(ray_cluster, telemetry, tm
     assert result.exit_code == 0 and result.attempts == 2, result
     (recovered,) = telemetry.events(job_id, "recovered")
     assert recovered["warm_process"] is True, recovered
-    assert recovered["recovered_from"] in _expected_source(telemetry, job_id), recovered
+    expected = _expected_source(telemetry, job_id)
+    if recovered["recovered_from"] == "persistent":
+        # The kill landed after a checkpoint committed and before the next step's snapshot: no
+        # snapshot is newer than the checkpoint, which is then the right source (recovery.py),
+        # and it lost at most that one step. Memory recovery broken would lose up to 99.
+        assert recovered["steps_lost"] is not None and recovered["steps_lost"] <= 1, recovered
+    else:
+        assert recovered["recovered_from"] in expected, recovered
     assert max(telemetry.final_records(job_id)) == 400
