@@ -52,6 +52,19 @@ def _post(env, job_id: str, token: str, fence: int | None = None) -> httpx.Respo
     )
 
 
+def _rank0_sender(env, job_id: str, launch_env: dict, fencing_token: int, spool: str = "spool", **kw):
+    """Rank 0's telemetry client of the attempt launched with `launch_env`."""
+    return TelemetrySender(
+        telemetry_url(env.server.url, job_id),
+        job_id,
+        "rank-0",
+        token=launch_env[contract.ENV_API_TOKEN],
+        fencing_token=fencing_token,
+        spool_dir=env.settings.home / spool,
+        **kw,
+    )
+
+
 def test_a_late_landing_submission_is_fenced_refused_and_stopped(start_env):
     launcher = LateLauncher()
     env = start_env(launcher, ray_timeout_s=0.2)
@@ -86,15 +99,7 @@ def test_a_late_landing_submission_is_fenced_refused_and_stopped(start_env):
 
     # The orphan's own telemetry client obeys: it stops sending and calls its owner's exit.
     told: list[str] = []
-    orphan = TelemetrySender(
-        telemetry_url(env.server.url, job_id),
-        job_id,
-        "rank-0",
-        token=orphan_env[contract.ENV_API_TOKEN],
-        fencing_token=1,
-        spool_dir=env.settings.home / "spool",
-        on_fenced=told.append,
-    )
+    orphan = _rank0_sender(env, job_id, orphan_env, 1, on_fenced=told.append)
     orphan.record({"iteration": 1, "loss": 1.0, "attempt": 0, "group": 0})
     orphan.flush(10)
     assert orphan.fenced.is_set() and len(told) == 1 and "fencing token 1" in told[0]
@@ -104,24 +109,10 @@ def test_a_late_landing_submission_is_fenced_refused_and_stopped(start_env):
 
     # ... and rank 0 of the orphan never commits a checkpoint: the guard before the commit exits.
     exits: list[str] = []
-    current = TelemetrySender(
-        telemetry_url(env.server.url, job_id),
-        job_id,
-        "rank-0",
-        token=current_env[contract.ENV_API_TOKEN],
-        fencing_token=2,
-        spool_dir=env.settings.home / "spool",
-    )
+    current = _rank0_sender(env, job_id, current_env, 2)
     commit_guard(current, exit=exits.append)(10)
     assert exits == []  # the current attempt commits
-    fresh_orphan = TelemetrySender(
-        telemetry_url(env.server.url, job_id),
-        job_id,
-        "rank-0",
-        token=orphan_env[contract.ENV_API_TOKEN],
-        fencing_token=1,
-        spool_dir=env.settings.home / "spool2",
-    )
+    fresh_orphan = _rank0_sender(env, job_id, orphan_env, 1, "spool2")
     commit_guard(fresh_orphan, exit=exits.append)(10)  # has sent nothing since it was fenced
     assert len(exits) == 1 and "iteration 10 is not committed" in exits[0]
 
