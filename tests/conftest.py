@@ -1,11 +1,14 @@
 """Suite-wide hooks: under ELASTRON_REQUIRE_TOOLS=1 a skip for a missing tool is a failure
-(tests/tools.py states the rule)."""
+(tests/tools.py states the rule); the one Ray cluster of the session and its leak guard
+(tests/ray_cluster.py), for every test that asks for `ray_cluster`."""
 
 from __future__ import annotations
 
 import pytest
 
 from tests.tools import REQUIRE_TOOLS, is_missing_tool, tools_required
+
+pytest_plugins = ["tests.ray_cluster"]
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -12,6 +12,7 @@ import yaml
 
 from engine.jobspec import parse_job
 from engine.rerun_state_machine import Diagnosis, ErrorInjector
+from tests.ray_cluster import leftovers
 from tests.workers.telemetry_server import TelemetryServer
 from workers.driver import JobResult, WorkerRunOptions, run_job
 
@@ -47,18 +48,15 @@ def elastron_train(spec: dict, workdir: Path) -> list[dict]:
     return [json.loads(line) for line in metrics.read_text().splitlines()]
 
 
-def leftovers() -> dict[str, list]:
-    """Ray Train actors and placement groups still alive on the cluster this process is on."""
-    import ray
-    from ray.util.state import list_actors
-
-    actors = [
-        a.class_name
-        for a in list_actors(filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
-        if a.class_name in ("RayTrainWorker", "TrainController", "JobRegistry", "PlacementGroupCleaner")
-    ]
-    groups = [g for g in ray.util.placement_group_table().values() if g["state"] != "REMOVED"]
-    return {"actors": actors, "placement_groups": groups}
+def ray_train_leftovers(cluster) -> dict[str, list]:
+    """Ray Train's actors and the placement groups still alive on `cluster` (the whole cluster,
+    not only what this test started: tests/ray_cluster.py's guard checks that after each test)."""
+    left = leftovers(cluster)
+    train_actors = ("RayTrainWorker", "TrainController", "JobRegistry", "PlacementGroupCleaner")
+    return {
+        "actors": sorted(cls for cls, _ in left.actors.values() if cls in train_actors),
+        "placement_groups": sorted(left.placement_groups),
+    }
 
 
 def seed_with_one_early_injection(rate: int = 4, iterations: int = 8, only: bool = True) -> int:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from engine.jobspec.demand import rank_resources
 from service.launcher import RayJobsLauncher
-from tests.workers.conftest import worker_nodes
+from tests.ray_cluster import worker_nodes
 
 
 def test_capacity_lists_the_clusters_nodes_with_their_cpus(ray_cluster):

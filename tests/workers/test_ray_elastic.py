@@ -20,11 +20,12 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from engine.checkpointing.backends import open_storage
 from engine.checkpointing.commit import committed_iterations, latest_checkpoint
 from tests.environ import environment
+from tests.ray_cluster import worker_nodes
 from tests.waiting import wait_for
-from tests.workers.conftest import job, worker_nodes
+from tests.workers.conftest import job
 from tests.workers.ray_helpers import (
     kinds,
-    leftovers,
+    ray_train_leftovers,
     run,
     seed_with_one_early_injection,
 )
@@ -142,7 +143,7 @@ def test_elastic_job_shrinks_when_a_node_goes_and_grows_back_then_cancels(ray_cl
         "causes"
     ]
     assert kinds(telemetry, job_id)[-1] == "job_cancelled"
-    assert wait_for(lambda: leftovers() == {"actors": [], "placement_groups": []} or None, 60, "cleanup")
+    assert wait_for(lambda: ray_train_leftovers(c) == {"actors": [], "placement_groups": []} or None, 60, "cleanup")
     # Whatever save was in flight was committed or abandoned: the newest checkpoint is a committed one.
     storage = open_storage(str(tmp_path / "ckpt" / job_id))
     assert latest_checkpoint(storage, "rayjob") in committed_iterations(storage, "rayjob")

@@ -20,8 +20,9 @@ import threading
 
 import pytest
 
+from tests.ray_cluster import worker_nodes
 from tests.waiting import wait_for
-from tests.workers.conftest import job, worker_nodes
+from tests.workers.conftest import job
 from tests.workers.ray_helpers import elastron_train, run
 
 LOSS_RTOL = 1e-5

@@ -27,9 +27,10 @@ import threading
 import time
 
 from tests.environ import environment
+from tests.ray_cluster import worker_nodes
 from tests.waiting import wait_for
-from tests.workers.conftest import job, worker_nodes
-from tests.workers.ray_helpers import leftovers, run
+from tests.workers.conftest import job
+from tests.workers.ray_helpers import ray_train_leftovers, run
 
 INTERVAL = 5  # checkpoint.interval
 
@@ -176,7 +177,7 @@ def test_replicas_shrink_with_a_lost_node_grow_back_and_replace_one(ray_cluster,
     first = [final[i]["loss"] for i in range(1, 6)]
     end = [final[i]["loss"] for i in range(last - 4, last + 1)]
     assert sum(end) / 5 < 0.8 * sum(first) / 5, (first, end)
-    assert wait_for(lambda: leftovers() == {"actors": [], "placement_groups": []} or None, 60, "cleanup")
+    assert wait_for(lambda: ray_train_leftovers(c) == {"actors": [], "placement_groups": []} or None, 60, "cleanup")
     print(
         f"{time.time() - started:.1f} s; lost at {seen['before_loss']}, 1 replica from {small['ts'] - seen['lost_at']:.1f} s"
         f" after; MFU per-peak spread {max(per_peak) / min(per_peak):.3f}; grew back {regrown['ts'] - seen['added_at']:.1f} s after the node came; steps 2/1/2:"

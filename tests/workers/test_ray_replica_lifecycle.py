@@ -20,8 +20,9 @@ import signal
 import threading
 import time
 
+from tests.ray_cluster import worker_nodes
 from tests.waiting import wait_for
-from tests.workers.conftest import job, worker_nodes
+from tests.workers.conftest import job
 from tests.workers.ray_helpers import run
 
 # The first launch runs until the stop ends it; the relaunch trains this many steps past the stop.

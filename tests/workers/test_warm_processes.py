@@ -89,7 +89,7 @@ def test_a_prestarted_process_takes_the_next_rank_actor_with_torch_imported(ray_
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from tests.workers.conftest import worker_nodes
+    from tests.ray_cluster import worker_nodes
 
     node_id = worker_nodes(ray_cluster)[0].node_id
 
