@@ -50,8 +50,8 @@ def test_bench_runs_in_smoke_mode(path):
 
 @pytest.mark.parametrize("path", [p for p in benches() if p.stem in ON_RAY], ids=lambda p: p.stem)
 def test_bench_on_ray_runs_in_smoke_mode_on_the_shared_cluster(path, ray_cluster):
-    """The recovery bench: its Ray jobs' cold starts and restarts are most of its ~3 min on 2 cores
-    (five Ray jobs, each fit() ~20 s to its first step there): every figure it prints comes from
+    """Over 30 s: the recovery bench's five Ray jobs, their cold starts and restarts (each fit()
+    ~20 s to its first step on 2 cores), are most of its ~3 min; every figure it prints comes from
     one of them."""
     run = run_bench(path, smoke=True, timeout_s=SMOKE_TIMEOUT_S)
     assert run.ok, run.problem()

@@ -14,6 +14,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_gpu_check_runs_every_step_on_cpu(tmp_path):
+    """Over 30 s: every step of scripts/gpu_check.sh in its own processes (a nested pytest, the
+    bf16/fp32 correctness run, the MFU bench with torch.compile and fp8)."""
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable}
     proc = subprocess.run(
         ["bash", "scripts/gpu_check.sh", "--cpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600

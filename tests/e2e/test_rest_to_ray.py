@@ -44,6 +44,8 @@ def stack(tmp_path_factory):
 
 
 def test_job_over_rest_trains_on_ray_checkpoints_and_shows_on_metrics(stack):
+    """Over 30 s: `elastron up` starts its own Ray head and API as a user's machine would (this module
+    owns that cluster, not the suite's shared one), and one 2-rank job runs on it."""
     api, token, home = stack
     auth = {"Authorization": f"Bearer {token}"}
     job = {**JOB, "checkpoint": {"path": str(home / "ckpt"), "interval": 2}}

@@ -136,6 +136,8 @@ def test_transient_injection_continues_and_ends_on_the_clean_runs_loss(tmp_path)
 
 
 def test_persistent_error_injection_through_the_cli_exits_16_then_17_then_resumes(tmp_path):
+    """Over 30 s: three `elastron train` processes in a row (exit 16, exit 17, then the resume), as a
+    user's would run."""
     seed, bad_iteration = seed_with_one_early_injection(rate=4, iterations=6)
     job = make_job(tmp_path, error_injection_rate=4, error_injection_type="persistent_error")
     job["training"]["seed"] = seed

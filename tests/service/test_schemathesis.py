@@ -110,6 +110,7 @@ def test_every_operation_is_in_the_fuzzed_schema():
 @schema.parametrize()
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_no_server_errors(case, live_api):
+    """Over 30 s: 40 generated requests for every operation of the API over HTTP."""
     server, tokens, job_id = live_api
     if case.path_parameters and "job_id" in case.path_parameters:
         case.path_parameters["job_id"] = job_id  # unknown ids are all the same 404 (test_api_jobs)
@@ -124,6 +125,7 @@ def test_no_server_errors(case, live_api):
 @telemetry_schema.parametrize()
 @settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True)
 def test_no_accepted_telemetry_breaks_a_read(case, live_api):
+    """Over 30 s: 300 generated telemetry batches, each followed by every read of the job over HTTP."""
     server, tokens, job_id = live_api
     case.path_parameters["job_id"] = job_id
     case.call_and_validate(

@@ -34,6 +34,8 @@ from tests.workers.ray_helpers import (
 def test_persistent_fault_moves_to_other_hardware_excludes_the_node_and_finishes(
     ray_cluster, telemetry, tmp_path
 ):
+    """Over 30 s: three attempts on Ray (the fault reproduced in place, re-run on other hardware,
+    resumed away from the node)."""
     job_id = "move-1"
     spec = job(
         training={"seed": seed_with_one_early_injection(iterations=8), "train_iters": 8},
@@ -63,6 +65,7 @@ def test_persistent_fault_moves_to_other_hardware_excludes_the_node_and_finishes
 
 
 def test_elastic_job_shrinks_when_a_node_goes_and_grows_back_then_cancels(ray_cluster, telemetry, tmp_path):
+    """Over 30 s: a node removed and added back: three Ray worker group starts, the last one cancelled."""
     c = ray_cluster
     job_id = "elastic-1"
     spec = job(

@@ -86,7 +86,10 @@ def test_a_killed_rank_and_then_a_hung_rank_both_resume_from_the_last_checkpoint
     """Attempt 0: rank 1 is killed with SIGKILL. Attempt 1: rank 1 is frozen with SIGSTOP, so
     rank 0 waits in a collective that never returns, until its step watchdog fails it. Each
     time the job restarts from the newest committed checkpoint; it ends on the uninterrupted
-    run's losses."""
+    run's losses.
+
+    Over 30 s: three attempts on Ray, the second one waited out by its 10 s step watchdog (the hang
+    under test)."""
     job_id = "kill-1"
     spec = job(
         resilience={**TRANSIENT, "max_restarts": 2, "step_timeout_s": 10},

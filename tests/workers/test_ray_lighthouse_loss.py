@@ -33,6 +33,8 @@ def _lighthouses() -> list[int]:
 def test_a_lost_lighthouse_fails_the_replicas_at_once_and_a_new_one_takes_over(
     ray_cluster, telemetry, tmp_path
 ):
+    """Over 30 s: the replicas' group started twice on Ray (the lighthouse lost, then a new one), and
+    the reference run."""
     job_id = "ft-lighthouse-loss"
     seen: dict = {}
 

@@ -24,6 +24,8 @@ def _spec(name: str, iters: int = ITERS, **sections) -> dict:
 
 
 def test_a_preempted_job_is_requeued_and_resumes_to_the_uninterrupted_losses(ray_cluster, tmp_path):
+    """Over 30 s: two launches of the low job and one of the urgent job through the service, an API
+    restart between them, and the uninterrupted reference run."""
     with service_on_ray(ray_cluster, tmp_path) as service, service.client() as api, PlacementSampler() as sampler:
         jobs = JobView(api)
         low = jobs.submit(_spec("low"))["id"]

@@ -31,6 +31,8 @@ def _spec(name: str, iters: int = 4, ranks: int = 1, priority: int = 0) -> dict:
 
 
 def test_priority_fair_share_and_quota_order_on_ray(ray_cluster, tmp_path):
+    """Over 30 s: five Ray job launches through the service, one after another as ranks free (the order
+    they start in is what it checks)."""
     with (
         service_on_ray(ray_cluster, tmp_path) as service,
         service.client("admin") as admin,

@@ -80,6 +80,7 @@ def _check_final_losses(telemetry, job_id: str, reference: dict) -> None:
 def test_a_killed_rank_resumes_from_memory_losing_at_most_one_step(
     ray_cluster, telemetry, reference, tmp_path
 ):
+    """Over 30 s: two attempts on Ray (a rank killed, the group restarted from its nodes' snapshots)."""
     job_id = "mem-kill"
     done = _kill_rank_1_mid_run(telemetry, job_id, at=9)
     result = run(job_id, _spec(tmp_path), tmp_path / "runs")
@@ -123,6 +124,8 @@ def test_without_any_holder_the_group_falls_back_to_the_persistent_checkpoint(
 
 
 def test_a_lost_node_resumes_from_the_replica_on_the_other_node(ray_cluster, telemetry, reference, tmp_path):
+    """Over 30 s: a node removed and a fresh one added (a raylet start), then the group restarted on
+    it."""
     job_id = "mem-node"
     outcome: dict = {}
     # The driver runs in a thread: Ray starts and stops nodes from the main thread only.
@@ -190,7 +193,10 @@ def _warm_rank_processes(cluster) -> dict[str, int]:
 def test_a_restart_starts_its_ranks_in_warm_processes(ray_cluster, telemetry, tmp_path):
     """resilience.warm_restart (on with local_interval): once the ranks train, each node holds an
     idle process with torch and the engine imported; after a SIGKILL the new ranks start in them
-    (rank 0's `recovered` says warm_process) and resume from memory."""
+    (rank 0's `recovered` says warm_process) and resume from memory.
+
+    Over 30 s: two attempts on Ray, the restart only after every node's warm process has imported
+    torch."""
     job_id = "mem-warm"
     spec = job(
         training={"train_iters": 400, "log_interval": 100},

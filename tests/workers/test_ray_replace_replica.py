@@ -43,6 +43,8 @@ def _replica_pid(telemetry, job_id: str, replica: int, after: float = 0.0) -> in
 
 
 def test_a_killed_replica_is_replaced_while_the_other_keeps_stepping(ray_cluster, telemetry, tmp_path):
+    """Over 30 s: three replacements of a replica, each a new Ray worker process (~5 s on 2 cores),
+    which the survivor's 1000 steps must outlast, and the reference run."""
     job_id = "ft-replace"
     seen: dict = {"kills": []}
 

@@ -44,6 +44,8 @@ def _started(telemetry, job_id: str, replica: int, shard: int, after: float = 0.
 
 
 def test_a_rank_of_an_hsdp_replica_dies_the_replica_is_rebuilt_and_heals(ray_cluster, telemetry, tmp_path):
+    """Over 30 s: a 4-rank HSDP job on Ray (two replicas of two ranks), a replica rebuilt in new Ray
+    workers and healed from its peer, and the reference run."""
     job_id = "ft-hsdp"
     seen: dict = {}
 

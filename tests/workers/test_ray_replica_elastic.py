@@ -58,6 +58,8 @@ def _records_after(telemetry, job_id: str, after: float) -> list[dict]:
 
 
 def test_replicas_shrink_with_a_lost_node_grow_back_and_replace_one(ray_cluster, telemetry, tmp_path):
+    """Over 30 s: a node removed and added back and a replica replaced: each a new Ray worker group on
+    2 cores."""
     c = ray_cluster
     job_id = "ft-elastic"
     spec = job(

@@ -53,6 +53,8 @@ def _reached(telemetry, job_id: str) -> int:
 
 
 def test_replicas_through_a_lost_node_a_double_failure_and_a_preemption(ray_cluster, telemetry, tmp_path):
+    """Over 30 s: a lost node, a double failure and a preemption, each followed by new Ray worker
+    groups for the replicas."""
     c = ray_cluster
     job_id = "ft-lifecycle"
     spare = c.add_node(num_cpus=1)

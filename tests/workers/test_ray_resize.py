@@ -31,6 +31,8 @@ def _spec(name: str, iters: int = ITERS, **sections) -> dict:
 
 
 def test_an_elastic_job_shrinks_for_an_urgent_one_and_grows_back_on_ray(ray_cluster, tmp_path):
+    """Over 30 s: three launches of the 2-rank job through the service, the urgent job's, and the
+    uninterrupted reference run; each Ray Train fit() costs ~20 s of process starts on 2 cores."""
     with (
         service_on_ray(ray_cluster, tmp_path, scheduler_grow_after_s=0.0) as service,
         service.client() as api,
