@@ -105,6 +105,7 @@ def test_a_killed_rank_resumes_from_memory_losing_at_most_one_step(
 def test_without_any_holder_the_group_falls_back_to_the_persistent_checkpoint(
     ray_cluster, telemetry, reference, tmp_path
 ):
+    """Over 30 s: two attempts on Ray, the restart after both nodes' snapshot holders are gone."""
     from workers.snapshots import existing_holders, kill_holders
 
     job_id = "mem-lost"
