@@ -70,12 +70,11 @@ Figures (one JSON line each):
     python bench/recovery.py [--repeats 1] [--rounds 3] [--iterations 40]
         [--skip recovery|survive|overhead|snapshot_overhead|storage_faults]
         [--kill-every 30] [--heartbeat-timeout-ms MS ...] [--survive-job small|medium]
-        [--survive-iters N] [--compare-no-relay] [--ray-cpus 2] [--address RAY_ADDRESS] [--smoke]
+        [--survive-iters N] [--compare-no-relay] [--ray-cpus 2] [--smoke]
 
 `--smoke`: every figure above, each from the fewest steps, rounds and calls that still make it
 (one round, short jobs, the kill after SMOKE_SETTLE_S): a check that the bench runs, not a
-measurement. Most of its time is Ray: starting the local cluster (none under the test suite,
-whose RAY_ADDRESS names its shared one: `--address`), then the worker groups of
+measurement. Most of its time is Ray: starting the local cluster, then the worker groups of
 its Ray jobs (the recovery's restart and the survive job's replacement); the recovery runs
 the memory mode only (its code path includes the persistent mode's), the survive job's run with
 kills is its own throughput reference (no uninterrupted run), and the overhead figure's Ray side
@@ -1039,12 +1038,6 @@ def main() -> None:
         help="CPUs of the local Ray cluster (2: this machine's; a machine with spare cores, e.g. the GPU "
         "machines' 16, shows what the 2-core figures owe to the cores the ranks share with Ray)",
     )
-    parser.add_argument(
-        "--address",
-        default=os.environ.get("RAY_ADDRESS"),
-        help="a running Ray cluster to use (default $RAY_ADDRESS; the test suite's shared cluster for "
-        "--smoke, tests/ray_cluster.py) instead of starting a local one of --ray-cpus",
-    )
     parser.add_argument("--smoke", action="store_true", help="every figure from tiny runs: a check that it runs")
     args = parser.parse_args()
     if args.smoke:
@@ -1058,11 +1051,8 @@ def main() -> None:
         with tempfile.TemporaryDirectory(prefix="elastron-bench-faults-") as tmp:
             storage_faults(Path(tmp), args.repeats, smoke=args.smoke)
     receiver = Receiver()
-    os.environ["ELASTRON_API_URL"] = receiver.url
-    ray_tmp = None
-    if not args.address:  # a Ray of our own on this machine
-        ray_tmp = tempfile.mkdtemp(prefix="elr-bench-", dir="/tmp")
-        os.environ["RAY_TMPDIR"] = ray_tmp
+    ray_tmp = tempfile.mkdtemp(prefix="elr-bench-", dir="/tmp")  # a Ray of our own on this machine
+    os.environ.update(RAY_TMPDIR=ray_tmp, ELASTRON_API_URL=receiver.url)
     # The local Ray's workers import this checkout too, not whatever elastron the venv installed.
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
     os.environ.pop("ELASTRON_API_TOKEN", None)
@@ -1073,16 +1063,13 @@ def main() -> None:
         from workers.warm_processes import job_runtime_env
 
         # As the driver connects for a fast-recovery job (workers/driver.py: _connect).
-        if args.address:  # a running cluster (the test suite's shared one): its CPUs, not --ray-cpus
-            ray.init(address=args.address, log_to_driver=False, runtime_env=job_runtime_env())
-        else:
-            ray.init(
-                address="local",
-                num_cpus=args.ray_cpus,
-                include_dashboard=True,
-                log_to_driver=False,
-                runtime_env=job_runtime_env(),
-            )
+        ray.init(
+            address="local",
+            num_cpus=args.ray_cpus,
+            include_dashboard=True,
+            log_to_driver=False,
+            runtime_env=job_runtime_env(),
+        )
         try:
             telemetry_cost(receiver, 500 if args.smoke else 20000)
             if "recovery" not in args.skip:
@@ -1124,8 +1111,7 @@ def main() -> None:
                 )
         finally:
             ray.shutdown()
-            if ray_tmp:
-                shutil.rmtree(ray_tmp, ignore_errors=True)
+            shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,10 @@ on it behind.
 The cluster is `ray.cluster_utils.Cluster`: a head without CPUs (drivers, Ray Train controllers,
 job registries) and two one-CPU worker nodes, so a 2-rank job spans two Ray nodes and a node can
 be removed and added back. Starting it (three raylets, the GCS, the dashboard and its agents)
-costs ~10 s on a 2-core machine, so every test that needs Ray uses this one: the Ray tests in
-tests/workers, the bench smoke runs (tests/test_bench_smoke.py: RAY_ADDRESS names it to the
-bench's process). A test that must own its cluster says so (tests/e2e: `elastron up` starts one
-as users do). Ray's temp folder (and with it the `ray_current_cluster` file that Ray's State API
+costs ~10 s on a 2-core machine, so every Ray test in tests/workers uses this one. A test that
+must own its cluster says so (tests/e2e: `elastron up` starts one as users do; the recovery
+bench's smoke run starts its own: on this cluster after the workers tests its kill did not land).
+Ray's temp folder (and with it the `ray_current_cluster` file that Ray's State API
 and Ray Train's placement-group cleaner use to find "the" cluster) is private: several Ray
 clusters on one machine (other test runs, a developer's `ray start`) must not see each other.
 

@@ -1,13 +1,10 @@
 """Every bench in bench/ runs in its --smoke mode (tiny sizes, seconds) and prints its figures,
 so a bench broken by an engine change fails here instead of on the next person who needs its
 number. The numbers are not asserted: they are not benchmarks at this size. (A bench another
-test smokes already, SMOKED_ELSEWHERE, is not run twice.) A bench that runs Ray jobs (ON_RAY) runs
-them on the session's shared cluster (tests/ray_cluster.py: its RAY_ADDRESS reaches the bench's
-process, which then starts no cluster of its own) and is held to the cluster's leak guard."""
+test smokes already, SMOKED_ELSEWHERE, is not run twice.)"""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
@@ -31,28 +28,10 @@ def test_benches_smoked_elsewhere_are_smoked_there():
         assert Path(script).name in (root / test).read_text(), f"{test} no longer runs {script}"
 
 
-# Benches that start Ray jobs: their smoke runs use the shared test cluster.
-ON_RAY = {"recovery"}
-
-
-def test_the_benches_on_ray_are_the_ones_that_import_it():
-    importing = {p.stem for p in benches() if re.search(r"^\s*import ray\b", p.read_text(), re.M)}
-    assert importing == ON_RAY, f"benches importing ray: {sorted(importing)}; ON_RAY: {sorted(ON_RAY)}"
-
-
-@pytest.mark.parametrize(
-    "path", [p for p in benches() if p.stem not in set(SMOKED_ELSEWHERE) | ON_RAY], ids=lambda p: p.stem
-)
+@pytest.mark.parametrize("path", [p for p in benches() if p.stem not in SMOKED_ELSEWHERE], ids=lambda p: p.stem)
 def test_bench_runs_in_smoke_mode(path):
-    run = run_bench(path, smoke=True, timeout_s=SMOKE_TIMEOUT_S)
-    assert run.ok, run.problem()
-
-
-@pytest.mark.parametrize("path", [p for p in benches() if p.stem in ON_RAY], ids=lambda p: p.stem)
-def test_bench_on_ray_runs_in_smoke_mode_on_the_shared_cluster(path, ray_cluster):
-    """Over 30 s: the recovery bench's five Ray jobs, their cold starts and restarts (each fit()
-    ~20 s to its first step on 2 cores), are most of its ~3 min; every figure it prints comes from
-    one of them."""
+    """Over 30 s for the recovery bench: its five Ray jobs on a Ray cluster of its own, their cold
+    starts and restarts (each fit() ~20 s to its first step on 2 cores); the others take seconds."""
     run = run_bench(path, smoke=True, timeout_s=SMOKE_TIMEOUT_S)
     assert run.ok, run.problem()
 

@@ -1,6 +1,6 @@
 """Fixtures for the Ray tests: a telemetry receiver (the control plane's side of the wire) and
 the small job every test trains. The cluster they share, and the guard that fails a test which
-leaves work on it, are tests/ray_cluster.py's (the bench smoke runs use the same cluster); a test
+leaves work on it, are tests/ray_cluster.py's; a test
 that removes a node adds one back.
 """
 
