@@ -30,8 +30,8 @@ def test_benches_smoked_elsewhere_are_smoked_there():
 
 @pytest.mark.parametrize("path", [p for p in benches() if p.stem not in SMOKED_ELSEWHERE], ids=lambda p: p.stem)
 def test_bench_runs_in_smoke_mode(path):
-    """Over 30 s for the recovery bench: its five Ray jobs on a Ray cluster of its own, their cold
-    starts and restarts (each fit() ~20 s to its first step on 2 cores); the others take seconds."""
+    """Over 30 s: the recovery bench (the others take seconds): its five Ray jobs on a Ray cluster
+    of its own, their cold starts and restarts (each fit() ~20 s to its first step on 2 cores)."""
     run = run_bench(path, smoke=True, timeout_s=SMOKE_TIMEOUT_S)
     assert run.ok, run.problem()
 
