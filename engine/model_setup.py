@@ -19,6 +19,7 @@ from engine.compile import compile_layers
 from engine.distributed.data_parallel import DataParallel
 from engine.distributed.deferred_init import DeferredInit, buffers_to, materialize_rest, params_on_meta
 from engine.hf.importer import ImportReport, import_hf_weights
+from engine.hf.peft import load_adapters, read_adapter
 from engine.jobspec import JobSpec
 from engine.models import GPTModel
 from engine.models.bert import BertModel
@@ -183,7 +184,10 @@ def build_model_and_optimizer(
             initialize=lambda chunk, only: initialize_weights(chunk, t.seed, only=only),
         )
     if spec.model.lora is not None:  # adapters on the base as it now is; the base is frozen
-        attach_lora(chunks, spec.model.lora, config, t.seed, import_from=spec.model.lora.init_from)
+        lora = spec.model.lora
+        targets = attach_lora(chunks, lora, config, t.seed)
+        if lora.init_from is not None:  # a PEFT folder's adapters over the drawn ones
+            load_adapters(chunks, read_adapter(lora.init_from, lora, targets), lora.init_from)
     ddp_chunks = wrap_data_parallel(spec, config, chunks, deferred)
     grad_scaler = None
     if t.precision == "fp16":

@@ -36,66 +36,17 @@ FSDP2 decision is in param_gather.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.distributed.bucket import Bucket
 from engine.distributed.bucket_plan import ROOT_UNIT, BucketPlan, ParamSlot, Segment, plan_buckets
 from engine.distributed.deferred_init import DeferredInit
 from engine.distributed.param_gather import ParamGatherer, Unit
 from engine.distributed.sharding import LEVELS, SHARDING_LEVELS
 from engine.distributed.state_view import CheckpointView
 from engine.parallel_placement import placement_of
-
-__all__ = ["SHARDING_LEVELS", "Bucket", "DataParallel"]
-
-
-@dataclass(eq=False)
-class Bucket:
-    """A planned bucket with its parameters, the group it is reduced and sharded over (dense:
-    the DP or HSDP shard group; experts: the expert data-parallel group), this rank's place in
-    it, the HSDP replica group its reduced shards are then summed over (dense only), and the
-    tensors the level's strategies keep for it; `flight` is the gradient strategy's state for
-    the current step."""
-
-    plan: BucketPlan
-    params: list[nn.Parameter]
-    group: object | None = None
-    rank: int = 0
-    replica_group: object | None = None
-    grad: torch.Tensor | None = None  # the whole gradient's view, or a staging buffer (sharded grads)
-    grad_shard: torch.Tensor | None = None  # this rank's persistent reduced gradient (sharded grads)
-    param: torch.Tensor | None = None  # view of the flat parameter buffer (FlatBuffer)
-    param_shard: torch.Tensor | None = None  # persistent parameter shard (UnitShards)
-    full: torch.Tensor | None = None  # gathered parameters, freed between uses (UnitShards)
-    unit: Unit | None = None
-    flight: object | None = None
-
-    @property
-    def offset(self) -> int:
-        return self.plan.offset
-
-    @property
-    def numel(self) -> int:
-        return self.plan.numel
-
-    @property
-    def world(self) -> int:
-        return self.plan.world
-
-    @property
-    def expert(self) -> bool:
-        return self.plan.expert
-
-    @property
-    def shard_numel(self) -> int:
-        return self.plan.shard_numel
-
-    def shard_range(self) -> tuple[int, int]:
-        """This rank's slice of the bucket, as offsets into the bucket."""
-        return self.plan.shard_range(self.rank)
 
 
 class DataParallel(nn.Module):
@@ -154,7 +105,7 @@ class DataParallel(nn.Module):
         self.plan = plan_buckets(
             slots, bucket_size, world=self.sdp, expert_world=self.edp, units=len(layers) if level.shards_params else None
         )
-        self._params = params
+        self.trainable_params = params  # every parameter with a gradient, in registration order
         self.buckets = [self._bucket(b, params) for b in self.plan.buckets]
         self._slot = {id(p): (b, s) for b in self.buckets for p, s in zip(b.params, b.plan.segments, strict=True)}
         if level.shards_params:
@@ -238,7 +189,7 @@ class DataParallel(nn.Module):
     def _segments(self) -> list[tuple[nn.Parameter, int, int, Bucket, int]]:
         """(param, lo, hi, bucket, offset of lo in the bucket's shard) for what this rank owns."""
         owned = self.plan.owned(self.sdp_rank, self.edp_rank, sharded=self.shard)
-        return [(self._params[o.param], o.lo, o.hi, self.buckets[o.bucket], o.shard_offset) for o in owned]
+        return [(self.trainable_params[o.param], o.lo, o.hi, self.buckets[o.bucket], o.shard_offset) for o in owned]
 
     def param_shard_ranges(self) -> list[tuple[nn.Parameter, int, int]]:
         """(param, lo, hi): the flat element range of each param this DP rank owns (all of

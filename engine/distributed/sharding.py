@@ -27,18 +27,45 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from engine.distributed.bucket import Bucket
+from engine.distributed.bucket_plan import Segment
 from engine.distributed.collectives import all_gather_into, reduce_scatter_into
 from engine.distributed.deferred_init import DeferredInit, materialize
-from engine.distributed.param_gather import ParamGatherer
+from engine.distributed.param_gather import ParamGatherer, Unit
 
-if TYPE_CHECKING:
-    from engine.distributed.data_parallel import Bucket, DataParallel
+
+class BucketOwner(Protocol):
+    """The data-parallel chunk the strategies serve (DataParallel, data_parallel.py), as they see
+    it: its buckets and flat gradient buffer, its groups' sizes, the step's backward count, and
+    where each parameter sits. `units` (layers, under sharded parameters only): the per-layer
+    units, the root unit and the layers, for param_gather.py."""
+
+    module: nn.Module
+    trainable_params: list[nn.Parameter]
+    buckets: list[Bucket]
+    group: dist.ProcessGroup | None
+    dp: int
+    overlap: bool
+    grad_dtype: torch.dtype
+    grad_buffer: torch.Tensor
+    expected_backwards: int
+    deferred: DeferredInit | None
+    units: tuple[list[Unit], Unit, list[nn.Module]]
+
+    @property
+    def gatherer(self) -> ParamGatherer | None: ...
+
+    def bucket_for(self, param: nn.Parameter) -> Bucket: ...
+
+    def segment_for(self, param: nn.Parameter) -> Segment: ...
+
+    def needs_sync(self, bucket: Bucket) -> bool: ...
 
 
 class WholeGrads:
@@ -60,7 +87,7 @@ class WholeGrads:
     def buffer_numel(self, buckets: list[Bucket]) -> int:
         return sum(b.numel for b in buckets)
 
-    def attach(self, dp: DataParallel, buffer: torch.Tensor) -> None:
+    def attach(self, dp: BucketOwner, buffer: torch.Tensor) -> None:
         for bucket in dp.buckets:
             bucket.grad = buffer[bucket.offset : bucket.offset + bucket.numel]
             bucket.flight = _WholeFlight(pending=set())
@@ -69,12 +96,12 @@ class WholeGrads:
                 if p.dtype == buffer.dtype:
                     p.grad = p.main_grad  # autograd accumulates straight into the buffer
 
-    def start_step(self, dp: DataParallel) -> None:
+    def start_step(self, dp: BucketOwner) -> None:
         self._seen.clear()
         for bucket in dp.buckets:
             bucket.flight = _WholeFlight(pending={id(p) for p in bucket.params})
 
-    def on_ready(self, dp: DataParallel, param: nn.Parameter) -> None:
+    def on_ready(self, dp: BucketOwner, param: nn.Parameter) -> None:
         if param.grad is not None and param.grad.data_ptr() != param.main_grad.data_ptr():
             param.main_grad.add_(param.grad)  # other dtype, or someone reset .grad
             param.grad = param.main_grad if param.dtype == param.main_grad.dtype else None
@@ -86,7 +113,7 @@ class WholeGrads:
             if dp.overlap and not bucket.flight.pending:
                 self._launch(dp, bucket)
 
-    def _launch(self, dp: DataParallel, bucket: Bucket) -> None:
+    def _launch(self, dp: BucketOwner, bucket: Bucket) -> None:
         flight = bucket.flight
         flight.launched = True
         if not dp.needs_sync(bucket):
@@ -104,7 +131,7 @@ class WholeGrads:
             group = bucket.group if bucket.expert else dp.group
             flight.work = dist.all_reduce(bucket.grad, group=group, async_op=True)
 
-    def finish(self, dp: DataParallel) -> None:
+    def finish(self, dp: BucketOwner) -> None:
         for bucket in dp.buckets:
             if not bucket.flight.launched and dp.needs_sync(bucket):
                 self._launch(dp, bucket)
@@ -123,7 +150,7 @@ class WholeGrads:
     def view(self, bucket: Bucket, param: nn.Parameter, lo: int, hi: int, shard_offset: int) -> torch.Tensor:
         return param.main_grad.view(-1)[lo:hi]
 
-    def unsharded(self, dp: DataParallel) -> dict[int, torch.Tensor]:
+    def unsharded(self, dp: BucketOwner) -> dict[int, torch.Tensor]:
         return {id(p): p.main_grad.detach().clone() for b in dp.buckets for p in b.params}
 
 
@@ -170,20 +197,20 @@ class StagedGrads:
     def buffer_numel(self, buckets: list[Bucket]) -> int:
         return sum(b.shard_numel for b in buckets)
 
-    def attach(self, dp: DataParallel, buffer: torch.Tensor) -> None:
+    def attach(self, dp: BucketOwner, buffer: torch.Tensor) -> None:
         offset = 0
         for bucket in dp.buckets:
             bucket.grad_shard = buffer[offset : offset + bucket.shard_numel]
             offset += bucket.shard_numel
             bucket.grad, bucket.flight = None, _StagedFlight()
 
-    def start_step(self, dp: DataParallel) -> None:
+    def start_step(self, dp: BucketOwner) -> None:
         for bucket in dp.buckets:
             bucket.grad, bucket.flight = None, _StagedFlight()
         self._rounds_done = {}
         self._outstanding.clear()
 
-    def on_ready(self, dp: DataParallel, param: nn.Parameter) -> None:
+    def on_ready(self, dp: BucketOwner, param: nn.Parameter) -> None:
         """Copy this microbatch's grad into the bucket's staging buffer; once every param of the
         bucket has its grad of the microbatch, reduce-scatter it (a round)."""
         bucket = dp.bucket_for(param)
@@ -200,7 +227,7 @@ class StagedGrads:
         if len(flight.round) == len(bucket.params):
             self._launch_round(dp, bucket)
 
-    def _launch_round(self, dp: DataParallel, bucket: Bucket) -> None:
+    def _launch_round(self, dp: BucketOwner, bucket: Bucket) -> None:
         staged, bucket.grad, bucket.flight.round = bucket.grad, None, set()
         if bucket.flight.inflight:  # at most one round of a bucket in flight
             self._outstanding.remove(bucket)
@@ -234,7 +261,7 @@ class StagedGrads:
             bucket.grad_shard.add_(out)
         bucket.flight.inflight = []
 
-    def finish(self, dp: DataParallel) -> None:
+    def finish(self, dp: BucketOwner) -> None:
         for bucket in dp.buckets:
             if bucket.grad is not None:
                 self._launch_round(dp, bucket)
@@ -244,7 +271,7 @@ class StagedGrads:
     def view(self, bucket: Bucket, param: nn.Parameter, lo: int, hi: int, shard_offset: int) -> torch.Tensor:
         return bucket.grad_shard[shard_offset : shard_offset + hi - lo]
 
-    def unsharded(self, dp: DataParallel) -> dict[int, torch.Tensor]:
+    def unsharded(self, dp: BucketOwner) -> dict[int, torch.Tensor]:
         out = {}
         for bucket in dp.buckets:
             full = torch.empty(bucket.numel, dtype=bucket.grad_shard.dtype, device=bucket.grad_shard.device)
@@ -265,8 +292,8 @@ class InPlace:
     gatherer: ParamGatherer | None = None
     by_unit = False
 
-    def attach(self, dp: DataParallel, dtype: torch.dtype, device: torch.device) -> None:
-        for p in dp._params:  # a model built on the meta device: each parameter gets its own tensor
+    def attach(self, dp: BucketOwner, dtype: torch.dtype, device: torch.device) -> None:
+        for p in dp.trainable_params:  # a model built on the meta device: each parameter gets its own tensor
             if p.is_meta:
                 materialize(p, torch.empty(p.shape, dtype=p.dtype, device=device), dp.deferred)
 
@@ -276,16 +303,16 @@ class InPlace:
     def after_backward(self) -> None:
         pass
 
-    def after_step(self, dp: DataParallel) -> None:
+    def after_step(self, dp: BucketOwner) -> None:
         pass
 
     def gather_all(self) -> None:
         pass
 
-    def loaded(self, dp: DataParallel) -> None:
+    def loaded(self, dp: BucketOwner) -> None:
         pass
 
-    def memory_bytes(self, dp: DataParallel) -> int:
+    def memory_bytes(self, dp: BucketOwner) -> int:
         return sum(p.numel() * p.element_size() for p in dp.module.parameters())
 
 
@@ -294,14 +321,14 @@ class FlatBuffer(InPlace):
     that after each rank has updated its shard one all-gather per bucket brings every rank's
     parameters up to date (the distributed optimizer)."""
 
-    def attach(self, dp: DataParallel, dtype: torch.dtype, device: torch.device) -> None:
+    def attach(self, dp: BucketOwner, dtype: torch.dtype, device: torch.device) -> None:
         self.buffer = torch.zeros(sum(b.numel for b in dp.buckets), dtype=dtype, device=device)
         for bucket in dp.buckets:
             bucket.param = self.buffer[bucket.offset : bucket.offset + bucket.numel]
             _move_into(bucket, bucket.param, dp.deferred)
 
     @torch.no_grad()
-    def after_step(self, dp: DataParallel) -> None:
+    def after_step(self, dp: BucketOwner) -> None:
         works = []
         for bucket in dp.buckets:
             if bucket.world == 1:  # this rank updated all of it
@@ -326,7 +353,7 @@ class UnitShards(InPlace):
     by_unit = True
 
     @torch.no_grad()
-    def attach(self, dp: DataParallel, dtype: torch.dtype, device: torch.device) -> None:
+    def attach(self, dp: BucketOwner, dtype: torch.dtype, device: torch.device) -> None:
         for bucket in dp.buckets:
             bucket.full = torch.zeros(bucket.numel, dtype=dtype, device=device)
             _move_into(bucket, bucket.full, dp.deferred)
@@ -342,19 +369,19 @@ class UnitShards(InPlace):
     def after_backward(self) -> None:
         self.gatherer.free_all()
 
-    def after_step(self, dp: DataParallel) -> None:
+    def after_step(self, dp: BucketOwner) -> None:
         # Drop any gathered copy, now stale; each use gathers the new shards.
         self.gatherer.free_all()
 
     def gather_all(self) -> None:
         self.gatherer.gather_all()
 
-    def loaded(self, dp: DataParallel) -> None:
+    def loaded(self, dp: BucketOwner) -> None:
         for bucket in dp.buckets:
             lo, hi = bucket.shard_range()
             bucket.param_shard.copy_(bucket.full[lo:hi])
 
-    def memory_bytes(self, dp: DataParallel) -> int:
+    def memory_bytes(self, dp: BucketOwner) -> int:
         return sum(
             b.param_shard.numel() * b.param_shard.element_size() + b.full.untyped_storage().nbytes()
             for b in dp.buckets

@@ -15,15 +15,37 @@ A checkpoint needs three things of data parallelism:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
-if TYPE_CHECKING:
-    from engine.distributed.data_parallel import DataParallel
+from engine.distributed.bucket import Bucket
+
+
+class ViewedChunk(Protocol):
+    """What `CheckpointView.of` reads of a data-parallel chunk (DataParallel, data_parallel.py):
+    its buckets, what its level shards, the flat ranges this rank owns and the assembly steps."""
+
+    buckets: Sequence[Bucket]
+
+    @property
+    def shard(self) -> bool: ...
+
+    @property
+    def shard_params(self) -> bool: ...
+
+    def param_shard_ranges(self) -> list[tuple[torch.Tensor, int, int]]: ...
+
+    def param_views(self) -> list[torch.Tensor]: ...
+
+    def gather_all_params(self) -> None: ...
+
+    def params_loaded(self) -> None: ...
+
+    def gather_params(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -72,7 +94,7 @@ class CheckpointView:
         return self._holdings.get(id(param))
 
     @classmethod
-    def of(cls, dp: DataParallel) -> CheckpointView:
+    def of(cls, dp: ViewedChunk) -> CheckpointView:
         holdings = {}
         for bucket in dp.buckets:
             shared = bucket.world > 1 and bucket.group is not None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from engine.hf.families import Segment, Shapes, _grouped_qkv, _vocab, _whole
+from engine.hf.segment import Segment, Shapes, grouped_qkv, vocab
 
 _LAYER = re.compile(r"^encoder\.layers\.(\d+)\.(.+)$")
 
@@ -52,19 +52,19 @@ def bert_segments(our_name: str, s: Shapes) -> list[Segment]:
         module, _, kind = suffix.rpartition(".")
         if module == "self_attention.linear_qkv":
             names = (f"{prefix}.attention.self.{p}.{kind}" for p in ("query", "key", "value"))
-            return _grouped_qkv(*names, s.heads)
+            return grouped_qkv(*names, s.heads)
         if module in _IN_LAYER:
             return [Segment(f"{prefix}.{_IN_LAYER[module]}.{kind}", 0, -1)]
         raise KeyError(our_name)
     if our_name == "embedding.weight" or (our_name == "output_layer.weight" and s.tie_embeddings):
-        return _vocab("bert.embeddings.word_embeddings.weight", s)
+        return vocab("bert.embeddings.word_embeddings.weight", s)
     if our_name == "output_layer.weight":
-        return _vocab("cls.predictions.decoder.weight", s)
+        return vocab("cls.predictions.decoder.weight", s)
     if our_name == "output_layer.bias":
-        return _vocab("cls.predictions.bias", s)
+        return vocab("cls.predictions.bias", s)
     if our_name in _OWN:
         return [Segment(_OWN[our_name], 0, -1)]
     raise KeyError(our_name)
 
 
-__all__ = ["TIED_COPIES", "bert_segments", "_whole"]
+__all__ = ["TIED_COPIES", "bert_segments"]

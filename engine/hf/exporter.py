@@ -29,7 +29,8 @@ from engine.checkpointing import raw_io
 from engine.checkpointing.backends import open_storage
 from engine.checkpointing.commit import open_checkpoint, resolve_checkpoint
 from engine.data.tokenizer import build_tokenizer, local_tokenizer_path
-from engine.hf.families import Shapes, hf_tensors
+from engine.hf.families import hf_tensors
+from engine.hf.segment import Shapes
 from engine.jobspec import JobSpec, parse_job, parse_tokenizer_spec
 from engine.jobspec.hf_config import HFConfigError, read_hf_config
 from engine.jobspec.hf_export_config import hf_config_for

@@ -2,10 +2,10 @@
 
 Our names are `GPTModel.global_param_name`'s (layer numbers global, tied output = embedding,
 experts numbered globally). Each of our tensors is, along its first dimension, a concatenation
-of `Segment`s: row ranges of Hugging Face tensors (or zero rows: the vocabulary padding). Import
-reads, for the rows a rank holds, the overlapping part of each segment; export cuts the full
-tensor back into segments and puts each HF tensor together from its pieces. So one table per
-family drives both directions and every layout. Fused tensors use Megatron-Core's layouts:
+of `Segment`s (segment.py): row ranges of Hugging Face tensors (or zero rows: the vocabulary
+padding). Import reads, for the rows a rank holds, the overlapping part of each segment; export
+cuts the full tensor back into segments and puts each HF tensor together from its pieces. So one
+table per family drives both directions and every layout. Fused tensors use Megatron-Core's layouts:
 
 - `linear_qkv` is [groups x (q_per_group + 2) x head_dim, hidden]: per query group its queries,
   then its key, then its value, so a TP shard is a block of whole groups and reads contiguous row
@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from dataclasses import dataclass
-from typing import Any
 
 import torch
 
+from engine.hf.bert_tensors import bert_segments
+from engine.hf.segment import Heads, Segment, Shapes, grouped_qkv, vocab, whole
+from engine.hf.t5 import t5_segments
 from engine.jobspec.hf_families import family
 
 # Model state that only some families store: the aux-loss-free expert bias (DeepSeek-V3's
@@ -33,84 +34,10 @@ from engine.jobspec.hf_families import family
 NOT_WEIGHTS = (".mlp.router.expert_bias",)
 
 
-@dataclass(frozen=True)
-class Segment:
-    """`length` rows of our tensor: rows `start:start+length` of HF tensor `name` (its columns
-    when `transposed`), or zeros when `name` is None (vocabulary padding)."""
-
-    name: str | None
-    start: int
-    length: int
-    transposed: bool = False
-    order: tuple[int, ...] | None = None  # our row i is the HF row start + order[i]
-
-
 def interleaved_rope_order(dim: int) -> tuple[int, ...]:
     """DeepSeek's checkpoints store RoPE dimensions interleaved (x0, y0, x1, y1, ...; its
     `rope_interleave`); ours rotate halves (x0, x1, ..., y0, y1, ...): our row i is HF row order[i]."""
     return tuple(range(0, dim, 2)) + tuple(range(1, dim, 2))
-
-
-@dataclass(frozen=True)
-class Heads:
-    num_attention_heads: int
-    num_query_groups: int
-    head_dim: int
-
-    @property
-    def q_per_group(self) -> int:
-        return self.num_attention_heads // self.num_query_groups
-
-
-@dataclass(frozen=True)
-class Shapes:
-    """What the mapping needs of the model: head layout, widths, true and padded vocabulary."""
-
-    heads: Heads
-    hidden_size: int
-    ffn_hidden_size: int
-    expert_ffn_hidden_size: int
-    vocab_size: int
-    padded_vocab_size: int
-    tie_embeddings: bool
-    shared_expert_ffn_hidden_size: int | None = None
-    mla: Any = None  # the MLASpec of an MLA model
-    rope_interleave: bool = True  # DeepSeek checkpoints: RoPE dimensions interleaved
-    num_layers: int = 0  # DeepSeek's MTP depths are stored as the layers after these
-
-    @classmethod
-    def of(cls, config: Any) -> Shapes:
-        """From a TransformerConfig (or anything with its field names)."""
-        moe = getattr(config, "moe", None)
-        return cls(
-            heads=Heads(config.num_attention_heads, config.num_query_groups, config.head_dim),
-            hidden_size=config.hidden_size,
-            ffn_hidden_size=config.ffn_hidden_size,
-            expert_ffn_hidden_size=moe.ffn_hidden_size if moe is not None else config.ffn_hidden_size,
-            vocab_size=config.vocab_size,
-            padded_vocab_size=config.padded_vocab_size,
-            tie_embeddings=config.tie_embeddings,
-            shared_expert_ffn_hidden_size=moe.shared_expert_ffn_hidden_size if moe is not None else None,
-            mla=getattr(config, "mla", None),
-            num_layers=config.num_layers,
-        )
-
-
-def _whole(name: str, rows: int) -> list[Segment]:
-    return [Segment(name, 0, rows)]
-
-
-def _vocab(name: str, s: Shapes) -> list[Segment]:
-    pad = s.padded_vocab_size - s.vocab_size
-    return [Segment(name, 0, s.vocab_size)] + ([Segment(None, 0, pad)] if pad else [])
-
-
-def _grouped_qkv(q: str, k: str, v: str, h: Heads) -> list[Segment]:
-    d, qg = h.head_dim, h.q_per_group
-    out = []
-    for g in range(h.num_query_groups):
-        out += [Segment(q, g * qg * d, qg * d), Segment(k, g * d, d), Segment(v, g * d, d)]
-    return out
 
 
 def _gpt2_qkv(name: str, h: Heads, transposed: bool) -> list[Segment]:
@@ -134,18 +61,18 @@ def _llama_layer(prefix: str, suffix: str, s: Shapes, arch: str) -> list[Segment
     mixtral = family(arch).moe == "mixtral"  # block_sparse_moe, experts' w1/w3/w2
     moe = f"{prefix}.block_sparse_moe" if mixtral else f"{prefix}.mlp"
     table: dict[str, list[Segment]] = {
-        "input_layernorm.weight": _whole(f"{prefix}.input_layernorm.weight", hidden),
-        "pre_mlp_layernorm.weight": _whole(f"{prefix}.post_attention_layernorm.weight", hidden),
-        "self_attention.linear_qkv.weight": _grouped_qkv(*(f"{n}.weight" for n in qkv), h),
-        "self_attention.linear_qkv.bias": _grouped_qkv(*(f"{n}.bias" for n in qkv), h),
-        "self_attention.linear_proj.weight": _whole(f"{attn}.o_proj.weight", hidden),
-        "self_attention.q_layernorm.weight": _whole(f"{attn}.q_norm.weight", h.head_dim),
-        "self_attention.k_layernorm.weight": _whole(f"{attn}.k_norm.weight", h.head_dim),
+        "input_layernorm.weight": whole(f"{prefix}.input_layernorm.weight", hidden),
+        "pre_mlp_layernorm.weight": whole(f"{prefix}.post_attention_layernorm.weight", hidden),
+        "self_attention.linear_qkv.weight": grouped_qkv(*(f"{n}.weight" for n in qkv), h),
+        "self_attention.linear_qkv.bias": grouped_qkv(*(f"{n}.bias" for n in qkv), h),
+        "self_attention.linear_proj.weight": whole(f"{attn}.o_proj.weight", hidden),
+        "self_attention.q_layernorm.weight": whole(f"{attn}.q_norm.weight", h.head_dim),
+        "self_attention.k_layernorm.weight": whole(f"{attn}.k_norm.weight", h.head_dim),
         "mlp.linear_fc1.weight": [
             Segment(f"{prefix}.mlp.gate_proj.weight", 0, s.ffn_hidden_size),
             Segment(f"{prefix}.mlp.up_proj.weight", 0, s.ffn_hidden_size),
         ],
-        "mlp.linear_fc2.weight": _whole(f"{prefix}.mlp.down_proj.weight", hidden),
+        "mlp.linear_fc2.weight": whole(f"{prefix}.mlp.down_proj.weight", hidden),
         "mlp.router.weight": [Segment(f"{moe}.gate.weight", 0, -1)],
     }
     if suffix in table:
@@ -159,7 +86,7 @@ def _llama_layer(prefix: str, suffix: str, s: Shapes, arch: str) -> list[Segment
             gate, up, down = (f"{moe}.experts.{j}.{w}_proj.weight" for w in ("gate", "up", "down"))
         if which == "linear_fc1":
             return [Segment(gate, 0, f), Segment(up, 0, f)]
-        return _whole(down, hidden)
+        return whole(down, hidden)
     raise KeyError(suffix)
 
 
@@ -182,8 +109,8 @@ def _deepseek_layer(prefix: str, suffix: str, s: Shapes) -> list[Segment]:
 
     shared = s.shared_expert_ffn_hidden_size
     table = {
-        "input_layernorm.weight": _whole(f"{prefix}.input_layernorm.weight", hidden),
-        "pre_mlp_layernorm.weight": _whole(f"{prefix}.post_attention_layernorm.weight", hidden),
+        "input_layernorm.weight": whole(f"{prefix}.input_layernorm.weight", hidden),
+        "pre_mlp_layernorm.weight": whole(f"{prefix}.post_attention_layernorm.weight", hidden),
         "self_attention.linear_q_proj.weight": per_head_q(f"{attn}.q_proj.weight"),
         "self_attention.linear_q_down_proj.weight": [Segment(f"{attn}.q_a_proj.weight", 0, -1)],
         "self_attention.q_layernorm.weight": [Segment(f"{attn}.q_a_layernorm.weight", 0, -1)],
@@ -192,14 +119,14 @@ def _deepseek_layer(prefix: str, suffix: str, s: Shapes) -> list[Segment]:
             Segment(f"{attn}.kv_a_proj_with_mqa.weight", 0, mla.kv_lora_rank),
             Segment(f"{attn}.kv_a_proj_with_mqa.weight", mla.kv_lora_rank, rope, order=order),
         ],
-        "self_attention.kv_layernorm.weight": _whole(f"{attn}.kv_a_layernorm.weight", mla.kv_lora_rank),
+        "self_attention.kv_layernorm.weight": whole(f"{attn}.kv_a_layernorm.weight", mla.kv_lora_rank),
         "self_attention.linear_kv_up_proj.weight": [Segment(f"{attn}.kv_b_proj.weight", 0, -1)],
-        "self_attention.linear_proj.weight": _whole(f"{attn}.o_proj.weight", hidden),
+        "self_attention.linear_proj.weight": whole(f"{attn}.o_proj.weight", hidden),
         "mlp.linear_fc1.weight": [
             Segment(f"{mlp}.gate_proj.weight", 0, s.ffn_hidden_size),
             Segment(f"{mlp}.up_proj.weight", 0, s.ffn_hidden_size),
         ],
-        "mlp.linear_fc2.weight": _whole(f"{mlp}.down_proj.weight", hidden),
+        "mlp.linear_fc2.weight": whole(f"{mlp}.down_proj.weight", hidden),
         "mlp.router.weight": [Segment(f"{mlp}.gate.weight", 0, -1)],
         "mlp.router.expert_bias": [Segment(f"{mlp}.gate.e_score_correction_bias", 0, -1)],
     }
@@ -208,7 +135,7 @@ def _deepseek_layer(prefix: str, suffix: str, s: Shapes) -> list[Segment]:
             Segment(f"{mlp}.shared_experts.gate_proj.weight", 0, shared),
             Segment(f"{mlp}.shared_experts.up_proj.weight", 0, shared),
         ]
-        table["mlp.shared_expert.linear_fc2.weight"] = _whole(
+        table["mlp.shared_expert.linear_fc2.weight"] = whole(
             f"{mlp}.shared_experts.down_proj.weight", hidden
         )
     if suffix in table:
@@ -221,7 +148,7 @@ def _deepseek_layer(prefix: str, suffix: str, s: Shapes) -> list[Segment]:
                 Segment(f"{mlp}.experts.{j}.gate_proj.weight", 0, f),
                 Segment(f"{mlp}.experts.{j}.up_proj.weight", 0, f),
             ]
-        return _whole(f"{mlp}.experts.{j}.down_proj.weight", hidden)
+        return whole(f"{mlp}.experts.{j}.down_proj.weight", hidden)
     raise KeyError(suffix)
 
 
@@ -232,10 +159,10 @@ def _deepseek_mtp(depth: int, suffix: str, s: Shapes) -> list[Segment]:
     output layer are not ours to read (our depths share the model's own)."""
     prefix = f"model.layers.{s.num_layers + depth}"
     own = {
-        "enorm.weight": _whole(f"{prefix}.enorm.weight", s.hidden_size),
-        "hnorm.weight": _whole(f"{prefix}.hnorm.weight", s.hidden_size),
-        "eh_proj.weight": _whole(f"{prefix}.eh_proj.weight", s.hidden_size),
-        "final_layernorm.weight": _whole(f"{prefix}.shared_head.norm.weight", s.hidden_size),
+        "enorm.weight": whole(f"{prefix}.enorm.weight", s.hidden_size),
+        "hnorm.weight": whole(f"{prefix}.hnorm.weight", s.hidden_size),
+        "eh_proj.weight": whole(f"{prefix}.eh_proj.weight", s.hidden_size),
+        "final_layernorm.weight": whole(f"{prefix}.shared_head.norm.weight", s.hidden_size),
     }
     if suffix in own:
         return own[suffix]
@@ -247,18 +174,18 @@ def _deepseek_mtp(depth: int, suffix: str, s: Shapes) -> list[Segment]:
 def _gpt2_layer(prefix: str, suffix: str, s: Shapes) -> list[Segment]:
     hidden, ffn = s.hidden_size, s.ffn_hidden_size
     table = {
-        "input_layernorm.weight": _whole(f"{prefix}.ln_1.weight", hidden),
-        "input_layernorm.bias": _whole(f"{prefix}.ln_1.bias", hidden),
-        "pre_mlp_layernorm.weight": _whole(f"{prefix}.ln_2.weight", hidden),
-        "pre_mlp_layernorm.bias": _whole(f"{prefix}.ln_2.bias", hidden),
+        "input_layernorm.weight": whole(f"{prefix}.ln_1.weight", hidden),
+        "input_layernorm.bias": whole(f"{prefix}.ln_1.bias", hidden),
+        "pre_mlp_layernorm.weight": whole(f"{prefix}.ln_2.weight", hidden),
+        "pre_mlp_layernorm.bias": whole(f"{prefix}.ln_2.bias", hidden),
         "self_attention.linear_qkv.weight": _gpt2_qkv(f"{prefix}.attn.c_attn.weight", s.heads, True),
         "self_attention.linear_qkv.bias": _gpt2_qkv(f"{prefix}.attn.c_attn.bias", s.heads, False),
         "self_attention.linear_proj.weight": [Segment(f"{prefix}.attn.c_proj.weight", 0, hidden, True)],
-        "self_attention.linear_proj.bias": _whole(f"{prefix}.attn.c_proj.bias", hidden),
+        "self_attention.linear_proj.bias": whole(f"{prefix}.attn.c_proj.bias", hidden),
         "mlp.linear_fc1.weight": [Segment(f"{prefix}.mlp.c_fc.weight", 0, ffn, True)],
-        "mlp.linear_fc1.bias": _whole(f"{prefix}.mlp.c_fc.bias", ffn),
+        "mlp.linear_fc1.bias": whole(f"{prefix}.mlp.c_fc.bias", ffn),
         "mlp.linear_fc2.weight": [Segment(f"{prefix}.mlp.c_proj.weight", 0, hidden, True)],
-        "mlp.linear_fc2.bias": _whole(f"{prefix}.mlp.c_proj.bias", hidden),
+        "mlp.linear_fc2.bias": whole(f"{prefix}.mlp.c_proj.bias", hidden),
     }
     if suffix in table:
         return table[suffix]
@@ -270,12 +197,8 @@ def segments(arch: str, our_name: str, s: Shapes) -> list[Segment]:
     family has no tensor for it (a model feature the family lacks)."""
     layout = family(arch).layout
     if layout == "bert":
-        from engine.hf.bert_tensors import bert_segments
-
         return bert_segments(our_name, s)
-    if layout == "t5":  # engine/hf/t5.py (which builds on the helpers above)
-        from engine.hf.t5 import t5_segments
-
+    if layout == "t5":  # engine/hf/t5.py (built from the same pieces, segment.py)
         return t5_segments(our_name, s)
     gpt2 = layout == "gpt2"
     m = _LAYER.match(our_name)
@@ -292,14 +215,14 @@ def segments(arch: str, our_name: str, s: Shapes) -> list[Segment]:
         return _deepseek_mtp(int(m.group(1)), m.group(2), s)
     embed = "transformer.wte.weight" if gpt2 else "model.embed_tokens.weight"
     if our_name == "embedding.weight" or (our_name == "output_layer.weight" and s.tie_embeddings):
-        return _vocab(embed, s)
+        return vocab(embed, s)
     if our_name == "output_layer.weight":
-        return _vocab("lm_head.weight", s)
+        return vocab("lm_head.weight", s)
     if gpt2 and our_name == "position_embeddings.weight":
         return [Segment("transformer.wpe.weight", 0, -1)]
     final = {"decoder.final_layernorm.weight": "weight", "decoder.final_layernorm.bias": "bias"}
     if our_name in final:
-        return _whole(f"{'transformer.ln_f' if gpt2 else 'model.norm'}.{final[our_name]}", s.hidden_size)
+        return whole(f"{'transformer.ln_f' if gpt2 else 'model.norm'}.{final[our_name]}", s.hidden_size)
     raise KeyError(our_name)
 
 

@@ -24,8 +24,9 @@ import torch.distributed as dist
 from torch import nn
 
 from engine import parallel_state as ps
-from engine.hf.families import NOT_WEIGHTS, Segment, Shapes, resolve_lengths, segments
+from engine.hf.families import NOT_WEIGHTS, resolve_lengths, segments
 from engine.hf.reader import HFCheckpointError, HFFolder
+from engine.hf.segment import Segment, Shapes
 from engine.hf.t5 import UNREAD as T5_UNREAD
 from engine.jobspec.hf_config import read_hf_config
 from engine.parallel_placement import placement_of

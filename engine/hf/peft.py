@@ -30,6 +30,7 @@ from engine import parallel_state as ps
 from engine.jobspec.lora import HF_MODULES, LoRASpec
 from engine.parallel_placement import placement_of
 from engine.tensor_parallel import shard_of
+from engine.transformer.lora import adapter_params
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -149,8 +150,6 @@ def read_adapter(folder: str | Path, lora: LoRASpec, projections: Sequence[str])
 def load_adapters(chunks: Sequence[nn.Module], tensors: dict[str, torch.Tensor], where: str) -> None:
     """Every adapter of `chunks` from `tensors` (whole, by global name): this rank's shard of each.
     A missing adapter, or one of another shape, fails naming both."""
-    from engine.transformer.lora import adapter_params
-
     world, rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
     for chunk in chunks:
         for name, p in adapter_params(chunk):

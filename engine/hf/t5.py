@@ -20,7 +20,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from engine.hf.families import Segment, _grouped_qkv, _vocab, _whole
+from engine.hf.segment import Segment, grouped_qkv, vocab, whole
 
 # Copies of shared.weight some T5 folders carry, and a table transformers itself never reads.
 UNREAD = (
@@ -47,28 +47,28 @@ def _layer(stack: str, index: str, suffix: str, s: Any) -> list[Segment]:
     attn, cross = f"{block}.0.SelfAttention", f"{block}.1.EncDecAttention"
     hidden = s.hidden_size
     table = {
-        "input_layernorm.weight": _whole(f"{block}.0.layer_norm.weight", hidden),
-        "self_attention.linear_qkv.weight": _grouped_qkv(
+        "input_layernorm.weight": whole(f"{block}.0.layer_norm.weight", hidden),
+        "self_attention.linear_qkv.weight": grouped_qkv(
             f"{attn}.q.weight", f"{attn}.k.weight", f"{attn}.v.weight", s.heads
         ),
-        "self_attention.linear_proj.weight": _whole(f"{attn}.o.weight", hidden),
-        "pre_mlp_layernorm.weight": _whole(f"{ff}.layer_norm.weight", hidden),
+        "self_attention.linear_proj.weight": whole(f"{attn}.o.weight", hidden),
+        "pre_mlp_layernorm.weight": whole(f"{ff}.layer_norm.weight", hidden),
         "mlp.linear_fc1.weight": [
             Segment(f"{ff}.DenseReluDense.wi_0.weight", 0, s.ffn_hidden_size),
             Segment(f"{ff}.DenseReluDense.wi_1.weight", 0, s.ffn_hidden_size),
         ],
-        "mlp.linear_fc2.weight": _whole(f"{ff}.DenseReluDense.wo.weight", hidden),
+        "mlp.linear_fc2.weight": whole(f"{ff}.DenseReluDense.wo.weight", hidden),
     }
     if decoder:
         heads = s.heads
         table.update(
             {
-                "pre_cross_attn_layernorm.weight": _whole(f"{block}.1.layer_norm.weight", hidden),
-                "cross_attention.linear_q.weight": _whole(
+                "pre_cross_attn_layernorm.weight": whole(f"{block}.1.layer_norm.weight", hidden),
+                "cross_attention.linear_q.weight": whole(
                     f"{cross}.q.weight", heads.num_attention_heads * heads.head_dim
                 ),
                 "cross_attention.linear_kv.weight": _kv(f"{cross}.k.weight", f"{cross}.v.weight", heads),
-                "cross_attention.linear_proj.weight": _whole(f"{cross}.o.weight", hidden),
+                "cross_attention.linear_proj.weight": whole(f"{cross}.o.weight", hidden),
             }
         )
     if suffix in table:
@@ -85,9 +85,9 @@ def t5_segments(our_name: str, s: Any) -> list[Segment]:
         if our_name == f"{stack}.relative_attention_bias.weight":
             return [Segment(f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight", 0, -1)]
         if our_name == f"{stack}.final_layernorm.weight":
-            return _whole(f"{stack}.final_layer_norm.weight", s.hidden_size)
+            return whole(f"{stack}.final_layer_norm.weight", s.hidden_size)
     if our_name == "embedding.weight" or (our_name == "output_layer.weight" and s.tie_embeddings):
-        return _vocab("shared.weight", s)
+        return vocab("shared.weight", s)
     if our_name == "output_layer.weight":
-        return _vocab("lm_head.weight", s)
+        return vocab("lm_head.weight", s)
     raise KeyError(our_name)

@@ -148,12 +148,13 @@ class LoRA(nn.Module):
 
 
 def attach_lora(
-    chunks: Sequence[nn.Module], spec: LoRASpec, config: TransformerConfig, seed: int, import_from: str | None = None
-) -> None:
+    chunks: Sequence[nn.Module], spec: LoRASpec, config: TransformerConfig, seed: int
+) -> tuple[str, ...]:
     """Put adapters on the targeted projections of every decoder layer of `chunks`, draw them
-    (module docstring) or load them from the PEFT folder `import_from` (model.lora.init_from),
-    and freeze everything else. Run after the base weights are in place (initialised or
-    imported) and before data parallelism wraps the chunks."""
+    (module docstring) and freeze everything else; returns the Hugging Face projections
+    targeted. Run after the base weights are in place (initialised or imported) and before data
+    parallelism wraps the chunks. Adapters from a PEFT folder (model.lora.init_from) are loaded
+    over the drawn ones by the caller (engine/hf/peft.py's `load_adapters`)."""
     c = config
     tp = ps.get_tensor_model_parallel_world_size()
     gated = is_gated(c.activation)
@@ -184,10 +185,7 @@ def attach_lora(
         for _, p in adapter_params(chunk):
             p.requires_grad_(True)
         initialize_adapters(chunk, spec, seed)
-    if import_from is not None:
-        from engine.hf.peft import load_adapters, read_adapter
-
-        load_adapters(chunks, read_adapter(import_from, spec, targets), import_from)
+    return targets
 
 
 def adapter_params(chunk: nn.Module) -> list[tuple[str, nn.Parameter]]:
