@@ -1,6 +1,6 @@
 """The scheduler on a day of a 1,024-GPU cluster: a seeded synthetic trace replayed on a simulated
-clock through the service's pure core (service/scheduling/core.py, the function the reconciler
-calls), against plain FIFO and against greedy first fit (today's behaviour: every job handed to
+clock through the service's pure decision (service/scheduling/decision.py, the function the
+reconciler calls), against plain FIFO and against greedy first fit (today's behaviour: every job handed to
 Ray at once, which places whatever fits) in the same run.
 
 The trace's shape follows the published GPU-cluster traces, Microsoft's Philly (Jeon et al.,
@@ -31,7 +31,8 @@ import random
 import statistics
 import time
 
-from service.scheduling.core import Job, Node, Policy, Running, Shape, decide
+from service.scheduling.decision import decide
+from service.scheduling.model import Job, Node, Policy, Running, Shape
 from service.scheduling.simulate import Simulation, TraceJob
 
 GPUS_PER_NODE, CPUS_PER_NODE = 8, 96

@@ -41,7 +41,7 @@ from enum import StrEnum
 from typing import Any
 
 from engine.jobspec import contract
-from service.scheduling.core import Node
+from service.scheduling.model import Node
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Where a job's ranks go: on its first attempt where the service's scheduler admitted it, and
 after a restart back on the node each ran on, if it can.
 
-The scheduler (service/scheduling/core.py) admits a job only where its ranks fit by its own
+The scheduler (service/scheduling/placement.py) admits a job only where its ranks fit by its own
 count per node and passes the placement in ELASTRON_PLACEMENT; pinning the first attempt's
 workers to it keeps Ray from putting them elsewhere, into room the scheduler has counted for
 another job (whose gang would then wait in Ray). A fixed-size job gets one selector per worker

@@ -89,8 +89,8 @@ def queue(
             nodes=len(alive),
             cpus=sum(n.cpus for n in alive),
             gpus=sum(n.gpus for n in alive),
-            allocated_cpus=rec.allocated[0],
-            allocated_gpus=rec.allocated[1],
+            allocated_cpus=rec.scheduling.allocated[0],
+            allocated_gpus=rec.scheduling.allocated[1],
             read_at=_time(rec.capacity_at),
         )
     return QueueOut(jobs=entries, cluster=cluster)

@@ -7,7 +7,7 @@
   ELASTRON_MAX_PRIORITY (admins: any): otherwise any tenant could declare its jobs the most urgent
   and preempt everyone (issue 61). Above it: 422 naming the field;
 - a job that could never run, on the whole cluster as the reconciler last read it or within its
-  tenant's quota, is a 422 naming the numbers (core.never_fits). Capacity not known yet: accepted;
+  tenant's quota, is a 422 naming the numbers (placement.never_fits). Capacity not known yet: accepted;
 - at most `queued` jobs of the tenant waiting (429 naming the limit).
 
 And what is kept on the job row for the scheduler: priority, whether it may be preempted, its
@@ -21,8 +21,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from engine.jobspec import JobSpec
-from service.scheduling.core import Node, never_fits
 from service.scheduling.demand import Demand, core_job, demand_of, may_preempt
+from service.scheduling.model import Node
+from service.scheduling.placement import never_fits
 from service.scheduling.state import quota_of
 from service.settings import Settings
 from service.states import JobState

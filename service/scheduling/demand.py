@@ -1,4 +1,4 @@
-"""A stored job as the scheduler's core sees it: its demand (sizes and per-rank resources, from the
+"""A stored job as the scheduler's decision sees it: its demand (sizes and per-rank resources, from the
 spec as run), whether it may be preempted, and the spec it is launched with at its admitted size.
 
 The per-rank rule and the sizes come from engine/jobspec/demand.py, the same functions the workers'
@@ -17,7 +17,7 @@ from typing import Any
 from engine.jobspec import JobSpec
 from engine.jobspec.demand import CPUS_PER_RANK, run_sizes, uses_gpu
 from engine.jobspec.layout import model_parallel_size
-from service.scheduling.core import Job, Node, Shape
+from service.scheduling.model import Job, Node, Shape
 
 
 @dataclass(frozen=True)
@@ -118,7 +118,7 @@ def core_job(
 
 
 def launch_size(demand: Demand, admitted: int) -> int:
-    """The largest size the job runs on that is at most what was admitted (the core counts
+    """The largest size the job runs on that is at most what was admitted (the scheduler counts
     multiples of `step`; a multiple may still not validate, e.g. a batch it does not divide)."""
     fitting = [s for s in demand.sizes if s <= admitted]
     return fitting[-1] if fitting else demand.sizes[0]

@@ -1,4 +1,5 @@
-"""Replay a trace of jobs through the scheduler's pure core on a simulated clock.
+"""Replay a trace of jobs through the scheduler's pure decision (service/scheduling/decision.py)
+on a simulated clock.
 
 The property tests and bench/scheduler.py drive `decide` exactly as the reconciler does: a
 decision after every arrival, completion and finished stop, admissions started at once,
@@ -15,7 +16,9 @@ import itertools
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from service.scheduling.core import Decision, Job, Node, Policy, Quota, Running, decide, never_fits
+from service.scheduling.decision import Decision, decide
+from service.scheduling.model import Job, Node, Policy, Quota, Running
+from service.scheduling.placement import never_fits
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 the tenants' quotas, and which running jobs are already being stopped.
 
 One query for the non-final jobs (no specs loaded: each row carries its demand, computed at
-submission), one for the quotas. What is read here is everything the core decides on, so an API
+submission), one for the quotas. What is read here is everything the scheduler decides on, so an API
 restarted over the same store rebuilds the same queue.
 """
 
@@ -13,9 +13,9 @@ from dataclasses import dataclass, field
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from service.scheduling.core import Job as CoreJob
-from service.scheduling.core import Node, Quota, Running
 from service.scheduling.demand import Demand, core_job, place_anywhere, stored_demand
+from service.scheduling.model import Job as CoreJob
+from service.scheduling.model import Node, Quota, Running
 from service.states import FINAL, JobState
 from service.store.models import Job, TenantQuota
 

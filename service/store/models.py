@@ -105,7 +105,7 @@ class Job(Base):
     yields_to: Mapped[str | None] = mapped_column(String(96), nullable=True)  # requeued behind this job
     preempt_requested_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     preempt_reason: Mapped[str | None] = mapped_column(Text, nullable=True)
-    # A resize in progress (service/reconciler.py): the job is asked to save its step and stop, as
+    # A resize in progress (service/reconcile/resize.py): the job is asked to save its step and stop, as
     # a preemption is, and is then launched again at once at this size and placement.
     resize_to: Mapped[int | None] = mapped_column(Integer, nullable=True)
     resize_placement: Mapped[dict[str, int] | None] = mapped_column(JSON, nullable=True)

@@ -42,7 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 from engine.launcher import free_port
 from service.app import create_app  # noqa: E402
 from service.launcher import LaunchStatus  # noqa: E402
-from service.scheduling.core import Node  # noqa: E402
+from service.scheduling.model import Node  # noqa: E402
 from service.settings import Settings  # noqa: E402
 from service.store.db import make_engine, make_sessionmaker  # noqa: E402
 from service.store.migrate import upgrade  # noqa: E402

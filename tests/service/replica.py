@@ -19,7 +19,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from service.launcher import Launcher, LaunchStatus
-from service.scheduling.core import Node
+from service.scheduling.model import Node
 
 
 class FileLauncher(Launcher):

@@ -32,7 +32,7 @@ from alembic.script import ScriptDirectory
 
 from engine.launcher import free_port
 from service.launcher import LaunchStatus
-from service.scheduling.core import Node
+from service.scheduling.model import Node
 from service.store import migrate
 from service.store.db import make_engine
 from tests.service.conftest import make_settings, make_tokens

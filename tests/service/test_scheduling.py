@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from elastron.cli import app as cli_app
 from service.launcher import LauncherUnavailable, LaunchStatus
-from service.scheduling.core import Node
+from service.scheduling.model import Node
 from service.store.models import Job
 from tests.service.conftest import ApiServer
 from tests.service.launchers import FakeLauncher

@@ -1,6 +1,7 @@
-"""The scheduler's pure core (service/scheduling/core.py): its rules one by one, then properties
-under random arrivals, completions and preemptions replayed on a simulated clock: never more
-admitted than a node holds, never a tenant past its quota, every job admitted and finished."""
+"""The scheduler's pure decision (service/scheduling/decision.py and the modules it calls): its
+rules one by one, then properties under random arrivals, completions and preemptions replayed on a
+simulated clock: never more admitted than a node holds, never a tenant past its quota, every job
+admitted and finished."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from service.scheduling.core import Job, Node, Policy, Quota, Running, Shape, decide, never_fits
+from service.scheduling.decision import decide
+from service.scheduling.model import Job, Node, Policy, Quota, Running, Shape
+from service.scheduling.placement import never_fits
 from service.scheduling.simulate import Simulation, TraceJob
 
 GPU = Shape(cpus=1, gpus=1)
