@@ -1,19 +1,19 @@
-"""A checkpoint storage in S3 or an S3-compatible store (MinIO, Ceph, ...), through boto3.
+"""The checkpoint storage interface (`storage.py`) on S3 or an S3-compatible store (MinIO, Ceph,
+...), through boto3: keys under `s3://bucket/prefix/`, listed, read, written and deleted.
 
 The client comes from boto3's standard chain (env, config files, instance roles;
 `AWS_ENDPOINT_URL` for S3-compatible stores) with explicit overrides; botocore retries
 throttling and 5xx with backoff (adaptive mode by default: it also rate-limits the client when
 many ranks hit one prefix). A PUT (single or multipart) only becomes visible when complete,
 which is the all-or-nothing write the commit protocol needs. Objects of at least one part go up
-as multipart uploads whose parts are sent in parallel while the writer fills the next; reads of
-more than one part are parallel ranged GETs straight into the caller's buffers. One storage
-keeps at most `max_workers` part uploads and `max_workers` GETs in flight, however many files
-are being moved, as boto3's transfer manager does per transfer.
+as streamed multipart uploads (`s3_multipart.py`), their parts sent from this storage's transfer
+pool; reads of more than one part are parallel ranged GETs from the same pool, straight into the
+caller's buffers. One storage keeps at most `max_workers` part uploads and `max_workers` GETs in
+flight, however many files are being moved, as boto3's transfer manager does per transfer.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -23,12 +23,10 @@ from pathlib import Path
 from typing import IO, Any
 
 from engine.checkpointing.local_storage import atomic_target
+from engine.checkpointing.s3_multipart import S3_MIN_PART, MultipartWriteStream, PartBuffers, part_size_for
 from engine.checkpointing.storage import Buffer, MiB, Storage, WriteStream, byte_views, byte_window, check_key
 
 logger = logging.getLogger(__name__)
-
-_S3_MIN_PART = 5 * MiB  # S3 rejects non-final multipart parts below this
-_S3_MAX_PARTS = 10_000
 
 
 class _Filler:
@@ -75,158 +73,6 @@ def _mark_transfer_thread() -> None:
     _transfer_thread.active = True
 
 
-class _SendBuffers:
-    """Part-sized buffers for streamed uploads, shared by one storage's uploads.
-
-    Reused rather than allocated per part (writing into fresh pages costs more than the copy
-    itself) and capped in number, which is what bounds the memory of uploads in flight: a writer
-    that finds none free waits for a part to finish going up. Dropped when no upload is open.
-    """
-
-    def __init__(self, count: int) -> None:
-        self._count = count
-        self._free: list[bytearray] = []
-        self._out = 0  # handed out, not yet given back
-        self._uploads = 0  # streams open
-        self._cond = threading.Condition()
-
-    def opened(self) -> None:
-        with self._cond:
-            self._uploads += 1
-
-    def closed(self) -> None:
-        with self._cond:
-            self._uploads -= 1
-            if self._uploads == 0:
-                self._free.clear()
-
-    def take(self, size: int) -> bytearray:
-        with self._cond:
-            while self._out >= self._count:
-                self._cond.wait()
-            self._out += 1
-            for i, buf in enumerate(self._free):
-                if len(buf) == size:
-                    return self._free.pop(i)
-            if self._free and self._out + len(self._free) > self._count:
-                self._free.pop()  # one of another part size: let it go, stay within the cap
-        return bytearray(size)
-
-    def give(self, buf: bytearray) -> None:
-        with self._cond:
-            self._out -= 1
-            if self._uploads > 0:
-                self._free.append(buf)
-            self._cond.notify()
-
-
-class _S3WriteStream(WriteStream):
-    """Bytes written are cut into parts; each full part goes up (multipart upload, in the storage's
-    transfer pool) while the writer fills the next. An object smaller than a part is one PUT."""
-
-    def __init__(self, storage: S3Storage, full: str, part_size: int) -> None:
-        self._s, self._full, self._part_size = storage, full, part_size
-        self._buf: bytearray | None = None
-        self._fill = 0
-        self._upload_id: str | None = None
-        self._parts: list[Future] = []
-        self._error: BaseException | None = None
-        self._closed = False
-        self.size = 0
-        storage._buffers.opened()
-
-    def write(self, data: Buffer) -> None:
-        if self._error is not None:  # a part already failed: stop feeding the upload
-            raise self._error
-        view = memoryview(data).cast("B")
-        while len(view):
-            if self._buf is None:
-                self._buf, self._fill = self._s._buffers.take(self._part_size), 0
-            n = min(len(view), self._part_size - self._fill)
-            self._buf[self._fill : self._fill + n] = view[:n]
-            self._fill += n
-            self.size += n
-            view = view[n:]
-            if self._fill == self._part_size:
-                self._send()
-
-    def _send(self) -> None:
-        """Hand the current buffer to the transfer pool as the next part."""
-        if self._upload_id is None:
-            self._upload_id = self._s.client.create_multipart_upload(Bucket=self._s.bucket, Key=self._full)[
-                "UploadId"
-            ]
-        number = len(self._parts) + 1
-        if number > _S3_MAX_PARTS:
-            raise ValueError(
-                f"{self._s.uri}: {self._full} needs more than {_S3_MAX_PARTS} parts of {self._part_size} "
-                f"bytes; give the storage a larger part_size"
-            )
-        buf, n = self._buf, self._fill
-        self._buf, self._fill = None, 0
-        self._parts.append(self._s._submit(self._upload_part, number, buf, n))
-
-    def _upload_part(self, number: int, buf: bytearray, n: int) -> dict[str, Any]:
-        try:
-            body = buf if n == len(buf) else bytes(memoryview(buf)[:n])
-            resp = self._s.client.upload_part(
-                Bucket=self._s.bucket, Key=self._full, UploadId=self._upload_id, PartNumber=number, Body=body
-            )
-        except BaseException as err:
-            self._error = self._error or err
-            raise
-        finally:
-            self._s._buffers.give(buf)
-        entry = {"PartNumber": number, "ETag": resp["ETag"]}
-        # botocore adds a CRC checksum to each part by default; CompleteMultipartUpload must
-        # then repeat it, as boto3's own transfer manager does.
-        entry.update({k: v for k, v in resp.items() if k.startswith("Checksum") and k != "ChecksumType"})
-        return entry
-
-    def commit(self) -> None:
-        if self._closed:
-            raise ValueError(f"upload of {self._full} is already closed")
-        try:
-            if self._upload_id is None:
-                body = b""
-                if self._buf is not None:
-                    body = bytes(memoryview(self._buf)[: self._fill])
-                    self._s._buffers.give(self._buf)
-                    self._buf = None
-                self._s.client.put_object(Bucket=self._s.bucket, Key=self._full, Body=body)
-            else:
-                if self._buf is not None:
-                    self._send()
-                wait(self._parts)
-                parts = [f.result() for f in self._parts]
-                self._s.client.complete_multipart_upload(
-                    Bucket=self._s.bucket,
-                    Key=self._full,
-                    UploadId=self._upload_id,
-                    MultipartUpload={"Parts": parts},
-                )
-        except BaseException:
-            self.abort()
-            raise
-        self._closed = True
-        self._s._buffers.closed()
-
-    def abort(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._buf is not None:
-            self._s._buffers.give(self._buf)
-            self._buf = None
-        wait(self._parts)  # no part may still be sending from a buffer once we return
-        if self._upload_id is not None:
-            with contextlib.suppress(Exception):
-                self._s.client.abort_multipart_upload(
-                    Bucket=self._s.bucket, Key=self._full, UploadId=self._upload_id
-                )
-        self._s._buffers.closed()
-
-
 class S3Storage(Storage):
     """Keys are objects under `s3://bucket/prefix/`.
 
@@ -256,7 +102,7 @@ class S3Storage(Storage):
     ) -> None:
         if not bucket:
             raise ValueError("S3Storage needs a bucket name")
-        if part_size < _S3_MIN_PART:
+        if part_size < S3_MIN_PART:
             raise ValueError(f"part_size {part_size} is below S3's minimum part size of 5 MiB")
         if max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {max_workers}")
@@ -290,7 +136,7 @@ class S3Storage(Storage):
     def _init_transfers(self) -> None:
         self._pool: ThreadPoolExecutor | None = None
         self._pool_lock = threading.Lock()
-        self._buffers = _SendBuffers(self.max_workers + 2)
+        self._buffers = PartBuffers(self.max_workers + 2)
         # Reads come from the caller's threads as well as from the pool: this keeps the GETs in
         # flight at max_workers however the two add up.
         self._gets = threading.BoundedSemaphore(self.max_workers)
@@ -361,7 +207,14 @@ class S3Storage(Storage):
         self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=bytes(data))
 
     def open_write(self, key: str) -> WriteStream:
-        return _S3WriteStream(self, self._key(key), self.part_size)
+        return self._upload(self._key(key), self.part_size)
+
+    def _upload(self, full: str, part_size: int) -> MultipartWriteStream:
+        """A streamed upload of `full` in parts of `part_size`, through this storage's pool and
+        part buffers (s3_multipart.py)."""
+        return MultipartWriteStream(
+            self._client, self.bucket, full, part_size, self._buffers, self._submit, self.uri
+        )
 
     def put_file(self, local_path: Path, key: str) -> None:
         path = Path(local_path)
@@ -372,17 +225,11 @@ class S3Storage(Storage):
                 self._client.put_object(Bucket=self.bucket, Key=full, Body=f)
             return
         logger.debug("multipart upload of %s (%d bytes) to %s", path, size, full)
-        with open(path, "rb") as f, _S3WriteStream(self, full, self._part_size_for(size)) as out:
+        with open(path, "rb") as f, self._upload(full, part_size_for(size, self.part_size)) as out:
             while chunk := f.read(8 * MiB):
                 out.write(chunk)
             if out.size != size:
                 raise OSError(f"{path} changed size during upload ({out.size} bytes read, {size} expected)")
-
-    def _part_size_for(self, size: int) -> int:
-        part = self.part_size
-        while -(-size // part) > _S3_MAX_PARTS:  # keep within S3's 10,000-part limit
-            part *= 2
-        return part
 
     def delete(self, key: str) -> None:
         self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
