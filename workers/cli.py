@@ -43,8 +43,9 @@ def worker_run(
     $ELASTRON_API_URL (see workers/README.md). SIGINT or SIGTERM cancels gracefully.
     Exit codes: 0 done, 1 failed, 2 bad input, 16 needs other hardware the cluster lacks,
     17 result validation failed, 130 cancelled."""
-    from workers.driver import JobInputError, WorkerRunOptions, load_spec, run_job
+    from workers.driver import WorkerRunOptions, run_job
     from workers.placement import placement_from_env
+    from workers.spec_on_ray import JobInputError, load_spec
 
     try:
         job = load_spec(spec)

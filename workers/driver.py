@@ -26,30 +26,26 @@ Train's TorchftConfig with `max_failures` = the restarts left: the controller re
 replica group inside the attempt while the others train on, and only an attempt that fails for
 good comes back here.
 
-Each decision is an event, sent to the control plane (workers/telemetry.py) and printed as
-`[elastron] event {...}` on stdout (the Ray Jobs log).
+The spec the ranks get is prepared once, before the first attempt (workers/spec_on_ray.py). Each
+decision is an event, sent to the control plane and printed on the Ray Jobs log
+(workers/driver_events.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import signal
 import socket
-import sys
 import threading
 import time
 import traceback
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
-from engine.jobspec import JobSpec, JobSpecError, contract, parse_job_text, resolve_job
+from engine.jobspec import JobSpec, JobSpecError, resolve_job
 from engine.jobspec.demand import CPUS_PER_RANK, rank_resources, run_sizes
-from engine.jobspec.layout import job_checkpoint_path, join_location
 from engine.jobspec.storage_roots import StorageOutsideRoots, check_spec_within
-from workers.fencing import exit_fenced
+from workers.driver_events import DriverEvents
 from workers.policy import (
     EXIT_BAD_INPUT,
     EXIT_CANCELLED,
@@ -59,10 +55,8 @@ from workers.policy import (
     classify,
 )
 from workers.replicas import check_replace_replica, replace_replica
-from workers.telemetry import TelemetrySender, telemetry_settings
-
-JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-SPEC_ENV = contract.ENV_JOB_SPEC
+from workers.spec_on_ray import JobInputError, default_storage_path, prepare_spec
+from workers.telemetry import telemetry_settings
 
 # Set in this process unless already set; Ray Train passes them on to its controller.
 RAY_ENV_DEFAULTS = {
@@ -107,49 +101,7 @@ class JobResult:
     last: dict[str, Any] | None = None  # rank 0's last record summary on success
 
 
-class JobInputError(ValueError):
-    """The job cannot be launched as given (exit 2)."""
-
-
-# ---------------------------------------------------------------------- the spec on Ray
-def _absolute(path: str) -> str:
-    if "://" in path and not path.startswith("file://"):
-        return path
-    if path.startswith("file://"):
-        return "file://" + str(Path(path[len("file://") :]).expanduser().resolve())
-    return str(Path(path).expanduser().resolve())
-
-
-def prepare_spec(job_id: str, spec: JobSpec, storage_path: str | None = None) -> dict[str, Any]:
-    """The spec the ranks get: local paths made absolute (Ray workers do not share the driver's
-    working directory) and checkpoints namespaced by job id: `<checkpoint.path>/<job_id>/`
-    (default `<storage_path>/<job_id>/checkpoints`), so two jobs with the same name never
-    resume each other's checkpoints and a restarted driver of this job finds them."""
-    if not JOB_ID.match(job_id):
-        raise JobInputError(
-            f"job id {job_id!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
-        )
-    data = spec.model_dump(mode="json")
-    ckpt, d = data["checkpoint"], data["data"]
-    root = ckpt["path"] or join_location(storage_path or default_storage_path(), f"{job_id}/checkpoints")
-    ckpt["path"] = job_checkpoint_path(_absolute(root), job_id) if ckpt["path"] else _absolute(root)
-    if ckpt.get("resume_from"):
-        ckpt["resume_from"] = _absolute(ckpt["resume_from"])
-    for key in ("path", "cache_dir"):
-        if d.get(key):
-            d[key] = _absolute(d[key])
-    if d.get("blend"):
-        d["blend"] = [[w, _absolute(prefix)] for w, prefix in d["blend"]]
-    kind, sep, where = (d.get("tokenizer") or "").partition(":")
-    if sep and kind in ("hf", "sentencepiece"):
-        d["tokenizer"] = f"{kind}:{_absolute(where)}"
-    return data
-
-
-def default_storage_path() -> str:
-    return os.environ.get("ELASTRON_RAY_STORAGE") or str(Path("~/ray_results").expanduser())
-
-
+# ---------------------------------------------------------------------- the cluster
 def lost_nodes(node_ids: set[str], timeout_s: float = 1.0) -> set[str]:
     """Which of these Ray nodes are gone: marked dead, or still listed alive but with no raylet
     answering on its port (Ray notices a vanished node only after its heartbeats time out)."""
@@ -170,18 +122,6 @@ def lost_nodes(node_ids: set[str], timeout_s: float = 1.0) -> set[str]:
     return lost | (node_ids - {n["NodeID"] for n in ray.nodes()})
 
 
-def load_spec(spec_file: str | Path | None) -> JobSpec:
-    """From --spec FILE (YAML or JSON), else from $ELASTRON_JOB_SPEC (the spec as JSON)."""
-    from engine.jobspec import load_job
-
-    if spec_file is not None:
-        return load_job(spec_file)
-    text = os.environ.get(SPEC_ENV)
-    if not text:
-        raise JobInputError(f"no job spec: pass --spec FILE or set {SPEC_ENV} to the spec as JSON")
-    return parse_job_text(text, SPEC_ENV, "json")
-
-
 # ---------------------------------------------------------------------- the driver loop
 class JobDriver:
     def __init__(self, job_id: str, spec: JobSpec, options: WorkerRunOptions | None = None):
@@ -200,22 +140,11 @@ class JobDriver:
             raise JobInputError(str(err)) from None
         self.job = resolve_job(self.spec_dict)  # what the ranks get: typed, resolved once here
         self.stop = threading.Event()
-        self.sender = TelemetrySender.from_env(
-            job_id,
-            "driver",
-            flush_interval_s=self.options.flush_interval_s,
-            event_defaults={"job_id": job_id},
-            on_fenced=exit_fenced,  # a newer attempt runs: this one ends now (workers/fencing.py)
-        )
+        self.events = DriverEvents(job_id, self.options.flush_interval_s)
         self.registry = None
         self.use_gpu = False
         self.lost_nodes: set[str] = set()
         self.policy = RestartPolicy(spec.resilience.max_restarts, self.room)
-
-    # -------------------------------------------------------------- events
-    def event(self, kind: str, **fields: Any) -> None:
-        ev = self.sender.event(kind, **fields)
-        print(f"[elastron] event {json.dumps(ev, default=str)}", flush=True)
 
     # -------------------------------------------------------------- the cluster
     def _per_rank(self) -> dict[str, float]:
@@ -396,7 +325,7 @@ class JobDriver:
             if scheduled is not None:
                 pinned = scheduled_selectors(scheduled, self.sizes[0], alive, blocked, elastic)
                 if pinned is not None:
-                    self.event("placement_scheduled", attempt=attempt, placement=scheduled)
+                    self.events.placement_scheduled(attempt, scheduled)
                     return pinned
             if not may_stick:
                 return exclusion(blocked)
@@ -406,7 +335,7 @@ class JobDriver:
         sticky = sticky_selectors(previous, attempt, self.sizes[0], alive, blocked)
         if sticky is None:
             return exclusion(blocked)
-        self.event("placement_sticky", attempt=attempt, nodes=[s.get("ray.io/node-id") for s in sticky])
+        self.events.placement_sticky(attempt, sticky)
         return sticky
 
     def _attempt(self, attempt: int) -> tuple[Outcome, dict | None]:
@@ -451,20 +380,13 @@ class JobDriver:
         import ray
 
         self._install_signal_handlers()
-        self.sender.start()
+        self.events.start()
         attempt, result = 0, None
         try:
             self._connect()
             self._start_registry()
-            r = self.spec.resources
-            self.event(
-                "job_started",
-                ranks=r.ranks,
-                sizes=self.sizes,
-                elastic=r.elastic,
-                max_restarts=self.spec.resilience.max_restarts,
-                checkpoint_path=self.spec_dict["checkpoint"]["path"],
-                device="cuda" if self.use_gpu else "cpu",
+            self.events.job_started(
+                self.spec, self.sizes, self.spec_dict["checkpoint"]["path"], "cuda" if self.use_gpu else "cpu"
             )
             while True:
                 if self.stop.is_set():
@@ -472,36 +394,14 @@ class JobDriver:
                         "cancelled", EXIT_CANCELLED, "cancelled before the next attempt", attempt
                     )
                     break
-                self.event(
-                    "attempt_started",
-                    attempt=attempt,
-                    excluded_nodes=sorted(self.policy.excluded),
-                    avoid_nodes=sorted(self.policy.avoid),
-                )
+                self.events.attempt_started(attempt, self.policy)
                 started = time.time()
                 outcome, last = self._attempt(attempt)
                 decision = self.policy.decide(outcome)
                 if not outcome.succeeded and not outcome.cancelled:
-                    self.event(
-                        "attempt_failed",
-                        attempt=attempt,
-                        seconds=round(time.time() - started, 3),
-                        causes=[c.to_json() for c in outcome.causes],
-                        error=outcome.error,
-                        summary=outcome.summary(),
-                    )
-                for kind, fields in decision.events:
-                    self.event(kind, attempt=attempt, **fields)
+                    self.events.attempt_failed(attempt, started, outcome)
+                self.events.decided(attempt, decision, self.policy)
                 if decision.action == "restart":
-                    self.event(
-                        "restart",
-                        attempt=attempt + 1,
-                        cause=decision.cause,
-                        reason=decision.reason,
-                        counted=decision.counted,
-                        restarts_used=self.policy.restarts_used,
-                        max_restarts=self.policy.max_restarts,
-                    )
                     attempt += 1
                     continue
                 result = self._finish(decision.action, decision.exit_code, decision.reason, attempt, last)
@@ -526,19 +426,12 @@ class JobDriver:
                     pass
             for signum, previous in getattr(self, "_previous_handlers", {}).items():
                 signal.signal(signum, previous)
-            if not self.sender.close(10) and self.sender.enabled:
-                print(
-                    f"[elastron] the control plane did not take all telemetry ({self.sender.last_error}); "
-                    f"the rest is spooled in {self.sender.spool_path}",
-                    file=sys.stderr,
-                    flush=True,
-                )
+            self.events.close(10)
         return result
 
     def _finish(
         self, action: str, code: int, reason: str, attempt: int, last: dict | None = None
     ) -> JobResult:
-        kind = {"done": "job_succeeded", "cancelled": "job_cancelled"}.get(action, "job_failed")
         result = JobResult(
             exit_code=code,
             reason=reason,
@@ -547,7 +440,7 @@ class JobDriver:
             excluded_nodes=sorted(self.policy.excluded),
             last=last,
         )
-        self.event(kind, **asdict(result))
+        self.events.job_ended(action, **asdict(result))
         return result
 
 

@@ -1,7 +1,7 @@
 """The wire between the service and the workers, named once: both sides import these names.
 
 The service launches a Ray job with an environment (service/launcher.py) that the workers read
-(workers/driver.py, workers/telemetry.py); the workers post telemetry that the service stores
+(workers/spec_on_ray.py, workers/telemetry.py); the workers post telemetry that the service stores
 (service/store/telemetry.py). Spelled as string literals on both sides, a rename on one side
 would break the other silently; here, it breaks an import. The telemetry wire format itself is
 described in workers/telemetry.py and service/METRICS.md.

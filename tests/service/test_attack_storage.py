@@ -201,7 +201,8 @@ def test_opening_storage_outside_the_roots_raises(tmp_path, monkeypatch):
 
 def test_the_driver_refuses_a_spec_outside_its_roots(tmp_path, monkeypatch):
     from engine.jobspec import parse_job
-    from workers.driver import JobDriver, JobInputError
+    from workers.driver import JobDriver
+    from workers.spec_on_ray import JobInputError
 
     monkeypatch.setenv(ENV_STORAGE_ROOTS, StorageRoots(write=(str(tmp_path / "mine"),)).to_env())
     job = parse_job({**TINY, "checkpoint": {"path": "/etc"}})

@@ -14,8 +14,9 @@ import pytest
 from engine.jobspec import JobSpecError, parse_job
 from engine.jobspec.demand import run_sizes
 from engine.rerun_state_machine import RerunExit
-from workers.driver import JobInputError, load_spec, prepare_spec, run_job
+from workers.driver import run_job
 from workers.policy import EXIT_CANCELLED, EXIT_FAILED, Outcome, RestartPolicy, classify
+from workers.spec_on_ray import JobInputError, load_spec, prepare_spec
 
 
 class ActorDiedError(Exception):  # what Ray raises for a dead rank, by name
