@@ -111,13 +111,13 @@ def run_engine(job: dict, warmup: int) -> dict:
         if len(records) == 1:
             first_step_s = time.perf_counter() - start
     timed = records[warmup:] or records[-1:]
-    out = _summary([m.step_time_s for m in timed], timed[0].tokens, timed[0].model_flops, trainer.peak_flops_per_device)
+    out = _summary([m.step_time_s for m in timed], timed[0].tokens, timed[0].model_flops, trainer.meter.peak_flops_per_device)
     peaks = [m.memory_peak_bytes for m in records if m.memory_peak_bytes is not None]
     out.update(
         steps=len(records),
         first_step_s=first_step_s,
         params=sum(p.numel() for p in trainer.model.parameters()),
-        peak_tflops=trainer.peak_flops_per_device / 1e12,
+        peak_tflops=trainer.meter.peak_flops_per_device / 1e12,
         memory_peak_gib=max(peaks) / 2**30 if peaks else None,
         loss_first=records[0].loss,
         loss_last=records[-1].loss,

@@ -71,7 +71,7 @@ def _machine_cost(iterations: int) -> float:
     adds to a step, free of the machine noise that a step-time difference carries."""
     import torch
 
-    from engine.rerun_state_machine import RerunStateMachine, is_nan_or_inf
+    from engine.rerun.state_machine import RerunStateMachine, is_nan_or_inf
 
     rsm = RerunStateMachine("validate_results")
     loss, norm = torch.tensor(2.5), 1.25

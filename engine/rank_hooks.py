@@ -13,12 +13,27 @@ import os
 import socket
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from engine.jobspec import contract
 
-if TYPE_CHECKING:
-    from engine.training import Trainer
+
+class RankTrainer(Protocol):
+    """The rank's Trainer as the hooks hand it to a launcher: what `on_trainer` and
+    `on_snapshot_due` are for. The Trainer (engine/training.py) is built a floor above this seam,
+    from the identity and hooks defined here, so the seam names only what it promises: progress
+    for a watchdog (`iteration`, `phase`, which a launcher may set while it recovers), the
+    persistent checkpointer for a shutdown hook (None without `checkpoint.path`), and the
+    in-memory snapshot a launcher takes and a recovery restores (`capture_snapshot`,
+    `restore_snapshot`; engine/checkpointing/snapshot_manager.py)."""
+
+    iteration: int
+    phase: str
+    checkpointer: Any
+
+    def capture_snapshot(self, buffer: bytearray | None = None) -> Any: ...
+
+    def restore_snapshot(self, blob: Any) -> int: ...
 
 
 @dataclass(frozen=True)
@@ -56,9 +71,9 @@ class RankHooks:
     - `quorum`: not a hook; see its comment.
     """
 
-    on_trainer: Callable[[Trainer], None] | None = None
+    on_trainer: Callable[[RankTrainer], None] | None = None
     on_record: Callable[[dict], None] | None = None
-    on_snapshot_due: Callable[[Trainer], None] | None = None
+    on_snapshot_due: Callable[[RankTrainer], None] | None = None
     on_event: Callable[[dict], None] | None = None
     should_stop: Callable[[], bool] | None = None
     # Not a hook: with resilience.on_rank_failure replace_replica, this replica group's

@@ -16,12 +16,13 @@ import torch
 import torch.distributed as dist
 
 from engine import parallel_state as ps
+from engine.distributed.replica_quorum import writes_job_checkpoint
 from engine.jobspec import JobSpec, ResolvedJob, resolve_job
 from engine.loggers import open_loggers
 from engine.loggers import require as require_loggers
 from engine.rank_hooks import RankHooks, RankIdentity
 from engine.step_metrics import progress_line
-from engine.training import Trainer, writes_job_checkpoint
+from engine.training import Trainer
 
 
 def train_rank(

@@ -1,17 +1,31 @@
-"""Build a rank's training state from a JobSpec and run the loop.
+"""The Trainer: one rank's training state, built from a JobSpec, and one step over it.
 
-`Trainer` is what every launcher drives (the local `elastron train`, and Ray workers later):
-the rank grid, seeds, model, optimizer, scheduler, microbatch calculator and data source, then
-one `train_step` per iteration that returns the iteration's metrics record. All collectives a
-step needs are inside `train_step`, so every rank calls it the same number of times.
+`Trainer` is what every launcher drives (the local `elastron train`, Ray workers), through
+engine/train_loop.py: built once, then one `train_step` per iteration that returns the iteration's
+record. All collectives a step needs are inside `train_step`, so every rank calls it the same
+number of times.
+
+What the Trainer owns: putting the rank's parts together once (the rank grid and seeds; model,
+optimizer and schedule from engine.model_setup; the objective; the data sources; the event record,
+the rerun state machine, the persistent checkpointer and the in-memory snapshots), the counters
+that say where training is (`iteration`, `consumed_samples`, and the `phase` a watchdog names),
+and the order of a step: the quorum, the validated forward-backward, acting on the rerun decision,
+the optimizer step, the record.
+
+What it must not own: how any part does its job. The loss is the objective's; what a checkpoint
+holds of a part is that part's (engine/checkpointing/stateful.py); the diagnosis of a bad result is
+the rerun state machine's (engine/rerun/: the Trainer acts on its decision); a replica's place in
+the quorum, and which replica writes the job's checkpoints, are the replica quorum's
+(engine/distributed/replica_quorum.py); how a step is measured for its record is the step meter's
+(engine/step_meter.py). Nor a launcher's concerns: watchdogs, snapshot stores and telemetry reach
+the Trainer through the hooks of engine/rank_hooks.py; the loop over the steps is
+engine/train_loop.py's.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -34,9 +48,8 @@ from engine.data.builder import build_datasets
 from engine.data.tokenizer import build_tokenizer
 from engine.distributed.finalize_grads import finalize_model_grads
 from engine.distributed.replica_group import shard_grad_views
-from engine.energy_monitor import EnergyMonitor
+from engine.distributed.replica_quorum import ReplicaQuorum, writes_job_checkpoint
 from engine.evaluation import evaluate
-from engine.flops import mfu, model_flops_per_iteration, peak_flops
 from engine.hf.base_record import LoRABase
 from engine.jobspec import JobSpec, ResolvedJob, resolve_job
 from engine.jobspec.layout import num_microbatches
@@ -45,29 +58,20 @@ from engine.model_setup import build_model_and_optimizer
 from engine.models import GPTModel
 from engine.objective import TrainingObjective
 from engine.rank_hooks import RankIdentity
-from engine.rerun_state_machine import (
+from engine.rerun.event_log import EventLog
+from engine.rerun.state_machine import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
-    EventLog,
     RerunExit,
     RerunStateMachine,
     is_nan_or_inf,
 )
 from engine.step_batches import StepBatches
-from engine.step_metrics import PER_RANK_MAX, PER_RANK_TIMERS, STEP_TIMERS, StepMetrics
+from engine.step_meter import StepMeter
+from engine.step_metrics import StepMetrics
 from engine.tensor_parallel import model_parallel_manual_seed
 from engine.timers import Timers
 from engine.transformer.config import TransformerConfig
 from engine.transformer.moe import TopKRouter
-
-if TYPE_CHECKING:
-    from engine.distributed.replica_quorum import ReplicaQuorum
-
-
-def writes_job_checkpoint(quorum: ReplicaQuorum | None) -> bool:
-    """Whether this rank's group writes the job's persistent checkpoints: always, except under
-    replace_replica, where one replica writes them (the first of the step's quorum: each holds
-    the whole state over its ranks, and two writing one checkpoint would race)."""
-    return quorum is None or quorum.participating_rank == 0
 
 
 class Trainer:
@@ -158,9 +162,14 @@ class Trainer:
         self.consumed_samples = 0
         # What this rank is doing now, for a watchdog to name when a step hangs.
         self.phase = "setup"
-        self.energy = EnergyMonitor(self.device.type)
-        self.energy.setup()
-        self.peak_flops_per_device = self._peak_flops()
+        self.meter = StepMeter(
+            self.config,
+            self.timers,
+            device_type=self.device.type,
+            log_interval=t.log_interval,
+            dp_size=self.dp_size,
+            quorum=quorum,
+        )
         self.events = EventLog(events_path, spec.name, (identity or RankIdentity.local()).node_id, on_event)
         self.rerun = RerunStateMachine.from_spec(spec.resilience, t.seed, self.events)
         self.snapshots = SnapshotManager(
@@ -204,16 +213,6 @@ class Trainer:
         if t.eval_interval is not None:
             valid = t.eval_iters * gbs  # every evaluation reads the same validation batches
         return t.train_iters * gbs, valid, None
-
-    def _peak_flops(self) -> float:
-        """Peak FLOP/s of one device, for MFU. Rank 0 looks it up (GPU table) or measures it once
-        (CPU, cached on disk) while the other ranks wait, so the measurement is not slowed by
-        ranks sharing its cores; every rank gets the same figure."""
-        box = [None]
-        if dist.get_rank() == 0:
-            box[0] = peak_flops(self.device.type, self.config.params_dtype).flops_per_s
-        dist.broadcast_object_list(box, src=0)
-        return float(box[0])
 
     def checkpoint_parts(self) -> dict[str, Stateful]:
         """What a checkpoint of this rank holds, by part name (the first component of the part's
@@ -263,10 +262,10 @@ class Trainer:
         last = self.iteration == self.spec.training.train_iters
         if last or (c.interval is not None and self.iteration % c.interval == 0):
             self.phase = "checkpoint-save"
-            self.energy.pause()  # energy per step is training energy, as in Megatron-Core
+            self.meter.pause()  # energy per step is training energy, as in Megatron-Core
             with self.timers("checkpoint-save", 1):
                 self.checkpointer.save()  # with async_save: the time training is blocked
-            self.energy.resume()
+            self.meter.resume()
             return True
         return False
 
@@ -281,7 +280,7 @@ class Trainer:
         """Validation loss and perplexity (engine.evaluation). A collective."""
         t = self.spec.training
         self.phase = "evaluate"
-        self.energy.pause()  # energy per step stays training energy
+        self.meter.pause()  # energy per step stays training energy
         result = evaluate(
             self.model_chunks,
             self.batches,
@@ -292,7 +291,7 @@ class Trainer:
             replicas=self.replicas,
             device=self.device,
         )
-        self.energy.resume()
+        self.meter.resume()
         return result
 
     def evaluate_if_due(self, metrics: StepMetrics) -> None:
@@ -406,9 +405,7 @@ class Trainer:
         """One iteration; None when the rerun state machine skipped its batch instead."""
         for chunk in self.model_chunks:
             chunk.train()
-        device.synchronize()
-        device.reset_peak_memory()
-        start = time.perf_counter()
+        self.meter.start()
         if self.quorum is not None:
             self.phase = "quorum"
             # May heal: iteration and data position are the peer's.
@@ -438,47 +435,15 @@ class Trainer:
             loss /= self.replicas
         self.iteration += 1
         self.consumed_samples += gbs
-        device.synchronize()
-        elapsed = time.perf_counter() - start
-        # With replicas as fault domains a step may average over fewer of them: the missing
-        # replicas' samples are skipped, not re-assigned (engine/distributed/replica_quorum.py).
-        replicas = self.quorum.replicas if self.quorum is not None else self.dp_size
-        trained = gbs * replicas // self.quorum.count if self.quorum is not None else gbs
-        tokens = trained * self.config.seq_length
-        # What the step trained, on the devices that trained it: every replica's ranks in the
-        # quorum (this process group holds one replica's).
-        flops = model_flops_per_iteration(self.config, trained)
-        devices = dist.get_world_size() * (replicas if self.quorum is not None else 1)
+        self.meter.stop()
         self.phase = "metrics"  # the energy and timer collectives
-        lap = self.energy.lap()
-        memory = device.memory_bytes()
-        timers, per_rank = {}, {}
-        if self.iteration % self.spec.training.log_interval == 0:
-            timers = {k: [lo, hi] for k, (lo, hi) in self.timers.aggregate(STEP_TIMERS).items()}
-            if dist.get_world_size() <= PER_RANK_MAX:
-                per_rank = {k: v for k, v in self.timers.last_per_rank.items() if k in PER_RANK_TIMERS and k in timers}
-        return StepMetrics(
+        return self.meter.record(
             iteration=self.iteration,
             loss=float(loss),
             lr=lr,
-            grad_norm=result.grad_norm,
-            tokens=tokens,
-            step_time_s=elapsed,
-            tokens_per_s=tokens / elapsed,
+            result=result,
             global_batch_size=gbs,
             consumed_samples=self.consumed_samples,
-            loss_scale=result.loss_scale,
-            skipped=result.skipped,
-            timers=timers,
-            timers_per_rank=per_rank,
             rerun=self.rerun.summary(),
-            model_flops=flops,
-            mfu=mfu(flops, elapsed, devices, self.peak_flops_per_device),
-            energy_j=lap.energy_j if lap else None,
-            power_w=lap.power_w if lap else None,
-            energy_cumulative_j=lap.cumulative_j if lap else None,
             mtp_loss=self.last_mtp_loss,
-            memory_allocated_bytes=memory[0] if memory else None,
-            memory_peak_bytes=memory[1] if memory else None,
-            replicas=replicas,
         )

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.checkpointing.save_failures import CheckpointStorageError
-from engine.rerun_state_machine import (
+from engine.rerun.state_machine import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
     RerunExit,

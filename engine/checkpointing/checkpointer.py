@@ -77,7 +77,7 @@ from engine.checkpointing.storage import Storage
 
 if TYPE_CHECKING:
     from engine.jobspec import CheckpointSpec, ParallelSpec
-    from engine.rerun_state_machine import EventLog
+    from engine.rerun.event_log import EventLog
 
 log = logging.getLogger(__name__)
 _ITER = re.compile(r"^(.*?)/?(iter_\d{7})/?$")

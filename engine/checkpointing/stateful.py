@@ -41,7 +41,6 @@ import torch.distributed as dist
 if TYPE_CHECKING:
     from engine.optimizer.grad_scaler import DynamicGradScaler
     from engine.optimizer.scheduler import OptimizerParamScheduler
-    from engine.rerun_state_machine import RerunStateMachine
 
 log = logging.getLogger(__name__)
 
@@ -140,14 +139,26 @@ class GradScalerState:
             self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
 
+class CheckpointedRerun(Protocol):
+    """What RerunMachineState uses of the rerun state machine (engine/rerun/state_machine.py): its
+    own checkpoint accessors, and nothing of its insides (checkpoint_state.py there is the shape of
+    what it saves)."""
+
+    def checkpoint_state(self, gather: bool = True) -> dict[str, Any]: ...
+
+    def load_checkpoint_state(self, saved: dict[str, Any] | None, same_layout: bool) -> None: ...
+
+    def resume_at(self, iteration: int) -> None: ...
+
+
 class RerunMachineState:
     """The rerun state machine, as meta["rerun"] = {"common": ..., "ranks": [every rank's own]}
-    (RerunStateMachine.checkpoint_state: gathered from every rank, so `state_dict` is a
+    (the machine's `checkpoint_state`: gathered from every rank, so `state_dict` is a
     collective). A rank's own state comes back only on the layout that saved it; checkpoints
     written before the rerun state machine have no "rerun": nothing is restored then. Either way
     the machine then counts iterations from the one restored (`resume_at`)."""
 
-    def __init__(self, rerun: RerunStateMachine, gather: bool = True) -> None:
+    def __init__(self, rerun: CheckpointedRerun, gather: bool = True) -> None:
         """`gather=False`: only this rank's own entry is filled in, no collective (an in-memory
         snapshot: one rank's, restored by that rank of the same layout)."""
         self.rerun = rerun

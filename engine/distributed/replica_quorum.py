@@ -38,7 +38,7 @@ import statistics
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -53,7 +53,6 @@ from engine.jobspec.contract import (
 
 if TYPE_CHECKING:
     from engine.distributed.replica_group import ReplicaMembership
-    from engine.training import Trainer
 
 # The environment variable Ray Train's TorchftConfig sets in every worker (ray 2.60:
 # ray.train.v2._internal.constants.TORCHFT_LIGHTHOUSE_ADDR_ENV_VAR), which torchft reads too.
@@ -65,6 +64,44 @@ PEER_WAIT_POLL_S = 0.05
 # Events: engine/jobspec/contract.py (the healed replica sends replica_rejoined with `heal_s`,
 # the first survivor replica_lost, and replica_rejoined with `rejoin_s` since it was missed;
 # replicas that all resumed the persistent checkpoint: the first one's `recovered`).
+
+
+class ServedSnapshot(Protocol):
+    """An in-memory snapshot of a replica's state, as the quorum sends and digests it
+    (engine/checkpointing/memory.py's HostSnapshot)."""
+
+    iteration: int
+    payload: Any  # the state's bytes, digested
+    block: Any  # the buffer it was captured into (`block.obj`), reused by the next capture
+
+    def seal(self) -> memoryview: ...
+
+
+class EventSink(Protocol):
+    """The rank's event record (engine/rerun/event_log.py's EventLog, a floor above)."""
+
+    def append(self, kind: str, **fields: Any) -> Any: ...
+
+
+class ReplicaState(Protocol):
+    """What the quorum uses of the Trainer it is attached to: the iteration torchft's step follows,
+    the rank's event record (the default `emit`), and the state a peer heals from or this replica
+    heals into, as an in-memory snapshot. The Trainer (engine/training.py) holds the quorum and
+    drives it; the quorum, a floor below, sees it only as this."""
+
+    iteration: int
+    events: EventSink
+
+    def capture_snapshot(self, buffer: bytearray | None = None) -> ServedSnapshot: ...
+
+    def restore_snapshot(self, blob: memoryview) -> int: ...
+
+
+def writes_job_checkpoint(quorum: ReplicaQuorum | None) -> bool:
+    """Whether this rank's group writes the job's persistent checkpoints: always, except under
+    replace_replica, where one replica writes them (the first of the step's quorum: each holds
+    the whole state over its ranks, and two writing one checkpoint would race)."""
+    return quorum is None or quorum.participating_rank == 0
 
 
 class ReplicaQuorum:
@@ -121,7 +158,7 @@ class ReplicaQuorum:
         # one late heartbeat does not drop a live replica.
         self.heartbeat_interval = timedelta(milliseconds=max(4, heartbeat_timeout_ms // 5))
         self.manager: Any = None
-        self.trainer: Trainer | None = None
+        self.trainer: ReplicaState | None = None
         self.replicas = count  # participants of the current step's quorum
         self.joined_at: float | None = None
         self._lost_at: float | None = None  # when the survivors first stepped with fewer replicas
@@ -142,7 +179,7 @@ class ReplicaQuorum:
         self.waits_for_peers = False  # alone before the job's first step: its results are not kept
 
     # ------------------------------------------------------------------ setup
-    def attach(self, trainer: Trainer) -> None:
+    def attach(self, trainer: ReplicaState) -> None:
         """Join the quorum with `trainer`'s state as what a peer heals from."""
         from torchft import Manager
         from torchft.checkpointing.pg_transport import PGTransport

@@ -44,7 +44,7 @@ from engine.checkpointing.local_storage import LocalStorage
 from engine.cli import app
 from engine.jobspec.checkpoint import CheckpointSpec
 from engine.launcher import RankFailure, spawn
-from engine.rerun_state_machine import EventLog
+from engine.rerun.event_log import EventLog
 
 JOB = "victim"
 CONVERT = "elastron checkpoint convert"

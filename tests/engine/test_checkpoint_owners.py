@@ -4,7 +4,7 @@
   put a segment's state back (engine/optimizer/optimizer.py, adam_state.py);
 - the RNG streams a checkpoint keeps (engine/tensor_parallel/random.py);
 - the rerun state machine as a checkpoint keeps it, gathered or this rank's own, and the
-  iteration it counts from after a restore (engine/rerun_state_machine.py);
+  iteration it counts from after a restore (engine/rerun/);
 - one restore routine (engine/checkpointing/restore.py) for the persistent resume and the
   in-memory snapshot restore: every part plans its load before any tensor is read, and gets its
   state only after all of them are in.
@@ -30,7 +30,7 @@ from engine.distributed.data_parallel import DataParallel
 from engine.jobspec import OptimizerSpec
 from engine.launcher import spawn
 from engine.optimizer.optimizer import TrainingOptimizer
-from engine.rerun_state_machine import RerunState, RerunStateMachine, is_nan_or_inf
+from engine.rerun.state_machine import RerunState, RerunStateMachine, is_nan_or_inf
 from engine.tensor_parallel.random import get_rng_tracker, load_rng_state_dict, rng_state_dict
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -264,7 +264,7 @@ def test_a_restored_rerun_machine_keeps_a_pending_rerun_only_on_its_layout(rerun
 
 
 # ---------------------------------------------------------------- the rule
-OWNED = ("engine.optimizer", "engine.rerun_state_machine", "engine.tensor_parallel")
+OWNED = ("engine.optimizer", "engine.rerun", "engine.tensor_parallel")
 # Fields of the optimizer, the rerun machine and the RNG tracker that only their owners read.
 PRIVATE = {"main_params", "needs_copy_back", "inner", "rank_state", "get_states", "set_states", "is_expert"}
 

@@ -365,7 +365,7 @@ def test_a_replica_alone_before_its_peers_join_neither_trains_nor_decides_a_reru
 def test_a_rerun_checkpoint_is_written_by_one_replica():
     """The checkpoint before a rerun's exit 16: every replica of the quorum takes the decision,
     the quorum's first replica alone writes it (two writing one checkpoint would race)."""
-    from engine.rerun_state_machine import RerunDecision, RerunExit
+    from engine.rerun.state_machine import RerunDecision, RerunExit
     from engine.training import Trainer
 
     for participating_rank, writes in ((0, 1), (1, 0)):

@@ -8,12 +8,12 @@ import math
 
 import pytest
 
-from engine.rerun_state_machine import (
+from engine.rerun.event_log import EventLog
+from engine.rerun.state_machine import (
     EXIT_CODE_FAILED_ON_RESULT_VALIDATION,
     EXIT_CODE_RESUME_TO_DISAMBIGUATE,
     Diagnosis,
     ErrorInjector,
-    EventLog,
     RerunState,
     RerunStateMachine,
     compare_floats,

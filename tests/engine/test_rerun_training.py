@@ -24,7 +24,7 @@ from engine import parallel_state as ps
 from engine.data.sources import TokenSource
 from engine.jobspec import JobSpec
 from engine.launcher import RankFailure, spawn
-from engine.rerun_state_machine import Diagnosis, ErrorInjector
+from engine.rerun.state_machine import Diagnosis, ErrorInjector
 from engine.train_loop import train_rank
 from engine.training import Trainer
 from tests.tiny_jobs import TINY_LLAMA

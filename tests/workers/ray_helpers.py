@@ -11,7 +11,7 @@ from pathlib import Path
 import yaml
 
 from engine.jobspec import parse_job
-from engine.rerun_state_machine import Diagnosis, ErrorInjector
+from engine.rerun.state_machine import Diagnosis, ErrorInjector
 from tests.ray_cluster import leftovers
 from tests.workers.telemetry_server import TelemetryServer
 from workers.driver import JobResult, WorkerRunOptions, run_job

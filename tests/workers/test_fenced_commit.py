@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from engine.checkpointing.checkpointer import Checkpointer
 from engine.jobspec.checkpoint import CheckpointSpec
-from engine.rerun_state_machine import EventLog
+from engine.rerun.event_log import EventLog
 from workers.fencing import commit_guard
 
 

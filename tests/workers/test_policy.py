@@ -13,7 +13,7 @@ import pytest
 
 from engine.jobspec import JobSpecError, parse_job
 from engine.jobspec.demand import run_sizes
-from engine.rerun_state_machine import RerunExit
+from engine.rerun.state_machine import RerunExit
 from workers.driver import run_job
 from workers.policy import EXIT_CANCELLED, EXIT_FAILED, Outcome, RestartPolicy, classify
 from workers.spec_on_ray import JobInputError, load_spec, prepare_spec

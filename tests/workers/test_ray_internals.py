@@ -200,7 +200,7 @@ def test_a_rerun_exit_goes_to_the_driver_and_other_failures_to_rays_policy():
     from ray.train.v2.api.config import FailureConfig
     from ray.train.v2.api.exceptions import WorkerGroupError
 
-    from engine.rerun_state_machine import RerunExit
+    from engine.rerun.state_machine import RerunExit
     from workers.trainer import RerunExitToDriver
 
     policy = RerunExitToDriver(create_failure_policy(FailureConfig(max_failures=4)))

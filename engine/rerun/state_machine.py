@@ -34,29 +34,28 @@ with probability 1/rate, deterministic for the seed (the draw counter is checkpo
 rigs the later comparisons so the injected kind gets its diagnosis.
 
 Every event (iteration, rank, host, device, result, diagnosis) is appended as one JSON line to
-the job's event record; the machine's state goes into the checkpoint (`state_dict`).
+the rank's event record (event_log.py); what of the machine a checkpoint keeps, and its JSON form,
+is checkpoint_state.py's. This module is the decisions alone: when to re-run, what a re-run's
+result means, and what the loop does next.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import math
-import os
 import random
-import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from engine import device
-from engine.rank_hooks import RankIdentity
+from engine.rerun.checkpoint_state import CommonState, RankState, checkpoint_entry, own_entry
+from engine.rerun.event_log import EventLog, node_identity
 from engine.tensor_parallel.random import capture_rng_state, restore_rng_state
 
 log = logging.getLogger(__name__)
@@ -121,11 +120,6 @@ def compare_floats(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-30)
 
 
-def node_identity(node_id: str) -> tuple[str, str]:
-    """(node, device) this rank runs on: what a rerun 'on other hardware' must differ in."""
-    return node_id, str(device.current_device())
-
-
 class ErrorInjector:
     """Rejects a validation with probability 1/rate; decides what the re-runs will show."""
 
@@ -144,42 +138,6 @@ class ErrorInjector:
         if state == RerunState.RERUNNING_IN_PLACE:
             return self.kind == Diagnosis.TRANSIENT_ERROR
         return self.kind == Diagnosis.PERSISTENT_ERROR
-
-
-class EventLog:
-    """This rank's events: append-only JSON lines, one per event (every rank appends whole lines,
-    O_APPEND), and each handed to `on_event` (a launcher's hook, in-process, from whichever
-    thread made it). `node_id` is the hardware identity the launcher gave the rank
-    (engine/rank_hooks.py; default: this host)."""
-
-    def __init__(
-        self,
-        path: str | Path | None,
-        job: str,
-        node_id: str | None = None,
-        on_event: Callable[[dict], None] | None = None,
-    ):
-        self.path, self.job = (Path(path) if path else None), job
-        self.node_id = node_id or RankIdentity.local().node_id
-        self.on_event = on_event
-        if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-
-    def append(self, kind: str, **fields: Any) -> dict:
-        host, dev = node_identity(self.node_id)
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        event = {"ts": time.time(), "job": self.job, "kind": kind, "rank": rank, "host": host, "device": dev}
-        event.update(fields)
-        if self.path is not None:
-            line = (json.dumps(event, default=str) + "\n").encode()
-            fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            try:
-                os.write(fd, line)
-            finally:
-                os.close(fd)
-        if self.on_event is not None:
-            self.on_event(event)
-        return event
 
 
 @dataclass
@@ -202,20 +160,10 @@ class _QuickStats:
         }
 
 
-@dataclass
-class _RankState:
-    """What one rank remembers about the iteration under suspicion (checkpointed per rank)."""
-
-    failed_call: tuple[str, int] | None = None
-    initial_result: float | None = None
-    injected: bool = False
-    fatal: bool = True
-    suspicious: tuple[str, str] | None = None
-    spike_count: dict[str, int] = field(default_factory=dict)
-    spike_max: dict[str, float] = field(default_factory=dict)
-
-
 class RerunStateMachine:
+    """One rank's machine, driven by the Trainer's step as the module docstring shows; every
+    decision it returns is the same on every rank."""
+
     def __init__(
         self,
         mode: RerunMode | str = RerunMode.VALIDATE_RESULTS,
@@ -234,7 +182,7 @@ class RerunStateMachine:
         self.injector = ErrorInjector(injection_rate, Diagnosis(injection_type), seed)
         self.events = events or EventLog(None, "job")
         self.current_iteration = 0
-        self.rank_state = _RankState()
+        self.rank_state = RankState()
         self.counts = {"reruns": 0, "transient_errors": 0, "persistent_errors": 0, "correct_results": 0}
         self.skipped_batches: list[dict] = []
         self.diagnoses: list[dict] = []
@@ -559,30 +507,20 @@ class RerunStateMachine:
             out["determinism"] = {k: v.summary() for k, v in self.stats.items()}
         return out
 
-    def state_dict(self) -> tuple[dict, dict]:
-        """(state common to every rank, this rank's own), both JSON-able."""
-        common = {
-            "mode": self.mode.value,
-            "state": self.state.value,
-            "current_iteration": self.current_iteration,
-            "injector_draws": self.injector.draws,
-            "counts": dict(self.counts),
-            "skipped_batches": list(self.skipped_batches),
-            "diagnoses": list(self.diagnoses),
-        }
-        rs = self.rank_state
-        mine = {
-            "failed_call": list(rs.failed_call) if rs.failed_call else None,
-            "initial_result": rs.initial_result,
-            "injected": rs.injected,
-            "fatal": rs.fatal,
-            "suspicious": list(rs.suspicious) if rs.suspicious else None,
-            "spike_count": dict(rs.spike_count),
-            "spike_max": dict(rs.spike_max),
-        }
-        return common, mine
+    def state_dict(self) -> tuple[CommonState, dict]:
+        """(state common to every rank, this rank's own), both JSON-able (checkpoint_state.py)."""
+        common = CommonState(
+            mode=self.mode.value,
+            state=self.state.value,
+            current_iteration=self.current_iteration,
+            injector_draws=self.injector.draws,
+            counts=dict(self.counts),
+            skipped_batches=list(self.skipped_batches),
+            diagnoses=list(self.diagnoses),
+        )
+        return common, self.rank_state.to_json()
 
-    def load_state_dict(self, common: dict, mine: dict | None) -> None:
+    def load_state_dict(self, common: CommonState, mine: dict | None) -> None:
         """Restore from a checkpoint; `mine` is None when the layout changed, in which case a
         pending rerun cannot be compared rank by rank and is dropped (the iteration simply runs
         again and is validated afresh)."""
@@ -591,15 +529,7 @@ class RerunStateMachine:
         self.skipped_batches = list(common["skipped_batches"])
         self.diagnoses = list(common["diagnoses"])
         if mine is not None:
-            self.rank_state = _RankState(
-                failed_call=tuple(mine["failed_call"]) if mine["failed_call"] else None,
-                initial_result=mine["initial_result"],
-                injected=mine["injected"],
-                fatal=mine["fatal"],
-                suspicious=tuple(mine["suspicious"]) if mine["suspicious"] else None,
-                spike_count=dict(mine["spike_count"]),
-                spike_max=dict(mine["spike_max"]),
-            )
+            self.rank_state = RankState.from_json(mine)
         state = RerunState(common["state"])
         if state == RerunState.WILL_RERUN_FROM_CHECKPOINT:
             if self.mode != RerunMode.VALIDATE_RESULTS or mine is None:
@@ -610,20 +540,14 @@ class RerunStateMachine:
             self.current_iteration = common["current_iteration"]
 
     # ------------------------------------------------------------------ checkpoints
-    # The machine's state as a checkpoint keeps it (engine/checkpointing/stateful.py's
-    # RerunMachineState stores this in the manifest's meta["rerun"], a snapshot in its meta).
+    # The machine's state as a checkpoint keeps it (checkpoint_state.py; engine/checkpointing/
+    # stateful.py's RerunMachineState stores it in the manifest's meta["rerun"], a snapshot in its
+    # meta).
 
     def checkpoint_state(self, gather: bool = True) -> dict[str, Any]:
-        """{"common": ..., "ranks": [every rank's own]}. Every rank's own state is small, so it is
-        gathered (a collective); `gather=False` fills in only this rank's entry, no collective (an
-        in-memory snapshot: one rank's, restored by that rank of the same layout)."""
-        common, mine = self.state_dict()
-        ranks = [None] * dist.get_world_size()
-        if gather:
-            dist.all_gather_object(ranks, mine)
-        else:
-            ranks[dist.get_rank()] = mine
-        return {"common": common, "ranks": ranks}
+        """{"common": ..., "ranks": [every rank's own]}: a collective unless `gather=False`
+        (checkpoint_state.checkpoint_entry)."""
+        return checkpoint_entry(*self.state_dict(), gather=gather)
 
     def load_checkpoint_state(self, saved: dict[str, Any] | None, same_layout: bool) -> None:
         """Restore what `checkpoint_state` gave. This rank's own state comes back only on the layout
@@ -631,8 +555,7 @@ class RerunStateMachine:
         before the machine existed have none (`saved` empty): nothing is restored then."""
         if not saved:
             return
-        mine = saved["ranks"][dist.get_rank()] if same_layout else None
-        self.load_state_dict(saved["common"], mine)
+        self.load_state_dict(saved["common"], own_entry(saved, same_layout))
 
     def resume_at(self, iteration: int) -> None:
         """Training continues after `iteration` (a resume, a snapshot restore): count from there,
