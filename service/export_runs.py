@@ -10,15 +10,13 @@ steps never touch exports.
 from __future__ import annotations
 
 import logging
-import threading
-from collections.abc import Callable
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from service.exports import export_command
-from service.launcher import Launcher, LauncherUnavailable, LaunchStatus, export_resources
-from service.settings import Settings
+from service.launcher import LauncherUnavailable, LaunchStatus, export_resources
+from service.reconcile.step import ReconcileStep
 from service.storage_policy import export_env
 from service.store.db import in_transaction
 from service.store.exports import FAILED, RUNNING, SUCCEEDED, UNFINISHED, finish_export
@@ -28,18 +26,7 @@ from service.store.models import Export
 log = logging.getLogger(__name__)
 
 
-class ExportRuns:
-    def __init__(
-        self,
-        sessions: sessionmaker[Session],
-        launcher: Launcher,
-        settings: Settings,
-        clock: Callable[[], float],
-        stopping: threading.Event,
-    ):
-        self.sessions, self.launcher, self.settings, self.clock = sessions, launcher, settings, clock
-        self._stopping = stopping
-
+class ExportRuns(ReconcileStep):
     def run_pass(self) -> None:
         with self.sessions() as s:
             rows = s.execute(

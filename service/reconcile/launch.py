@@ -17,18 +17,16 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
-from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from service import fencing
-from service.launcher import Launcher, LauncherUnavailable, worker_env
+from service.launcher import LauncherUnavailable, worker_env
+from service.reconcile.step import ReconcileStep
 from service.scheduling.demand import Demand, launch_size, sized_spec, trim_placement
 from service.scheduling.model import Admission
-from service.settings import Settings
 from service.states import JobState
 from service.storage_policy import launch_env
 from service.store import scheduler_stats
@@ -40,18 +38,7 @@ from service.store.tokens import JOB_PREFIX, hash_secret, new_secret
 log = logging.getLogger(__name__)
 
 
-class Launching:
-    def __init__(
-        self,
-        sessions: sessionmaker[Session],
-        launcher: Launcher,
-        settings: Settings,
-        clock: Callable[[], float],
-        stopping: threading.Event,
-    ):
-        self.sessions, self.launcher, self.settings, self.clock = sessions, launcher, settings, clock
-        self._stopping = stopping
-
+class Launching(ReconcileStep):
     def oldest_first(self) -> bool:
         """The cluster's capacity unknown: the queued jobs oldest first, `dispatch_batch` per pass,
         as Ray Jobs queues them itself. False when the launcher became unavailable."""

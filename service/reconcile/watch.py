@@ -16,17 +16,15 @@ from __future__ import annotations
 
 import logging
 import re
-import threading
-from collections.abc import Callable
 
 from sqlalchemy import select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
 from service import fencing
-from service.launcher import Launcher, LaunchStatus
+from service.launcher import LaunchStatus
 from service.reconcile.preemption import requeue
 from service.reconcile.resize import stopped_for_resize
-from service.settings import Settings
+from service.reconcile.step import ReconcileStep
 from service.states import FINAL, JobState
 from service.store.db import in_transaction
 from service.store.jobs import add_event, fail, get_job, transition
@@ -64,18 +62,7 @@ def _driver_reason(s: Session, job_id: str) -> str | None:
     return reason if isinstance(reason, str) and reason else None
 
 
-class LaunchWatch:
-    def __init__(
-        self,
-        sessions: sessionmaker[Session],
-        launcher: Launcher,
-        settings: Settings,
-        clock: Callable[[], float],
-        stopping: threading.Event,
-    ):
-        self.sessions, self.launcher, self.settings, self.clock = sessions, launcher, settings, clock
-        self._stopping = stopping
-
+class LaunchWatch(ReconcileStep):
     def run_pass(self, on_start: bool) -> None:
         """Poll the submitted non-final jobs and apply what the launcher reports; `on_start`: the
         first pass of this API process, which records what it found for every non-final job."""
