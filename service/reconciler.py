@@ -73,7 +73,7 @@ class Reconciler:
         self._stopping = threading.Event()
         self._tick_lock = threading.Lock()
         self.watch = LaunchWatch(sessions, launcher, settings, self.clock, self._stopping)
-        self.stops = GracefulStops(sessions, launcher, settings, self.clock)
+        self.stops = GracefulStops(sessions, launcher, settings, self.clock, self._stopping)
         # Retired attempts Ray never confirmed ended: stopped should they turn up (orphans).
         self.orphans = fencing.OrphanWatch(sessions, launcher, self.clock, 10 * settings.reconcile_interval_s)
         self.launching = Launching(sessions, launcher, settings, self.clock, self._stopping)

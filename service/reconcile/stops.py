@@ -13,13 +13,12 @@ It only carries out what was recorded: it decides no cancel or preemption, and r
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 from sqlalchemy import or_, select
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
-from service.launcher import Launcher, LauncherUnavailable
-from service.settings import Settings
+from service.launcher import LauncherUnavailable
+from service.reconcile.step import ReconcileStep
 from service.states import FINAL, JobState
 from service.store.db import in_transaction
 from service.store.jobs import add_event, get_job
@@ -30,16 +29,7 @@ log = logging.getLogger(__name__)
 _NON_FINAL = [str(s) for s in JobState if s not in FINAL]
 
 
-class GracefulStops:
-    def __init__(
-        self,
-        sessions: sessionmaker[Session],
-        launcher: Launcher,
-        settings: Settings,
-        clock: Callable[[], float],
-    ):
-        self.sessions, self.launcher, self.settings, self.clock = sessions, launcher, settings, clock
-
+class GracefulStops(ReconcileStep):
     def run_pass(self) -> None:
         resend_before = self.clock() - 30.0
         with self.sessions() as s:
