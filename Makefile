@@ -46,9 +46,12 @@ postgres:
 tools:
 	@bash deploy/tools/install-tools.sh >/dev/null || echo "deploy/tools/install-tools.sh failed: the tests that need its tools will skip"
 
+# Two pytest-xdist workers: the Ray tests (one group, one shared cluster: tests/conftest.py) on
+# one, everything else spread over both. TEST_WORKERS=0 runs the suite in this one process.
+TEST_WORKERS ?= 2
 test: $(STAMP) browser postgres tools
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q --durations=30 tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=30 tests
 
 # Every bench in bench/, its JSON lines appended to runs/bench/<commit>.jsonl (tagged with the
 # commit) so two commits can be compared; `make bench-smoke` is the seconds-long run CI does.

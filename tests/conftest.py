@@ -2,7 +2,13 @@
 (tests/tools.py states the rule); the one Ray cluster of the session and its leak guard
 (tests/ray_cluster.py), for every test that asks for `ray_cluster`; and a list, at the end of
 the run, of the tests that took over SLOW_TEST_S without saying why in their docstring
-("Over 30 s: ...")."""
+("Over 30 s: ...").
+
+`make test` runs the suite on pytest-xdist workers (`-n 2 --dist loadgroup`): every test that
+uses `ray_cluster` (all in RAY_TEST_DIRS) is one group (RAY_GROUP), run in order on one worker,
+so the session has one shared Ray cluster however many workers there are, while the other
+workers take the engine, service and deploy tests beside it (the time the Ray tests spend
+waiting on process starts and polls is what the other worker fills)."""
 
 from __future__ import annotations
 
@@ -14,6 +20,42 @@ pytest_plugins = ["tests.ray_cluster"]
 
 SLOW_TEST_S = 30.0
 SLOW_REASON = "Over 30 s:"
+# The xdist group of the tests on the shared Ray cluster (one worker runs them all, in order),
+# and the folders they live in (node ids relative to the rootdir).
+RAY_GROUP = "ray_cluster"
+RAY_TEST_DIRS = ("tests/workers/",)
+# Where a report says it was slow without a reason: a user property, because xdist carries
+# those from its workers to the process that prints the summary (not ad-hoc report attributes).
+SLOW_WITHOUT_REASON = "slow_without_reason"
+
+
+def pytest_itemcollected(item):
+    """A test on the shared Ray cluster must live where the scheduler below groups them."""
+    if "ray_cluster" in getattr(item, "fixturenames", ()) and not item.nodeid.startswith(RAY_TEST_DIRS):
+        raise pytest.UsageError(
+            f"{item.nodeid} uses ray_cluster outside {', '.join(RAY_TEST_DIRS)}: move it there (or add its "
+            "folder to tests/conftest.py's RAY_TEST_DIRS), so it runs on the worker that owns the cluster"
+        )
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`--dist loadgroup` with the Ray tests as one group, chosen by folder here rather than by
+    an `xdist_group` mark: pytest-xdist 3.8 marks a group by rewriting `item._nodeid`, which
+    pytest 9.2's nodes no longer read, so the mark groups nothing. The controller, which
+    schedules, sees node ids only (it collects nothing), hence the folder rule, which the hook
+    above holds every test that uses `ray_cluster` to."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RayGroupScheduling(LoadScopeScheduling):
+        """Each test its own unit, the Ray tests one unit (the largest, so scheduled first)."""
+
+        def _split_scope(self, nodeid: str) -> str:
+            return RAY_GROUP if nodeid.startswith(RAY_TEST_DIRS) else nodeid
+
+    return RayGroupScheduling(config, log)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -22,7 +64,8 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if call.when == "call" and report.duration > SLOW_TEST_S:
         doc = getattr(getattr(item, "function", None), "__doc__", None) or ""
-        report.slow_without_reason = SLOW_REASON not in doc
+        if SLOW_REASON not in doc:
+            report.user_properties.append((SLOW_WITHOUT_REASON, True))
     if report.skipped and tools_required() and isinstance(report.longrepr, tuple):
         reason = report.longrepr[2]
         if is_missing_tool(reason):
@@ -32,7 +75,12 @@ def pytest_runtest_makereport(item, call):
 
 def pytest_terminal_summary(terminalreporter):
     """Name the slow tests that do not say why they must be slow (the durations list shows how slow)."""
-    reports = [r for rs in terminalreporter.stats.values() for r in rs if getattr(r, "slow_without_reason", False)]
+    reports = [
+        r
+        for rs in terminalreporter.stats.values()
+        for r in rs
+        if (SLOW_WITHOUT_REASON, True) in getattr(r, "user_properties", ())
+    ]
     if reports:
         terminalreporter.section(f"tests over {SLOW_TEST_S:.0f} s without '{SLOW_REASON}' in their docstring")
         for r in sorted(reports, key=lambda r: -r.duration):
