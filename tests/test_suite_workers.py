@@ -1,6 +1,7 @@
 """tests/conftest.py's hooks under `make test`'s pytest-xdist workers, run on a throwaway test file
 in a pytest of its own: every test that uses `ray_cluster` runs on one worker (one shared Ray
-cluster per session, however many workers), the other tests spread over both, and a slow test
+cluster per session, however many workers) at normal priority, the other tests spread over both
+at a lower one, and a slow test
 without its "Over 30 s:" reason is still named in the summary, which the controller process
 prints from reports its workers sent."""
 
@@ -10,6 +11,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+from tests.conftest import OTHER_TESTS_NICE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -35,7 +38,8 @@ def ray_leak_guard():
 def _ran(name):
     out = Path(os.environ["PROBE_OUT"])
     out.mkdir(exist_ok=True)
-    (out / name).write_text(os.environ.get("PYTEST_XDIST_WORKER", "none"))
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "none")
+    (out / name).write_text(f"{worker} {os.getpriority(os.PRIO_PROCESS, 0)}")
     time.sleep(0.3)
 '''
 RAY_PROBE = COMMON + '''
@@ -77,12 +81,17 @@ def test_ray_tests_share_one_worker_and_slow_tests_are_named(tmp_path):
     proc = pytest_in(tmp_path, "-n", "2", "--dist", "loadgroup", ".")
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
-    ran = {p.name: p.read_text() for p in (tmp_path / "ran").iterdir()}
+    ran = {p.name: p.read_text().split() for p in (tmp_path / "ran").iterdir()}
     assert len(ran) == 12, ran
-    ray_workers = {w for name, w in ran.items() if name.startswith("ray")}
+    ray_workers = {w for name, (w, _) in ran.items() if name.startswith("ray")}
     assert len(ray_workers) == 1 and ray_workers <= {"gw0", "gw1"}, ran
     # the others were not held up behind the Ray group: the other worker ran some
-    assert {w for name, w in ran.items() if name.startswith("plain")} - ray_workers, ran
+    assert {w for name, (w, _) in ran.items() if name.startswith("plain")} - ray_workers, ran
+    # the Ray tests at this process' priority, the others at a lower one
+    mine = os.getpriority(os.PRIO_PROCESS, 0)
+    assert {int(nice) for name, (_, nice) in ran.items() if name.startswith("ray")} == {mine}, ran
+    others = {int(nice) for name, (_, nice) in ran.items() if name.startswith("plain")}
+    assert min(others) >= max(mine, OTHER_TESTS_NICE), ran
     summary = out.split("without 'Over 30 s:' in their docstring", 1)
     assert len(summary) == 2, out
     assert "test_slow_without_reason" in summary[1] and "test_slow_with_reason" not in summary[1], out

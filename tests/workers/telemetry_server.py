@@ -103,9 +103,15 @@ class TelemetryServer:
         return [e for e in evs if kind is None or e.get("kind") == kind]
 
     def final_records(self, job_id: str) -> dict[int, dict]:
-        """iteration -> the record of the latest worker group (what the control plane keeps)."""
+        """iteration -> the record of the latest worker group (what the control plane keeps:
+        service/store/telemetry.py's `_epoch`, the attempt where a record has no group, as a
+        replica's records other than the first replica's do)."""
+
+        def epoch(r: dict) -> int:
+            return r["group"] if isinstance(r.get("group"), int) else r.get("attempt") or 0
+
         out: dict[int, dict] = {}
         for r in self.records(job_id):
-            if r["iteration"] not in out or r.get("group", 0) >= out[r["iteration"]].get("group", 0):
+            if r["iteration"] not in out or epoch(r) >= epoch(out[r["iteration"]]):
                 out[r["iteration"]] = r
         return dict(sorted(out.items()))
