@@ -53,7 +53,7 @@ tools:
 TEST_WORKERS ?= 0
 test: $(STAMP) browser postgres tools
 	$(VENV)/bin/ruff check .
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=30 tests
+	$(PY) -m pytest -q $(if $(filter-out 0,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadgroup) --durations=30 tests
 
 # Every bench in bench/, its JSON lines appended to runs/bench/<commit>.jsonl (tagged with the
 # commit) so two commits can be compared; `make bench-smoke` is the seconds-long run CI does.

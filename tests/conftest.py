@@ -4,7 +4,8 @@
 the run, of the tests that took over SLOW_TEST_S without saying why in their docstring
 ("Over 30 s: ...").
 
-`make test` runs the suite on pytest-xdist workers (`-n 2 --dist loadgroup`): every test that
+`make test TEST_WORKERS=2` runs the suite on pytest-xdist workers (`-n 2 --dist loadgroup`; not
+the default yet: on 2 cores the Ray tests overran their waits, issue 52): every test that
 uses `ray_cluster` (all in RAY_TEST_DIRS), and every test that starts a Ray cluster of its own,
 is one group (RAY_GROUP), run in order on one worker, so the session has one shared Ray cluster
 however many workers there are and never two busy Ray clusters at once; the other workers take

@@ -33,6 +33,17 @@ RECORD_WORLD_SIZE = "world_size"
 RECORD_DATA_PARALLEL_SIZE = "data_parallel_size"
 RECORD_TS = "ts"
 
+
+def record_epoch(record: dict, default: int) -> int:
+    """Which run of the job a metrics record comes from: its `group`, else its `attempt` (a
+    replica's records other than the first replica's carry no group), else `default`. Of two
+    records for one iteration, the store keeps the one of the higher epoch."""
+    for field in (RECORD_GROUP, RECORD_ATTEMPT):
+        value = record.get(field)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return default
+
 # The driver's event for a worker-group restart, with its short cause.
 EVENT_RESTART = "restart"
 EVENT_CAUSE = "cause"

@@ -228,17 +228,6 @@ def _apply_checkpoint(
         }
 
 
-def _epoch(record: dict, job: Job) -> int:
-    """Which run of the job a record comes from: the workers' `group` (it grows with every restart
-    and every elastic resize of the worker group), else their `attempt` (restarts only), else the
-    number of restarts reported so far."""
-    for field in (contract.RECORD_GROUP, contract.RECORD_ATTEMPT):
-        value = record.get(field)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    return job.restarts
-
-
 def _apply_records(
     session: Session, job: Job, records: list[dict], stats: dict, result: IngestResult
 ) -> None:
@@ -246,7 +235,7 @@ def _apply_records(
         return
     batch: dict[int, tuple[int, dict]] = {}
     for record in records:  # one record per iteration: the newest run's
-        epoch, iteration = _epoch(record, job), int(record["iteration"])
+        epoch, iteration = contract.record_epoch(record, job.restarts), int(record["iteration"])
         if iteration not in batch or epoch >= batch[iteration][0]:
             batch[iteration] = (epoch, record)
     stored = dict(

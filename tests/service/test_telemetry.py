@@ -399,3 +399,15 @@ def test_user_tokens_cannot_post_telemetry(env, running):
         r = admin.post(f"/v1/internal/jobs/{job_id}/telemetry", json={"records": [rec(1)]})
         assert r.status_code == 200, r.text
     assert env.job(job_id)["iteration"] == 1
+
+
+def test_a_record_without_a_group_is_dated_by_its_attempt():
+    """A replica's records other than the first replica's carry `group: None` (only rank 0 of the
+    worker group is told its number): the epoch falls back to the attempt, then to the default,
+    never comparing None with a number (the crash a test helper with its own copy of the rule hit)."""
+    from engine.jobspec.contract import record_epoch
+
+    assert record_epoch({"iteration": 1, "attempt": 2, "group": 5}, 0) == 5
+    assert record_epoch({"iteration": 1, "attempt": 2, "group": None}, 0) == 2
+    assert record_epoch({"iteration": 1, "group": True}, 7) == 7  # a bool is not a number here
+    assert record_epoch({"iteration": 1}, 7) == 7

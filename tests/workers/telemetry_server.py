@@ -11,6 +11,7 @@ import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from engine.jobspec.contract import record_epoch
 from engine.launcher import free_port
 
 PATH_PREFIX = "/v1/internal/jobs/"
@@ -103,15 +104,10 @@ class TelemetryServer:
         return [e for e in evs if kind is None or e.get("kind") == kind]
 
     def final_records(self, job_id: str) -> dict[int, dict]:
-        """iteration -> the record of the latest worker group (what the control plane keeps:
-        service/store/telemetry.py's `_epoch`, the attempt where a record has no group, as a
-        replica's records other than the first replica's do)."""
-
-        def epoch(r: dict) -> int:
-            return r["group"] if isinstance(r.get("group"), int) else r.get("attempt") or 0
-
+        """iteration -> the record of the latest worker group (what the control plane keeps, by
+        the same rule: engine/jobspec/contract.py's `record_epoch`)."""
         out: dict[int, dict] = {}
         for r in self.records(job_id):
-            if r["iteration"] not in out or epoch(r) >= epoch(out[r["iteration"]]):
+            if r["iteration"] not in out or record_epoch(r, 0) >= record_epoch(out[r["iteration"]], 0):
                 out[r["iteration"]] = r
         return dict(sorted(out.items()))
