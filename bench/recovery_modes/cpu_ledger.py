@@ -26,6 +26,8 @@ class CpuLedger:
     def __exit__(self, *exc):
         self._stop.set()
         self._thread.join(timeout=5)
+        if os.path.isdir("/proc"):  # the window's end, however short the window was
+            self.samples.append((time.time(), self._read()))
 
     def _read(self) -> dict[int, tuple[str, float]]:
         seen = {}
@@ -36,7 +38,9 @@ class CpuLedger:
                 with open(f"/proc/{entry.name}/stat") as f:
                     fields = f.read().rsplit(")", 1)[1].split()
                 with open(f"/proc/{entry.name}/cmdline", "rb") as f:
-                    title = f.read().split(b"\0")[0].decode(errors="replace")
+                    # The whole command line: a Ray actor's title (`ray::TrainController`) is its
+                    # first word, a Python script's name is not.
+                    title = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
             except OSError:
                 continue
             # utime, stime: fields 14 and 15 of stat, 12 and 13 after the ")".
