@@ -18,7 +18,7 @@ What they share (the jobs, the local Ray cluster and its telemetry receiver, the
 harness.py.
 
     python bench/recovery.py [--repeats 1] [--rounds 3] [--iterations 40]
-        [--skip recovery|survive|overhead|snapshot_overhead|storage_faults]
+        [--skip MODE ...] [--only MODE ...]   MODE: recovery|survive|overhead|snapshot_overhead|storage_faults
         [--kill-every 30] [--heartbeat-timeout-ms MS ...] [--survive-job small|medium]
         [--survive-iters N] [--compare-no-relay] [--ray-cpus 2] [--smoke]
 
@@ -40,6 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+MODES = ("recovery", "survive", "overhead", "snapshot_overhead", "storage_faults")
 
 
 def main() -> None:
@@ -74,11 +75,14 @@ def main() -> None:
     parser.add_argument(
         "--local-interval", type=int, default=1, help="snapshot_overhead: an in-memory snapshot every N steps"
     )
+    parser.add_argument("--skip", choices=MODES, action="append", default=[], help="leave this mode out")
     parser.add_argument(
-        "--skip",
-        choices=["recovery", "survive", "overhead", "snapshot_overhead", "storage_faults"],
+        "--only",
+        choices=MODES,
         action="append",
         default=[],
+        help="run this mode (repeat it for several) and leave the others out: tests/test_bench_smoke.py "
+        "smokes the bench in parts, each under its own time limit",
     )
     parser.add_argument(
         "--kill-every", type=float, default=SURVIVE_KILL_EVERY_S, help="mode survive: seconds between kills"
@@ -111,6 +115,8 @@ def main() -> None:
     )
     parser.add_argument("--smoke", action="store_true", help="every figure from tiny runs: a check that it runs")
     args = parser.parse_args()
+    if args.only:
+        args.skip = sorted(set(args.skip) | (set(MODES) - set(args.only)))
     if args.smoke:
         args.repeats, args.rounds, args.iterations = 1, 1, WARMUP + 3
     # steady() needs two consecutive iterations after the warm-up.
@@ -121,6 +127,8 @@ def main() -> None:
     if "storage_faults" not in args.skip:  # outside Ray: before the local cluster starts
         with tempfile.TemporaryDirectory(prefix="elastron-bench-faults-") as tmp:
             storage_faults(Path(tmp), args.repeats, smoke=args.smoke)
+    if set(MODES) - {"storage_faults"} <= set(args.skip):
+        return  # nothing left that needs the Ray cluster
     with local_ray(args.ray_cpus) as (receiver, tmp):
         telemetry_cost(receiver, 500 if args.smoke else 20000)
         if "recovery" not in args.skip:

@@ -48,10 +48,11 @@ def benches() -> list[Path]:
     return sorted(p for p in BENCH.glob("*.py") if not p.name.startswith("_"))
 
 
-def run_bench(path: Path, smoke: bool, timeout_s: float) -> BenchRun:
-    """Run one bench as a user would (its own process, the checkout on PYTHONPATH)."""
+def run_bench(path: Path, smoke: bool, timeout_s: float, args: tuple[str, ...] = ()) -> BenchRun:
+    """Run one bench as a user would (its own process, the checkout on PYTHONPATH), with `args`
+    after `--smoke` (a part of a bench, e.g. `--only recovery`)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, str(path), *(["--smoke"] if smoke else [])]
+    cmd = [sys.executable, str(path), *(["--smoke"] if smoke else []), *args]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)

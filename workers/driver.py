@@ -170,14 +170,14 @@ class JobDriver:
         for key, value in RAY_ENV_DEFAULTS.items():
             os.environ.setdefault(key, value)
         if not ray.is_initialized():
-            from workers.warm_processes import job_runtime_env, warm_restart_enabled
+            from workers.warm_processes import job_runtime_env
 
             ray.init(
                 address=self.options.address,
                 log_to_driver=True,
                 # Fast-recovery jobs: every process of the job imports Ray Train and torch as it
                 # starts, so a warm one started ahead takes a restart's controller in ~0.1 s.
-                runtime_env=job_runtime_env() if warm_restart_enabled(self.spec_dict) else None,
+                runtime_env=job_runtime_env() if self.job.warm_restart else None,
             )
         device = self.spec.resources.device
         gpus = ray.cluster_resources().get("GPU", 0)
@@ -240,7 +240,7 @@ class JobDriver:
             WarmControllerProcesses,
             torchft_config,
         )
-        from workers.warm_processes import rank_runtime_env, warm_restart_enabled
+        from workers.warm_processes import rank_runtime_env
 
         r = self.spec.resources
         # Nodes the last attempt lost stay out of this one even while Ray still lists them
@@ -256,11 +256,7 @@ class JobDriver:
             elastic_resize_monitor_interval_s=self.options.resize_interval_s
             or float(os.environ.get("ELASTRON_RESIZE_INTERVAL_S", 60.0)),
         )
-        step_timeout = self.spec.resilience.step_timeout_s
-        setup_timeout = max(step_timeout, 600.0)
-        # A collective that outlives the step timeout is a hang: the watchdog fires first,
-        # the process group's own timeout is the backstop (also during setup).
-        pg_timeout = int(max(setup_timeout, 2 * step_timeout))
+        pg_timeout = self.job.process_group_timeout_s
         replicas = replace_replica(self.spec)
         return ElastronTorchTrainer(
             rank_main,
@@ -272,7 +268,6 @@ class JobDriver:
                 "metrics_out": self.options.metrics_out,
                 "quiet": self.options.quiet,
                 "flush_interval_s": self.options.flush_interval_s,
-                "setup_timeout_s": setup_timeout,
                 "attempt_started_at": time.time(),  # a restart's phases are timed from here
             },
             # replace_replica: one process group per replica, Ray's controller replacing a failed
@@ -292,7 +287,7 @@ class JobDriver:
                 storage_path=self.options.storage_path or default_storage_path(),
                 failure_config=FailureConfig(max_failures=self._replica_budget() if replicas else 0),
                 callbacks=[GracefulShutdown()]
-                + ([WarmControllerProcesses()] if warm_restart_enabled(self.spec_dict) else []),
+                + ([WarmControllerProcesses()] if self.job.warm_restart else []),
                 # Rank processes import torch and the engine at their start, which lets a warm
                 # process started ahead take a restarted rank (workers/warm_processes.py).
                 worker_runtime_env=rank_runtime_env(),

@@ -186,7 +186,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     from workers.replicas import form_replica, replace_replica, replica_job, replica_size
     from workers.snapshots import HolderStore, SnapshotPusher
     from workers.telemetry import TelemetrySender
-    from workers.warm_processes import prestart_after_first_step, process_was_warm, warm_restart_enabled
+    from workers.warm_processes import prestart_after_first_step, process_was_warm
 
     imports_s = time.time() - entered
 
@@ -289,7 +289,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     def on_timeout(message: str) -> None:
         report_own_failure(contract.EVENT_WATCHDOG_TIMEOUT, message)
 
-    warm_restart = warm_restart_enabled(spec)
+    warm_restart = job.warm_restart
     pusher = (
         SnapshotPusher(
             job_id,
@@ -317,8 +317,8 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
             replica,
             count,
             group=membership,
-            timeout_s=min(60.0, spec.resilience.step_timeout_s),
-            startup_wait_s=config.get("setup_timeout_s", 600.0),
+            timeout_s=job.quorum_timeout_s,
+            startup_wait_s=job.setup_timeout_s,
             peers_finished=lambda: _replicas_ended(registry, attempt),
             heartbeat_timeout_ms=spec.resilience.replica_heartbeat_timeout_ms,
             on_lighthouse_lost=on_lighthouse_lost,
@@ -380,10 +380,9 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
                 world_size=world,
             )
 
-    step_timeout = spec.resilience.step_timeout_s
     watchdog = StepWatchdog(
-        step_timeout,
-        setup_timeout_s=config.get("setup_timeout_s", max(step_timeout, 600.0)),
+        spec.resilience.step_timeout_s,
+        setup_timeout_s=job.setup_timeout_s,
         on_timeout=on_timeout,
     ).start()
 

@@ -100,8 +100,7 @@ def form_replica(registry, replica: int, shard: int, size: int, config: dict[str
 
     if registry is None:
         raise RuntimeError("replace_replica with data_parallel_shard_size needs the job registry (workers/registry.py)")
-    step_timeout = config["job"].spec.resilience.step_timeout_s
-    setup_timeout = config.get("setup_timeout_s", max(step_timeout, 600.0))
+    job = config["job"]
 
     def flush_telemetry() -> None:
         if lost.sender is not None:
@@ -115,8 +114,8 @@ def form_replica(registry, replica: int, shard: int, size: int, config: dict[str
         backend=dist.get_backend(),
         host=ray.util.get_node_ip_address(),
         # The driver's process-group timeout (workers/driver.py): the watchdog fires first.
-        timeout=timedelta(seconds=max(setup_timeout, 2 * step_timeout)),
-        setup_timeout_s=setup_timeout,
+        timeout=timedelta(seconds=job.process_group_timeout_s),
+        setup_timeout_s=job.setup_timeout_s,
         # How long a rank that lost its peer waits for the peer's replacement before it exits
         # (Ray 2.60 replaces two failed replica groups of one poll badly: replica_group.py).
         replace_wait_s=60.0,

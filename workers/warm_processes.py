@@ -45,10 +45,6 @@ import importlib
 import logging
 import threading
 import time
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from engine.jobspec import JobSpec
 
 log = logging.getLogger(__name__)
 
@@ -185,17 +181,6 @@ def prestart_after_first_step(trainer, count: int = 1, poll_s: float = 0.2, give
     thread = threading.Thread(target=wait_then_prestart, name="elastron-warm-prestart", daemon=True)
     thread.start()
     return thread
-
-
-def warm_restart_enabled(spec: JobSpec | dict) -> bool:
-    """resilience.warm_restart, whose default follows checkpoint.local_interval (fast recovery).
-    `spec`: the typed spec, or a (partial) spec dict."""
-    if isinstance(spec, dict):
-        chosen = (spec.get("resilience") or {}).get("warm_restart")
-        local_interval = (spec.get("checkpoint") or {}).get("local_interval")
-    else:
-        chosen, local_interval = spec.resilience.warm_restart, spec.checkpoint.local_interval
-    return bool(local_interval) if chosen is None else bool(chosen)
 
 
 def prestart_later(count: int, delay_s: float) -> threading.Timer:

@@ -13,6 +13,13 @@ from typing import Any
 from engine.jobspec import layout
 from engine.jobspec.job import JobSpec, parse_job
 
+# The least a rank's setup (imports, model build, checkpoint resume, process-group and replica
+# joins, before its first step) may take before the watchdog calls it hung, whatever the step
+# timeout: a cold start on a busy node takes minutes where a step takes seconds.
+SETUP_TIMEOUT_FLOOR_S = 600.0
+# The most a replica-quorum round waits for its peers before it goes on with those it has.
+QUORUM_TIMEOUT_CAP_S = 60.0
+
 
 @dataclass(frozen=True)
 class ResolvedJob:
@@ -28,6 +35,32 @@ class ResolvedJob:
         """Where this job's `iter_NNNNNNN` folders go; None when it does not checkpoint."""
         path = self.spec.checkpoint.path
         return None if path is None else layout.checkpoint_location(path, self.spec.name)
+
+    @property
+    def setup_timeout_s(self) -> float:
+        """Seconds a rank's setup may take before its watchdog calls it hung (and how long a
+        replica waits for its peers' first quorum): the step timeout, never under
+        SETUP_TIMEOUT_FLOOR_S."""
+        return max(self.spec.resilience.step_timeout_s, SETUP_TIMEOUT_FLOOR_S)
+
+    @property
+    def process_group_timeout_s(self) -> int:
+        """The process group's own collective timeout: the backstop behind the step watchdog
+        (a collective that outlives the step timeout is a hang the watchdog reports first), so
+        never shorter than the setup or two steps."""
+        return int(max(self.setup_timeout_s, 2 * self.spec.resilience.step_timeout_s))
+
+    @property
+    def quorum_timeout_s(self) -> float:
+        """replace_replica: how long one quorum round waits for the other replicas."""
+        return min(QUORUM_TIMEOUT_CAP_S, self.spec.resilience.step_timeout_s)
+
+    @property
+    def warm_restart(self) -> bool:
+        """resilience.warm_restart as it applies: unset, it follows checkpoint.local_interval
+        (a job that asked for fast in-memory recovery also gets processes started ahead)."""
+        chosen = self.spec.resilience.warm_restart
+        return bool(self.spec.checkpoint.local_interval) if chosen is None else chosen
 
     def with_ranks(self, ranks: int) -> ResolvedJob:
         """The same job on another rank count (an elastic resize), validated again."""

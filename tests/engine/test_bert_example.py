@@ -24,6 +24,8 @@ ELASTRON = [sys.executable, "-m", "elastron.cli"]
 
 
 def test_bert_example_trains_and_exports(tmp_path):
+    """Over 30 s: two user processes in a row, `elastron train` (its ranks import torch) and
+    `elastron export`, then transformers loads the export."""
     job = yaml.safe_load((ROOT / "examples/bert_tiny.yaml").read_text())
     job["training"].update(train_iters=10, log_interval=5)
     job["checkpoint"] = {"path": str(tmp_path / "ckpt")}

@@ -95,7 +95,10 @@ def test_schema_prints_the_job_schema():
 
 
 def test_train_again_resumes_from_the_newest_checkpoint_and_appends_metrics(tmp_path):
-    """`resume: auto` is the default: rerunning the job with more iterations continues it."""
+    """`resume: auto` is the default: rerunning the job with more iterations continues it.
+
+    Over 30 s on a loaded machine: two `elastron train` processes (~12-15 s each: their ranks
+    import torch), as a user reruns a job."""
     spec = {
         **TINY_JOB,
         "training": {**TINY_JOB["training"], "train_iters": 4},

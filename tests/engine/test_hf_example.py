@@ -53,6 +53,9 @@ def train_example(tmp_path: Path, example: str, conversations: int, iters: int) 
 
 
 def test_finetune_example_end_to_end(tmp_path):
+    """Over 30 s: the README's path as separate user processes (the example script, `elastron
+    train`, `elastron export`), each importing torch and transformers, then transformers loads
+    the export."""
     job, out, run = train_example(tmp_path, "examples/finetune_hf.yaml", conversations=400, iters=12)
     assert "imported" in run.stdout
     exported = tmp_path / "finetuned"

@@ -77,3 +77,37 @@ def test_the_grid_arithmetic_of_validation_lives_in_layout():
     s = spec(8, tensor=2)
     assert layout.samples_per_microbatch(s.training, 4) == 4
     assert layout.num_microbatches(s.training, 4) == 16 // 4
+
+
+def resolved(**sections):
+    base = {"model": {"num_layers": 2, "num_attention_heads": 4, "hidden_size": 64, "seq_length": 64}}
+    return resolve_job(parse_job({**base, **sections}))
+
+
+def test_warm_restart_follows_in_memory_checkpoints_unless_the_job_says():
+    assert resolved().warm_restart is False
+    assert resolved(checkpoint={"interval": 10}).warm_restart is False
+    assert resolved(checkpoint={"local_interval": 1}).warm_restart is True
+    assert resolved(checkpoint={"local_interval": 1}, resilience={"warm_restart": False}).warm_restart is False
+    assert resolved(resilience={"warm_restart": True}).warm_restart is True
+
+
+@pytest.mark.parametrize(
+    "step_timeout_s, setup_s, process_group_s, quorum_s",
+    [
+        (30.0, 600.0, 600, 30.0),  # a short step timeout: setup keeps its floor
+        (300.0, 600.0, 600, 60.0),  # the default
+        (400.0, 600.0, 800, 60.0),  # the process group outlasts two steps
+        (900.0, 900.0, 1800, 60.0),  # a step timeout above the floor sets the setup's too
+    ],
+)
+def test_the_timeouts_every_rank_uses_are_derived_from_the_step_timeout_once(step_timeout_s, setup_s, process_group_s, quorum_s):
+    """The driver, the ranks' watchdog, the replica group and the quorum read these, not a rule of their own."""
+    job = resolved(resilience={"step_timeout_s": step_timeout_s})
+    assert (job.setup_timeout_s, job.process_group_timeout_s, job.quorum_timeout_s) == (
+        setup_s,
+        process_group_s,
+        quorum_s,
+    )
+    # The backstop never fires before the watchdog: not during setup, not in a step.
+    assert job.process_group_timeout_s >= max(job.setup_timeout_s, job.spec.resilience.step_timeout_s)

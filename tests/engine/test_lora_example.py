@@ -16,6 +16,8 @@ peft = require_module("peft", "peft (a test dependency: pip install -e '.[dev]')
 
 
 def test_lora_example_end_to_end(tmp_path):
+    """Over 30 s: the module's user path as separate processes (the example script, `elastron
+    train`, `elastron export --format peft`), each importing torch and transformers."""
     job, out, _ = train_example(tmp_path, "examples/finetune_lora.yaml", conversations=200, iters=8)
     assert job["model"]["lora"]["rank"] == 16
     adapter = tmp_path / "adapter"

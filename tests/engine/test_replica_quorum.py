@@ -112,7 +112,10 @@ def _addresses(lighthouse) -> tuple[str, str]:
 
 
 def test_ten_kills_in_a_row_neither_stop_the_survivor_nor_deadlock(tmp_path):
-    """The Lighthouse would keep a silent replica for SILENT_MS (the job's
+    """Over 30 s: ten kills, each followed by a new replica process that imports torch and the
+    engine before it rejoins (a forkserver preloads them, still ~2-3 s each on 2 cores).
+
+    The Lighthouse would keep a silent replica for SILENT_MS (the job's
     replica_heartbeat_timeout_ms): the survivor goes on within seconds of each kill only because
     the killed process's closed connection to the liveness relay ends its heartbeats at once."""
     from engine.distributed.lighthouse import Lighthouse

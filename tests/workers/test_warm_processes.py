@@ -15,15 +15,7 @@ import pytest
 from tests.tools import require_module
 from workers import warm_processes
 from workers.rank import process_started_at
-from workers.warm_processes import process_was_warm, warm_restart_enabled
-
-
-def test_warm_restart_follows_in_memory_checkpoints_unless_the_job_says():
-    assert warm_restart_enabled({}) is False
-    assert warm_restart_enabled({"checkpoint": {"interval": 10}}) is False
-    assert warm_restart_enabled({"checkpoint": {"local_interval": 1}}) is True
-    assert warm_restart_enabled({"checkpoint": {"local_interval": 1}, "resilience": {"warm_restart": False}}) is False
-    assert warm_restart_enabled({"resilience": {"warm_restart": True}}) is True
+from workers.warm_processes import process_was_warm
 
 
 def test_the_job_spec_takes_warm_restart():
@@ -86,6 +78,9 @@ def _hooked_workers() -> set[int]:
 
 
 def test_a_prestarted_process_takes_the_next_rank_actor_with_torch_imported(ray_cluster):
+    """Over 30 s: two rank processes start on one 1-CPU node, each importing torch and the engine
+    (the cold one, then the prestarted one the next actor must take), beside the shared
+    cluster's daemons."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
