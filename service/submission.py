@@ -29,7 +29,7 @@ from typing import Annotated, Any
 from pydantic_core import core_schema
 from sqlalchemy.orm import Session
 
-from engine.jobspec import JobSpec, JobSpecError, parse_job
+from engine.jobspec import JobSpec, JobSpecError, derive_job, parse_job
 from engine.jobspec.layout import checkpoint_location, job_checkpoint_path, join_location
 from engine.jobspec.storage_roots import StorageRoots
 from service.settings import Settings
@@ -99,15 +99,14 @@ def request_hash(spec: JobSpec) -> str:
 def effective_spec(
     spec: JobSpec, *, job_id: str, caller: Principal, settings: Settings, session: Session
 ) -> dict[str, Any]:
-    data = spec.model_dump(mode="json")
-    checkpoint = data["checkpoint"]
-    resume_from = checkpoint.get("resume_from") or ""
+    checkpoint: dict[str, Any] = {}
+    resume_from = spec.checkpoint.resume_from or ""
     if resume_from.startswith("job:"):
         checkpoint["resume_from"] = _resolve_job_checkpoint(resume_from, caller, session)
-    if checkpoint.get("path") is None:
+    if spec.checkpoint.path is None:
         checkpoint["path"] = join_location(settings.resolved_checkpoint_dir, caller.tenant)
     try:
-        return parse_job(data).model_dump(mode="json")
+        return derive_job(spec, checkpoint=checkpoint).model_dump(mode="json")
     except JobSpecError as err:
         raise SpecProblem(problems_from_text(str(err))) from None
 

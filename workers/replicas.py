@@ -24,7 +24,7 @@ from datetime import timedelta
 from functools import partial
 from typing import Any
 
-from engine.jobspec import JobSpec, ResolvedJob, resolve_job
+from engine.jobspec import JobSpec, ResolvedJob, derive_job, resolve_job
 
 
 def replace_replica(spec: JobSpec) -> bool:
@@ -63,13 +63,13 @@ def check_replace_replica(spec: JobSpec) -> str | None:
 def replica_job(job: ResolvedJob) -> ResolvedJob:
     """The engine job one replica runs: the job on the replica's ranks (its own process group),
     sharded over all of them (HSDP's shard group is the replica's whole DP group)."""
-    data = job.spec.model_dump(mode="json")
-    resources = data["resources"]
-    resources["ranks"] = replica_size(job.spec)
-    for key in ("min_ranks", "max_ranks"):
-        resources.pop(key, None)
-    data["parallel"]["data_parallel_shard_size"] = None
-    return resolve_job(data)
+    return resolve_job(
+        derive_job(
+            job.spec,
+            resources={"ranks": replica_size(job.spec), "min_ranks": None, "max_ranks": None},
+            parallel={"data_parallel_shard_size": None},
+        )
+    )
 
 
 class _RegistryRounds:

@@ -16,7 +16,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from engine.jobspec import JobSpec, contract, parse_job_text
+from engine.jobspec import JobSpec, contract, derive_job, parse_job_text
 from engine.jobspec.layout import job_checkpoint_path, join_location
 
 JOB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -44,21 +44,18 @@ def prepare_spec(job_id: str, spec: JobSpec, storage_path: str | None = None) ->
         raise JobInputError(
             f"job id {job_id!r}: use 1-128 letters, digits, '.', '_' or '-', starting with a letter or digit"
         )
-    data = spec.model_dump(mode="json")
-    ckpt, d = data["checkpoint"], data["data"]
-    root = ckpt["path"] or join_location(storage_path or default_storage_path(), f"{job_id}/checkpoints")
-    ckpt["path"] = job_checkpoint_path(_absolute(root), job_id) if ckpt["path"] else _absolute(root)
-    if ckpt.get("resume_from"):
-        ckpt["resume_from"] = _absolute(ckpt["resume_from"])
-    for key in ("path", "cache_dir"):
-        if d.get(key):
-            d[key] = _absolute(d[key])
-    if d.get("blend"):
-        d["blend"] = [[w, _absolute(prefix)] for w, prefix in d["blend"]]
-    kind, sep, where = (d.get("tokenizer") or "").partition(":")
+    c, d = spec.checkpoint, spec.data
+    root = c.path or join_location(storage_path or default_storage_path(), f"{job_id}/checkpoints")
+    checkpoint: dict[str, Any] = {"path": job_checkpoint_path(_absolute(root), job_id) if c.path else _absolute(root)}
+    if c.resume_from:
+        checkpoint["resume_from"] = _absolute(c.resume_from)
+    data: dict[str, Any] = {key: _absolute(getattr(d, key)) for key in ("path", "cache_dir") if getattr(d, key)}
+    if d.blend:
+        data["blend"] = [[w, _absolute(prefix)] for w, prefix in d.blend]
+    kind, sep, where = (d.tokenizer or "").partition(":")
     if sep and kind in ("hf", "sentencepiece"):
-        d["tokenizer"] = f"{kind}:{_absolute(where)}"
-    return data
+        data["tokenizer"] = f"{kind}:{_absolute(where)}"
+    return derive_job(spec, checkpoint=checkpoint, data=data).model_dump(mode="json")
 
 
 def default_storage_path() -> str:

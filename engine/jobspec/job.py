@@ -326,6 +326,19 @@ def parse_job(data: dict[str, Any]) -> JobSpec:
         raise JobSpecError(format_validation_error(err)) from None
 
 
+def derive_job(spec: JobSpec, **sections: dict[str, Any]) -> JobSpec:
+    """`spec` with some fields of some sections replaced (`resources={"ranks": 4}`; None puts a
+    field back to unset), validated again as a whole: the one way the service and the workers
+    make a job from a job (a resize, a replica's share, the service's defaults, paths made
+    absolute), so every derived job passes the rules a submitted one does."""
+    data = spec.model_dump(mode="json")
+    for section, fields in sections.items():
+        if not isinstance(data.get(section), dict):
+            raise ValueError(f"derive_job: {section!r} is not a section of a job spec")
+        data[section].update(fields)
+    return parse_job(data)
+
+
 def load_job(path: str | Path) -> JobSpec:
     """Read a YAML or JSON job file."""
     path = Path(path)

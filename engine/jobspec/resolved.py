@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.jobspec import layout
-from engine.jobspec.job import JobSpec, parse_job
+from engine.jobspec.job import JobSpec, derive_job, parse_job
 
 # The least a rank's setup (imports, model build, checkpoint resume, process-group and replica
 # joins, before its first step) may take before the watchdog calls it hung, whatever the step
@@ -64,9 +64,7 @@ class ResolvedJob:
 
     def with_ranks(self, ranks: int) -> ResolvedJob:
         """The same job on another rank count (an elastic resize), validated again."""
-        data = self.spec.model_dump(mode="json")
-        data["resources"]["ranks"] = ranks
-        return resolve_job(data)
+        return resolve_job(derive_job(self.spec, resources={"ranks": ranks}))
 
 
 def resolve_job(job: JobSpec | dict[str, Any]) -> ResolvedJob:

@@ -111,3 +111,18 @@ def test_the_timeouts_every_rank_uses_are_derived_from_the_step_timeout_once(ste
     )
     # The backstop never fires before the watchdog: not during setup, not in a step.
     assert job.process_group_timeout_s >= max(job.setup_timeout_s, job.spec.resilience.step_timeout_s)
+
+
+def test_a_job_derived_from_a_job_is_validated_again():
+    from engine.jobspec import derive_job
+
+    elastic = parse_job({**spec(8, tensor=2).model_dump(mode="json"), "resources": {"ranks": 8, "min_ranks": 4}})
+    smaller = derive_job(elastic, resources={"ranks": 4, "min_ranks": None})
+    assert (smaller.resources.ranks, smaller.resources.min_ranks) == (4, None)
+    assert elastic.resources.ranks == 8  # the original is untouched
+    with pytest.raises(JobSpecError, match="data-parallel size \\(3\\)"):
+        derive_job(elastic, resources={"ranks": 6})  # 6 ranks over tensor 2: DP 3 does not split batch 16
+    with pytest.raises(JobSpecError, match="resources"):
+        derive_job(elastic, resources={"rank_count": 4})  # a field the section does not have
+    with pytest.raises(ValueError, match="not a section"):
+        derive_job(elastic, ranks=4)
