@@ -23,12 +23,17 @@ import shlex
 from pathlib import PurePosixPath
 from typing import Any
 
-from engine.jobspec.layout import checkpoint_location, job_checkpoint_path, join_location
+from engine.jobspec.layout import (
+    ITERATION_FOLDER,
+    checkpoint_location,
+    iteration_folder,
+    job_checkpoint_path,
+    join_location,
+)
 from engine.jobspec.storage_roots import StorageRoots, normalize, outside_message
 from service.settings import Settings
 
 _S3 = re.compile(r"^s3://[A-Za-z0-9._-]{1,255}(/.*)?$")
-_ITER_DIR = re.compile(r"^iter_\d{7,}$")
 
 
 class OutputProblem(ValueError):
@@ -41,7 +46,7 @@ def checkpoint_folder(spec: dict[str, Any], job_id: str, iteration: int) -> str 
     if not root:
         return None
     return join_location(
-        checkpoint_location(job_checkpoint_path(root, job_id), spec["name"]), f"iter_{iteration:07d}"
+        checkpoint_location(job_checkpoint_path(root, job_id), spec["name"]), iteration_folder(iteration)
     )
 
 
@@ -88,7 +93,7 @@ def resolve_output(
     if output.startswith("s3://"):
         if not _S3.match(output) or "/../" in f"{output}/" or normalize(output) is None:
             raise OutputProblem(f"output {output!r} is not an s3://bucket/prefix URI")
-        if any(_ITER_DIR.match(part) for part in output[5:].split("/")):
+        if any(ITERATION_FOLDER.match(part) for part in output[5:].split("/")):
             raise OutputProblem(
                 f"output {output!r} is inside a checkpoint's iter_ folder: choose another prefix"
             )
@@ -109,7 +114,7 @@ def resolve_output(
             f"service's rights, so a local output must be under {shown} (or use an s3:// URI under the "
             "tenant's storage roots)"
         )
-    if any(_ITER_DIR.match(part) for part in path.parts):
+    if any(ITERATION_FOLDER.match(part) for part in path.parts):
         raise OutputProblem(f"output {output!r} is inside a checkpoint's iter_ folder: choose another folder")
     return str(path)
 

@@ -30,7 +30,7 @@ from pydantic_core import core_schema
 from sqlalchemy.orm import Session
 
 from engine.jobspec import JobSpec, JobSpecError, derive_job, parse_job
-from engine.jobspec.layout import checkpoint_location, job_checkpoint_path, join_location
+from engine.jobspec.layout import ITERATION_FOLDER, checkpoint_location, job_checkpoint_path, join_location
 from engine.jobspec.storage_roots import StorageRoots
 from service.settings import Settings
 from service.storage_policy import body_problems
@@ -38,7 +38,6 @@ from service.store.jobs import get_job
 from service.store.tokens import Principal
 
 _FIELD = re.compile(r"^([a-z_]+(?:\.[a-z_0-9]+|\[\d+\])*)")
-_ITER_DIR = re.compile(r"^iter_\d{7,}$")
 
 
 class SpecProblem(ValueError):
@@ -124,7 +123,7 @@ def _resolve_job_checkpoint(ref: str, caller: Principal, session: Session) -> st
         raise SpecProblem(
             [(field, f"{field}: job {source_id} has no checkpoint.path, so it saved no checkpoints")]
         )
-    if sub and not _ITER_DIR.match(sub):
+    if sub and not ITERATION_FOLDER.match(sub):
         raise SpecProblem(
             [
                 (

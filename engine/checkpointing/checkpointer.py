@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import tempfile
 import threading
 import time
@@ -74,13 +73,13 @@ from engine.checkpointing.restore import is_tensor, restore_parts
 from engine.checkpointing.save_failures import CheckpointStorageError, SaveFailures, describe, out_of_space
 from engine.checkpointing.stateful import SavedCheckpoint, Stateful
 from engine.checkpointing.storage import Storage
+from engine.jobspec.layout import split_checkpoint_uri
 
 if TYPE_CHECKING:
     from engine.jobspec import CheckpointSpec, ParallelSpec
     from engine.rerun.event_log import EventLog
 
 log = logging.getLogger(__name__)
-_ITER = re.compile(r"^(.*?)/?(iter_\d{7})/?$")
 
 # Files per rank DCP writes (and checksums, and uploads) in parallel.
 WRITER_THREADS = 4
@@ -402,9 +401,7 @@ class Checkpointer:
                 older = [i for i in reversed(committed_iterations(self.storage, self.job_root)) if i < newest]
                 return self.spec.path, self.job_root, [newest, *older]
         if self.spec.resume_from:
-            uri = self.spec.resume_from.rstrip("/")
-            m = _ITER.match(uri)
-            root_uri, key = (m.group(1) or ".", m.group(2)) if m else (uri, "")
+            root_uri, key = split_checkpoint_uri(self.spec.resume_from)
             found = resolve_checkpoint(self._open(root_uri), key)
             if found is None:
                 return f"checkpoint.resume_from: no committed checkpoint at {self.spec.resume_from}"

@@ -39,7 +39,6 @@ import hashlib
 import json
 import logging
 import os
-import re
 import time
 import zlib
 from collections.abc import Collection
@@ -50,6 +49,7 @@ from typing import Any
 
 from engine.checkpointing.local_storage import LocalStorage
 from engine.checkpointing.storage import Buffer, Storage, check_key
+from engine.jobspec.layout import ITERATION_FOLDER, iteration_folder
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,6 @@ FORMAT_VERSION = 2  # 2: per-chunk crc32; 1: whole-file sha256 (still read)
 CHECKSUM = "crc32"
 MANIFEST = "manifest.json"
 LATEST = "latest"
-_ITER_DIR = re.compile(r"^iter_(\d{7,})$")
 
 
 class CheckpointCorruptError(RuntimeError):
@@ -187,7 +186,7 @@ def iteration_key(job_root: str, iteration: int) -> str:
     """Key of one checkpoint's folder: f"{job_root}/iter_{iteration:07d}" ("" job_root = storage root)."""
     if not isinstance(iteration, int) or isinstance(iteration, bool) or iteration < 0:
         raise ValueError(f"checkpoint iteration must be a non-negative int, got {iteration!r}")
-    return _join(check_key(job_root, allow_empty=True), f"iter_{iteration:07d}")
+    return _join(check_key(job_root, allow_empty=True), iteration_folder(iteration))
 
 
 def _where(storage: Storage, job_root: str) -> str:
@@ -201,7 +200,7 @@ def _iter_folders(storage: Storage, job_root: str) -> dict[int, bool]:
     found: dict[int, bool] = {}
     for key in storage.list(root):
         folder, _, rest = key[cut:].partition("/")
-        m = _ITER_DIR.match(folder)
+        m = ITERATION_FOLDER.match(folder)
         if m is None or not rest:
             continue
         it = int(m.group(1))
@@ -508,7 +507,7 @@ def resolve_checkpoint(storage: Storage, key: str) -> tuple[str, int] | None:
     """
     key = check_key(key, allow_empty=True)
     parent, _, last = key.rpartition("/")
-    m = _ITER_DIR.match(last)
+    m = ITERATION_FOLDER.match(last)
     if m is not None:
         iteration = int(m.group(1))
         if not storage.exists(_join(key, MANIFEST)):

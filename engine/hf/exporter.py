@@ -34,12 +34,12 @@ from engine.hf.segment import Shapes
 from engine.jobspec import JobSpec, parse_job, parse_tokenizer_spec
 from engine.jobspec.hf_config import HFConfigError, read_hf_config
 from engine.jobspec.hf_export_config import hf_config_for
+from engine.jobspec.layout import split_checkpoint_uri
 from engine.transformer.config import TransformerConfig
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 MAX_SHARD_BYTES = 5 * 10**9  # the Hub's default max_shard_size ("5GB")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
-_ITER = re.compile(r"^(.*?)/?(iter_\d{7})/?$")
 
 
 class ExportError(ValueError):
@@ -58,8 +58,7 @@ class ExportReport:
 def read_model_tensors(uri: str, *, endpoint_url: str | None = None, region: str | None = None):
     """(iteration, the job spec it was saved by, {global name: full tensor}) of the committed
     checkpoint `uri`: a job's checkpoint root (its newest) or one `iter_NNNNNNN` folder."""
-    m = _ITER.match(uri.rstrip("/"))
-    root_uri, key = (m.group(1) or ".", m.group(2)) if m else (uri.rstrip("/"), "")
+    root_uri, key = split_checkpoint_uri(uri)
     storage = open_storage(root_uri, endpoint_url=endpoint_url, region=region)
     found = resolve_checkpoint(storage, key)
     if found is None:

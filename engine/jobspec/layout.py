@@ -13,6 +13,7 @@ three compose the same path from these two functions.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 from engine.jobspec.parallel import ParallelSpec
@@ -84,6 +85,26 @@ def job_checkpoint_path(checkpoint_path: str, job_id: str) -> str:
     """The `checkpoint.path` a job submitted through the service runs with: its own folder under
     the configured root, so two jobs of the same name never resume each other's checkpoints."""
     return join_location(checkpoint_path, job_id)
+
+
+# The folder of one checkpoint under a job's checkpoint location: `iter_` and its iteration, seven
+# digits or more (iteration 10,000,000 has eight).
+ITERATION_FOLDER = re.compile(r"^iter_(\d{7,})$")
+
+
+def iteration_folder(iteration: int) -> str:
+    """The name of the folder of a job's checkpoint of `iteration` (`iter_0000100`)."""
+    return f"iter_{iteration:07d}"
+
+
+def split_checkpoint_uri(uri: str) -> tuple[str, str]:
+    """(storage root, key under it) of a checkpoint a user names: a job's checkpoint root (key
+    "": its newest committed checkpoint) or one `iter_NNNNNNN` folder (its parent, its name)."""
+    uri = uri.rstrip("/")
+    parent, _, last = uri.rpartition("/")
+    if ITERATION_FOLDER.match(last):
+        return parent or ".", last
+    return uri, ""
 
 
 def checkpoint_location(checkpoint_path: str, job_name: str) -> str:

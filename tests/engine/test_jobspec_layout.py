@@ -126,3 +126,24 @@ def test_a_job_derived_from_a_job_is_validated_again():
         derive_job(elastic, resources={"rank_count": 4})  # a field the section does not have
     with pytest.raises(ValueError, match="not a section"):
         derive_job(elastic, ranks=4)
+
+
+@pytest.mark.parametrize(
+    "uri, root, key",
+    [
+        ("s3://bucket/ckpt/job", "s3://bucket/ckpt/job", ""),  # a job's root: its newest checkpoint
+        ("s3://bucket/ckpt/job/iter_0000100/", "s3://bucket/ckpt/job", "iter_0000100"),
+        ("/data/ckpt/job/iter_12000000", "/data/ckpt/job", "iter_12000000"),  # eight digits
+        ("iter_0000005", ".", "iter_0000005"),
+        ("/data/ckpt/iter_5", "/data/ckpt/iter_5", ""),  # not a checkpoint folder's name
+    ],
+)
+def test_a_checkpoint_uri_splits_into_its_storage_root_and_folder(uri, root, key):
+    assert layout.split_checkpoint_uri(uri) == (root, key)
+
+
+def test_the_iteration_folder_name_round_trips():
+    for iteration in (0, 100, 12_000_000):
+        name = layout.iteration_folder(iteration)
+        assert int(layout.ITERATION_FOLDER.match(name).group(1)) == iteration
+    assert layout.iteration_folder(100) == "iter_0000100"
