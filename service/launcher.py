@@ -120,6 +120,11 @@ class Launcher(ABC):
         """Why a finished submission ended as it did (exit code, last log lines), when known."""
         return None
 
+    def exit_code(self, submission_id: str) -> int | None:
+        """The exit code of a finished submission's entrypoint, when known (the service explains
+        the engine's own: engine/jobspec/contract.py)."""
+        return None
+
     @abstractmethod
     def stop(self, submission_id: str) -> bool:
         """Ask the job to stop gracefully; False when it had already ended."""
@@ -333,6 +338,14 @@ class RayJobsLauncher(Launcher):
         except RuntimeError:
             return None
         return info.message
+
+    def exit_code(self, submission_id: str) -> int | None:
+        client = self._client()
+        try:
+            info = self._translate(client.get_job_info, submission_id)
+        except RuntimeError:
+            return None
+        return info.driver_exit_code
 
     def stop(self, submission_id: str) -> bool:
         client = self._client()

@@ -16,7 +16,7 @@ import sys
 import time
 from typing import Any
 
-from engine.jobspec import JobSpec
+from engine.jobspec import JobSpec, contract
 from workers.fencing import exit_fenced
 from workers.policy import Decision, Outcome, RestartPolicy
 from workers.telemetry import TelemetrySender
@@ -82,10 +82,9 @@ class DriverEvents:
             self.event(kind, attempt=attempt, **fields)
         if decision.action == "restart":
             self.event(
-                "restart",
+                contract.EVENT_RESTART,
                 attempt=attempt + 1,
-                cause=decision.cause,
-                reason=decision.reason,
+                **{contract.EVENT_CAUSE: decision.cause, contract.REASON: decision.reason},
                 counted=decision.counted,
                 restarts_used=policy.restarts_used,
                 max_restarts=policy.max_restarts,
@@ -99,7 +98,7 @@ class DriverEvents:
 
     def job_ended(self, action: str, **result: Any) -> None:
         """The job's last event: `result` is the driver's JobResult, as fields."""
-        self.event(END_KINDS.get(action, "job_failed"), **result)
+        self.event(END_KINDS.get(action, contract.EVENT_JOB_FAILED), **result)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Deliver what is left; what the control plane did not take stays in the spool, said on

@@ -48,6 +48,17 @@ def record_epoch(record: dict, default: int) -> int:
 EVENT_RESTART = "restart"
 EVENT_CAUSE = "cause"
 
+# The driver's last event when the job failed: the process' exit code and its reason (the
+# driver's verdict, which the service keeps as the job's failure cause).
+EVENT_JOB_FAILED = "job_failed"
+EXIT_CODE = "exit_code"
+REASON = "reason"
+# Exit codes of the rerun state machine (engine/rerun/state_machine.py), which a job's process
+# exits with and the service explains: the job must resume on other hardware to tell a transient
+# fault from a persistent one; a result failed validation.
+EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16
+EXIT_CODE_FAILED_ON_RESULT_VALIDATION = 17
+
 
 # A worker group's start (sent by rank 0): RANKS lists each rank with the Ray node it runs on,
 # from which the scheduler counts where the job really is (Ray may place it otherwise than the

@@ -54,14 +54,15 @@ import torch
 import torch.distributed as dist
 
 from engine import device
+
+# The exit codes a decision carries, named with the wire: the service explains them.
+from engine.jobspec.contract import EXIT_CODE_FAILED_ON_RESULT_VALIDATION, EXIT_CODE_RESUME_TO_DISAMBIGUATE
 from engine.rerun.checkpoint_state import CommonState, RankState, checkpoint_entry, own_entry
 from engine.rerun.event_log import EventLog, node_identity
 from engine.tensor_parallel.random import capture_rng_state, restore_rng_state
 
 log = logging.getLogger(__name__)
 
-EXIT_CODE_RESUME_TO_DISAMBIGUATE = 16
-EXIT_CODE_FAILED_ON_RESULT_VALIDATION = 17
 
 
 class RerunMode(StrEnum):

@@ -15,11 +15,11 @@ It only reads the launcher's statuses and messages: it launches and stops nothin
 from __future__ import annotations
 
 import logging
-import re
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from engine.jobspec import contract
 from service import fencing
 from service.launcher import LaunchStatus
 from service.reconcile.preemption import requeue
@@ -34,32 +34,36 @@ log = logging.getLogger(__name__)
 
 _NON_FINAL = [str(s) for s in JobState if s not in FINAL]
 _STILL_GOING = (LaunchStatus.PENDING, LaunchStatus.RUNNING)
-_EXIT_CODE = re.compile(r"exit code (-?\d+)")
 _EXIT_MEANING = {
-    16: "the rerun state machine needs the job resumed on other hardware, which the cluster lacks (exit 16)",
-    17: "a result failed validation (rerun state machine, exit 17): see the job's diagnosis events",
+    contract.EXIT_CODE_RESUME_TO_DISAMBIGUATE: "the rerun state machine needs the job resumed on other "
+    f"hardware, which the cluster lacks (exit {contract.EXIT_CODE_RESUME_TO_DISAMBIGUATE})",
+    contract.EXIT_CODE_FAILED_ON_RESULT_VALIDATION: "a result failed validation (rerun state machine, exit "
+    f"{contract.EXIT_CODE_FAILED_ON_RESULT_VALIDATION}): see the job's diagnosis events",
 }
 
 
-def failure_cause(message: str | None, fallback: str) -> str:
-    """A one-paragraph cause from the launcher's message (Ray's includes the last log lines)."""
-    if not message:
-        return fallback
-    match = _EXIT_CODE.search(message)
-    head = _EXIT_MEANING.get(int(match.group(1))) if match else None
-    text = message if len(message) <= 4000 else message[:2000] + "\n...\n" + message[-2000:]
+def failure_cause(message: str | None, fallback: str, exit_code: int | None = None) -> str:
+    """A one-paragraph cause: what the exit code means where the engine gave it a meaning, then
+    the driver's verdict or the launcher's message (Ray's includes the last log lines)."""
+    text = message or fallback
+    text = text if len(text) <= 4000 else text[:2000] + "\n...\n" + text[-2000:]
+    head = _EXIT_MEANING.get(exit_code) if exit_code is not None else None
     return f"{head}: {text}" if head else text
 
 
-def _driver_reason(s: Session, job_id: str) -> str | None:
+def _driver_verdict(s: Session, job_id: str) -> tuple[str | None, int | None]:
+    """(reason, exit code) of the driver's job_failed event, each None where it sent none."""
     data = s.scalar(
         select(JobEvent.data)
-        .where(JobEvent.job_id == job_id, JobEvent.kind == "job_failed")
+        .where(JobEvent.job_id == job_id, JobEvent.kind == contract.EVENT_JOB_FAILED)
         .order_by(JobEvent.id.desc())
         .limit(1)
+    ) or {}
+    reason, code = data.get(contract.REASON), data.get(contract.EXIT_CODE)
+    return (
+        reason if isinstance(reason, str) and reason else None,
+        code if isinstance(code, int) and not isinstance(code, bool) else None,
     )
-    reason = (data or {}).get("reason")
-    return reason if isinstance(reason, str) and reason else None
 
 
 class LaunchWatch(ReconcileStep):
@@ -134,17 +138,20 @@ class LaunchWatch(ReconcileStep):
         elif status in (LaunchStatus.FAILED, LaunchStatus.STOPPED) and cancel:
             transition(s, job, JobState.CANCELLED, f"stopped on request ({sid} ended {status})")
         elif status == LaunchStatus.STOPPED:
-            fail(s, job, failure_cause(message, f"{sid} was stopped outside elastron"), submission_id=sid)
+            cause = failure_cause(message, f"{sid} was stopped outside elastron", self.launcher.exit_code(sid))
+            fail(s, job, cause, submission_id=sid)
         elif status == LaunchStatus.FAILED:
             # The driver's own verdict (its job_failed event) says it best; Ray's message (exit
             # code and last log lines) stays in the event. No verdict and a lost driver (killed,
             # its head gone): requeued as a vanished job is (service/fencing.py).
-            verdict = _driver_reason(s, job.id)
+            verdict, code = _driver_verdict(s, job.id)
             how = f"lost its driver on {self.launcher.describe()}: {(message or '')[:300]}"
             if verdict is None and fencing.driver_lost(message):
                 if fencing.requeue_lost(s, job, self.settings, how, self.clock()):
                     return
-            cause = verdict or failure_cause(message, f"{sid} failed without a message")
+            if code is None:
+                code = self.launcher.exit_code(sid)
+            cause = failure_cause(verdict or message, f"{sid} failed without a message", code)
             fail(s, job, cause, submission_id=sid, launcher_message=(message or "")[-4000:])
         elif status == LaunchStatus.MISSING:
             self._missing(s, job, sid, cancel)

@@ -70,8 +70,14 @@ class FakeLauncher(Launcher):
     def message(self, submission_id):
         return self.messages.get(submission_id)
 
-    def set_status(self, submission_id, status: LaunchStatus, message: str | None = None) -> None:
+    def exit_code(self, submission_id):
+        return self.submissions.get(submission_id, {}).get("exit_code")
+
+    def set_status(
+        self, submission_id, status: LaunchStatus, message: str | None = None, exit_code: int | None = None
+    ) -> None:
         self.submissions[submission_id]["status"] = status
+        self.submissions[submission_id]["exit_code"] = exit_code
         if message:
             self.messages[submission_id] = message
 
@@ -164,8 +170,12 @@ class ProcessLauncher(Launcher):
         return LaunchStatus.SUCCEEDED if rc.read_text().strip() == "0" else LaunchStatus.FAILED
 
     def message(self, submission_id):
+        code = self.exit_code(submission_id)
+        return None if code is None else f"exit code {code}"
+
+    def exit_code(self, submission_id):
         rc = self._dir(submission_id) / "rc"
-        return f"exit code {rc.read_text().strip()}" if rc.exists() else None
+        return int(rc.read_text().strip()) if rc.exists() else None
 
     def stop(self, submission_id):
         folder = self._dir(submission_id)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import httpx
+import pytest
 
 from service.launcher import LaunchStatus, SubmissionRejected
 from tests.waiting import wait_for
@@ -53,18 +54,23 @@ def test_failure_cause_comes_from_the_launcher(env):
         job_id = submit(c).json()["id"]
     env.wait_state(job_id, "starting")
     sid = env.job(job_id)["submission_id"]
-    env.launcher.set_status(
-        sid, LaunchStatus.FAILED, "Job entrypoint command failed with exit code 17, last logs: x"
-    )
+    # The exit code is data (Ray's driver_exit_code), not read out of the message's text.
+    env.launcher.set_status(sid, LaunchStatus.FAILED, "Job entrypoint command failed, last logs: x", exit_code=17)
     failed = env.wait_state(job_id, "failed")
-    assert "exit 17" in failed["failure_cause"] and "exit code 17" in failed["failure_cause"]
+    assert failed["failure_cause"].startswith("a result failed validation (rerun state machine, exit 17)")
+    assert failed["failure_cause"].endswith("last logs: x")
 
 
-def test_the_drivers_reason_is_the_failure_cause(env):
+@pytest.mark.parametrize(
+    "exit_code, meaning",
+    [(1, ""), (16, "the rerun state machine needs the job resumed on other hardware, which the cluster lacks (exit 16): ")],
+)
+def test_the_drivers_reason_is_the_failure_cause(env, exit_code, meaning):
+    """With the meaning of the driver's exit code where the engine gave it one."""
     with env.client() as c:
         job_id = submit(c).json()["id"]
     sid = env.wait_state(job_id, "starting")["submission_id"]
-    event = {"kind": "job_failed", "reason": "rank 0 raised: out of memory", "exit_code": 1, "ts": 9.0}
+    event = {"kind": "job_failed", "reason": "rank 0 raised: out of memory", "exit_code": exit_code, "ts": 9.0}
     with env.client("admin") as admin:
         assert (
             admin.post(f"/v1/internal/jobs/{job_id}/telemetry", json={"events": [event]}).status_code == 200
@@ -73,7 +79,7 @@ def test_the_drivers_reason_is_the_failure_cause(env):
         sid, LaunchStatus.FAILED, "Job entrypoint command failed with exit code 1, logs: ..."
     )
     failed = env.wait_state(job_id, "failed")
-    assert failed["failure_cause"] == "rank 0 raised: out of memory"
+    assert failed["failure_cause"] == meaning + "rank 0 raised: out of memory"
     with env.client() as c:
         (state,) = [
             e for e in c.get(f"/v1/jobs/{job_id}/events").json()["events"] if e["data"].get("to") == "failed"
