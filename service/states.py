@@ -22,16 +22,15 @@ class JobState(StrEnum):
 
 FINAL = frozenset({JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED})
 
-_ENDINGS = {JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED}
 # -> queued from a launched state: preempted. Only the reconciler makes that move, after the
 # launcher confirmed the stop it asked for (telemetry never moves a job back to queued).
 ALLOWED: dict[JobState, frozenset[JobState]] = {
     # queued -> running: the API stopped between submitting and recording it, and the first
     # metrics record is how it learns the job started.
     JobState.QUEUED: frozenset({JobState.STARTING, JobState.RUNNING, JobState.FAILED, JobState.CANCELLED}),
-    JobState.STARTING: frozenset({JobState.RUNNING, JobState.RESTARTING, JobState.QUEUED} | _ENDINGS),
-    JobState.RUNNING: frozenset({JobState.RESTARTING, JobState.QUEUED} | _ENDINGS),
-    JobState.RESTARTING: frozenset({JobState.RUNNING, JobState.QUEUED} | _ENDINGS),
+    JobState.STARTING: frozenset({JobState.RUNNING, JobState.RESTARTING, JobState.QUEUED} | FINAL),
+    JobState.RUNNING: frozenset({JobState.RESTARTING, JobState.QUEUED} | FINAL),
+    JobState.RESTARTING: frozenset({JobState.RUNNING, JobState.QUEUED} | FINAL),
 }
 
 

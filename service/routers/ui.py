@@ -3,7 +3,8 @@ build step, nothing fetched from a CDN: the page works offline). It reads the sa
 the same bearer token as every client, so it can show a tenant nothing the API would not.
 
 Two small helpers it cannot do without: `/ui/config` (where the Ray dashboard and Grafana are,
-for links, as the operator published them: ELASTRON_RAY_DASHBOARD_URL, ELASTRON_GRAFANA_URL) and
+for links, as the operator published them: ELASTRON_RAY_DASHBOARD_URL, ELASTRON_GRAFANA_URL; the
+job states, which the page reads before its first view) and
 `/ui/parse-job` (YAML to JSON: browsers have no YAML parser, and the job is then submitted to
 `POST /v1/jobs` like any other, so its errors are the API's own). The parse reads aliases within
 a bound (engine/jobspec/yaml_text.py), so its answer is at most the body's size plus that bound.
@@ -23,6 +24,7 @@ from fastapi.staticfiles import StaticFiles
 
 from engine.jobspec.yaml_text import load_yaml
 from service.deps import Caller, Ctx
+from service.states import FINAL, JobState
 
 UI_DIR = Path(__file__).resolve().parents[1] / "ui"
 
@@ -42,8 +44,15 @@ def page() -> FileResponse:
 
 @router.get("/ui/config", include_in_schema=False)
 def ui_config(ctx: Ctx) -> dict[str, Any]:
+    """Links, and the job states as service/states.py defines them (the page's filter, and which
+    states end a job's refreshing), so the page never keeps a second list."""
     # ELASTRON_RAY_ADDRESS is how the API reaches Ray inside the cluster: never shown to browsers.
-    return {"ray_dashboard_url": ctx.settings.ray_dashboard_url, "grafana_url": ctx.settings.grafana_url}
+    return {
+        "ray_dashboard_url": ctx.settings.ray_dashboard_url,
+        "grafana_url": ctx.settings.grafana_url,
+        "states": [str(s) for s in JobState],
+        "final_states": [str(s) for s in JobState if s in FINAL],
+    }
 
 
 @router.post("/ui/parse-job", include_in_schema=False)

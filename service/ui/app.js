@@ -5,8 +5,9 @@
 "use strict";
 
 const TOKEN_KEY = "elastron-token";
-const FINAL = ["succeeded", "failed", "cancelled"];
-const STATES = ["queued", "starting", "running", "restarting", "succeeded", "failed", "cancelled"];
+// The job states and the final ones, as service/states.py defines them (/ui/config, read first).
+let STATES = [];
+let FINAL = [];
 const REFRESH_MS = 3000;
 const view = document.getElementById("view");
 let timer = null;
@@ -463,5 +464,8 @@ function route() {
 }
 
 window.addEventListener("hashchange", route);
-fetch("/ui/config").then((r) => r.json()).then((c) => { config = c; renderLinks(); }).catch(() => {});
-route();
+fetch("/ui/config")
+  .then((r) => r.json())
+  .then((c) => { config = c; STATES = c.states || []; FINAL = c.final_states || []; renderLinks(); })
+  .catch(() => {})
+  .finally(route);

@@ -57,7 +57,13 @@ def test_the_ui_is_served_by_the_api_without_any_other_server(env):
             body = c.get(url)
             assert body.status_code == 200, url
             assert not re.search(r"(?:url\(|import |fetch\()\s*['\"]?https?://", body.text), url
-        assert c.get("/ui/config").json()["ray_dashboard_url"] is None  # ELASTRON_RAY_DASHBOARD_URL
+        config = c.get("/ui/config").json()
+        assert config["ray_dashboard_url"] is None  # ELASTRON_RAY_DASHBOARD_URL
+        # The page's job states are the service's (it keeps no list of its own).
+        from service.states import FINAL, JobState
+
+        assert config["states"] == list(JobState) and set(config["final_states"]) == FINAL
+        assert "succeeded" not in c.get("/ui/static/app.js").text
 
 
 def test_the_job_list_carries_what_the_ui_shows(env):
