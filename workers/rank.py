@@ -183,7 +183,13 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     from engine.train_loop import train_rank
     from engine.watchdog import StepWatchdog
     from workers.fencing import commit_guard, exit_fenced
-    from workers.replicas import form_replica, replace_replica, replica_job, replica_size
+    from workers.replicas import (
+        form_replica,
+        lighthouse_addresses,
+        replace_replica,
+        replica_job,
+        replica_size,
+    )
     from workers.snapshots import HolderStore, SnapshotPusher
     from workers.telemetry import TelemetrySender
     from workers.warm_processes import prestart_after_first_step, process_was_warm
@@ -316,6 +322,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
         ReplicaQuorum(
             replica,
             count,
+            **lighthouse_addresses(),
             group=membership,
             timeout_s=job.quorum_timeout_s,
             startup_wait_s=job.setup_timeout_s,

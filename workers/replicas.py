@@ -20,6 +20,7 @@ replaces them as well, and the new round heals from a live replica.
 
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from functools import partial
 from typing import Any
@@ -58,6 +59,23 @@ def check_replace_replica(spec: JobSpec) -> str | None:
         need = "resources.ranks >= 2" if size == 1 else f"resources.ranks >= 2 x parallel.data_parallel_shard_size = {2 * size}"
         return f"{field} needs at least 2 data-parallel replicas ({need}); use restart_group"
     return None
+
+
+# How a replica's rank learns where the job's Lighthouse is: Ray Train's torchft backend sets
+# TORCHFT_LIGHTHOUSE in every worker (ray 2.60: ray.train.v2._internal.constants.
+# TORCHFT_LIGHTHOUSE_ADDR_ENV_VAR), and ours the liveness relay's address beside it
+# (workers/trainer.py). The engine takes both as arguments.
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+LIVENESS_ENV = "ELASTRON_REPLICA_LIVENESS"
+
+
+def lighthouse_addresses() -> dict[str, str | None]:
+    """ReplicaQuorum's `lighthouse_addr` (host:port) and `liveness_addr` (the relay's, or None),
+    from this rank's environment."""
+    lighthouse = os.environ.get(LIGHTHOUSE_ENV)
+    if not lighthouse:
+        raise RuntimeError(f"replace_replica: no torchft Lighthouse address ({LIGHTHOUSE_ENV} is not set)")
+    return {"lighthouse_addr": lighthouse, "liveness_addr": os.environ.get(LIVENESS_ENV) or None}
 
 
 def replica_job(job: ResolvedJob) -> ResolvedJob:

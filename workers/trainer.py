@@ -246,7 +246,7 @@ def torchft_config(timeout_s: int, heartbeat_timeout_ms: int = 500, relay: bool 
     # "lighthouse actor" argument would replace this subclass.
     from ray.train.v2.torch.torchft_config import TorchftConfig, _TorchftBackend
 
-    from engine.distributed.lighthouse import LIVENESS_ENV
+    from workers.replicas import LIVENESS_ENV
 
     class _Backend(_TorchftBackend):
         def _maybe_create_lighthouse_actor(self, backend_config) -> str:

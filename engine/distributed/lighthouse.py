@@ -41,9 +41,6 @@ RELAY_TIMEOUT_MS = 100
 RELAY_INTERVAL_MS = 20
 QUORUM_TICK_MS = 10
 
-# Where a replica finds the relay: set in every worker by workers/trainer.py's backend (beside
-# torchft's TORCHFT_LIGHTHOUSE).
-LIVENESS_ENV = "ELASTRON_REPLICA_LIVENESS"
 
 
 class Lighthouse:
@@ -101,7 +98,8 @@ class Lighthouse:
         return self.server.address()
 
     def liveness_address(self) -> str:
-        """host:port of the relay (what LIVENESS_ENV holds); empty without the relay."""
+        """host:port of the relay (what workers.replicas.LIVENESS_ENV carries to the ranks); empty
+        without the relay."""
         return self._liveness_address
 
     def linked(self) -> list[str]:

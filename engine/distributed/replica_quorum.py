@@ -42,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from engine.distributed.lighthouse import LIVENESS_ENV, LivenessLink
+from engine.distributed.lighthouse import LivenessLink
 from engine.jobspec.contract import (
     EVENT_RECOVERED,
     EVENT_REPLICA_LOST,
@@ -54,9 +54,6 @@ from engine.jobspec.contract import (
 if TYPE_CHECKING:
     from engine.distributed.replica_group import ReplicaMembership
 
-# The environment variable Ray Train's TorchftConfig sets in every worker (ray 2.60:
-# ray.train.v2._internal.constants.TORCHFT_LIGHTHOUSE_ADDR_ENV_VAR), which torchft reads too.
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 # A replica alone waiting for its peers asks for the quorum again after this long (each ask is a
 # Lighthouse round trip; its peers are starting on the same CPUs).
 PEER_WAIT_POLL_S = 0.05
@@ -118,11 +115,11 @@ class ReplicaQuorum:
         index: int,
         count: int,
         *,
+        lighthouse_addr: str,
+        liveness_addr: str | None = None,
         timeout_s: float = 60.0,
         startup_wait_s: float = 120.0,
         peers_finished: Callable[[], bool] | None = None,
-        lighthouse_addr: str | None = None,
-        liveness_addr: str | None = None,
         emit: Callable[..., Any] | None = None,
         device: torch.device | None = None,
         heartbeat_timeout_ms: int = 500,
@@ -139,14 +136,11 @@ class ReplicaQuorum:
         # peers that have finished and left): asked only until this replica's first commit.
         self.peers_finished = peers_finished
         self.job_done = False
-        self.lighthouse_addr = lighthouse_addr or os.environ.get(LIGHTHOUSE_ENV)
-        if not self.lighthouse_addr:
-            raise RuntimeError(
-                f"replace_replica: no torchft Lighthouse address ({LIGHTHOUSE_ENV} is not set)"
-            )
-        # The Lighthouse's liveness relay (engine/distributed/lighthouse.py): without one (a bare
-        # torchft Lighthouse) a death is noticed by the heartbeat timeout alone.
-        self.liveness_addr = liveness_addr or os.environ.get(LIVENESS_ENV)
+        # The job's Lighthouse (host:port) and its liveness relay (engine/distributed/lighthouse.py;
+        # None: a bare torchft Lighthouse, where a death is noticed by the heartbeat timeout
+        # alone), given by the caller: the engine reads no environment for them.
+        self.lighthouse_addr = lighthouse_addr
+        self.liveness_addr = liveness_addr or None
         self._link: LivenessLink | None = None
         self.on_lighthouse_lost = on_lighthouse_lost  # (message): the relay's link saw it close
         # The job's newest step reported before this replica started (workers/registry.py), for
