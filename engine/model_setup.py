@@ -21,9 +21,7 @@ from engine.distributed.deferred_init import DeferredInit, buffers_to, materiali
 from engine.hf.importer import ImportReport, import_hf_weights
 from engine.hf.peft import load_adapters, read_adapter
 from engine.jobspec import JobSpec
-from engine.models import GPTModel
-from engine.models.bert import BertModel
-from engine.models.t5 import T5Model
+from engine.models import LanguageModel, model_family
 from engine.optimizer.grad_scaler import DynamicGradScaler
 from engine.optimizer.optimizer import TrainingOptimizer
 from engine.optimizer.scheduler import OptimizerParamScheduler
@@ -35,7 +33,7 @@ from engine.transformer.lora import attach_lora
 
 @dataclass
 class ModelAndOptimizer:
-    model_chunks: list[GPTModel]
+    model_chunks: list[LanguageModel]
     ddp_chunks: list[DataParallel]
     stage_indices: list[int]  # the global pipeline stages of model_chunks, in order
     num_stages: int
@@ -48,7 +46,7 @@ class ModelAndOptimizer:
 
 def build_model_chunks(
     spec: JobSpec, config: TransformerConfig, device: torch.device, initialize: bool = True, deferred: bool = False
-) -> tuple[list[GPTModel], list[int], int]:
+) -> tuple[list[LanguageModel], list[int], int]:
     """This rank's model chunks: one per virtual pipeline stage it holds (one without PP), with
     their global stage indices and the number of stages. `deferred`: parameters stay on the meta
     device (buffers are real, on `device`); data parallelism materialises and initialises them
@@ -60,7 +58,7 @@ def build_model_chunks(
     t5 = config.t5 is not None  # encoder | decoder stages (engine/models/t5.py), not a layer split
     ranges = [(0, None)] * num_stages if t5 else stage_layer_ranges(config.num_layers, num_stages, p.pipeline_layers)
     chunks = []
-    model_class = {"bert": BertModel, "t5": T5Model}.get(spec.model.arch, GPTModel)
+    model_class = model_family(spec.model.arch)
     for idx in stage_indices:
         offset, count = ranges[idx]
         with params_on_meta() if deferred else nullcontext():
@@ -116,7 +114,7 @@ def expert_norm_group(spec: JobSpec, config: TransformerConfig) -> dist.ProcessG
     return ps.get_group("emp")
 
 
-def deferred_init_of(spec: JobSpec, chunk: GPTModel, device: torch.device) -> DeferredInit:
+def deferred_init_of(spec: JobSpec, chunk: LanguageModel, device: torch.device) -> DeferredInit:
     """How a chunk built on the meta device is filled: the layout-independent initialisation,
     parameter by parameter, where data parallelism materialises each."""
     names, seed = global_names(chunk), spec.training.seed
@@ -124,7 +122,7 @@ def deferred_init_of(spec: JobSpec, chunk: GPTModel, device: torch.device) -> De
 
 
 def wrap_data_parallel(
-    spec: JobSpec, config: TransformerConfig, chunks: list[GPTModel], deferred: list[DeferredInit] | None = None
+    spec: JobSpec, config: TransformerConfig, chunks: list[LanguageModel], deferred: list[DeferredInit] | None = None
 ) -> list[DataParallel]:
     """Each chunk under the job's data-parallel sharding level (`deferred`: per chunk, how its
     meta parameters are filled; the ones data parallelism does not hold are materialised here)."""

@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from engine import parallel_state as ps
 from engine.data.sft import IGNORE_INDEX
-from engine.models import GPTModel
+from engine.models import LanguageModel
 from engine.transformer.moe import MoELayer
 from engine.transformer.mtp import shifted
 
@@ -33,7 +33,7 @@ def label_tokens(labels: Sequence[torch.Tensor]) -> torch.Tensor:
 
 def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """The sum of the token losses of the labels that are not IGNORE_INDEX (fp32)."""
-    loss = GPTModel.loss_from_logits(logits, labels).float()
+    loss = LanguageModel.loss_from_logits(logits, labels).float()
     return (loss * (labels != IGNORE_INDEX)).sum()
 
 

@@ -55,7 +55,7 @@ from engine.jobspec import JobSpec, ResolvedJob, resolve_job
 from engine.jobspec.layout import num_microbatches
 from engine.microbatches import MicrobatchCalculator
 from engine.model_setup import build_model_and_optimizer
-from engine.models import GPTModel
+from engine.models import LanguageModel
 from engine.objective import TrainingObjective
 from engine.rank_hooks import RankIdentity
 from engine.rerun.event_log import EventLog
@@ -270,7 +270,7 @@ class Trainer:
         return False
 
     @property
-    def model(self) -> GPTModel:
+    def model(self) -> LanguageModel:
         """The whole model when there is no pipeline parallelism."""
         if len(self.model_chunks) != 1 or self.pipeline is not None:
             raise AttributeError("this rank holds pipeline stages: use model_chunks")

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine import parallel_state as ps
-from engine.models.gpt import GPTModel
+from engine.models.language_model import LanguageModel
 from engine.parallel_placement import set_placement
 from engine.tensor_parallel import (
     ColumnParallelLinear,
@@ -87,7 +87,7 @@ class BertEncoder(nn.Module):
         return x
 
 
-class BertModel(nn.Module):
+class BertModel(LanguageModel):
     def __init__(
         self,
         config: TransformerConfig,
@@ -97,10 +97,8 @@ class BertModel(nn.Module):
         layer_offset: int = 0,
         num_layers: int | None = None,
     ):
-        super().__init__()
-        c = self.config = config
-        self.pre_process, self.post_process, self.layer_offset = pre_process, post_process, layer_offset
-        self.mtp = None  # what the objective asks every model chunk (no multi-token prediction)
+        super().__init__(config, pre_process=pre_process, post_process=post_process, layer_offset=layer_offset)
+        c = config
         tie_across_stages = c.tie_embeddings and not (pre_process and post_process)
         sp = c.sequence_parallel
         self.embedding = self.position_embeddings = self.tokentype_embeddings = self.embedding_layernorm = None
@@ -207,18 +205,13 @@ class BertModel(nn.Module):
             if next_sentence_label is not None:
                 loss = F.cross_entropy(binary.float(), next_sentence_label.to(binary.device))
                 logits = attach_loss(logits, loss, self.binary_head.aux_loss_scale)
-        if labels is None:
-            return logits.transpose(0, 1)
-        return self.loss_from_logits(logits.transpose(0, 1), labels)
+        return self._loss_or_logits(logits, labels)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """[s, b, h] -> this rank's vocabulary slice of the MLM logits [s, b, vocab/tp]."""
         tied_here = self.config.tie_embeddings and self.pre_process
         h = self.lm_head(x)
         return self._mask_vocab_padding(self.output_layer(h, weight=self.embedding.weight if tied_here else None))
-
-    _mask_vocab_padding = GPTModel._mask_vocab_padding
-    loss_from_logits = staticmethod(GPTModel.loss_from_logits)
 
 
 class BertLMHead(nn.Module):

@@ -31,13 +31,9 @@ import torch
 from torch import nn
 
 from engine import parallel_state as ps
+from engine.models.language_model import LanguageModel
 from engine.parallel_placement import set_placement
-from engine.tensor_parallel import (
-    ColumnParallelLinear,
-    VocabParallelEmbedding,
-    mark_sequence_parallel,
-    vocab_parallel_cross_entropy,
-)
+from engine.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding, mark_sequence_parallel
 from engine.transformer import context_parallel
 from engine.transformer.config import TransformerConfig
 from engine.transformer.dropout import dropout
@@ -51,7 +47,7 @@ _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.local_experts\.(\d+)\.")
 
 
-class GPTModel(nn.Module):
+class GPTModel(LanguageModel):
     def __init__(
         self,
         config: TransformerConfig,
@@ -61,9 +57,7 @@ class GPTModel(nn.Module):
         layer_offset: int = 0,
         num_layers: int | None = None,
     ):
-        super().__init__()
-        self.config = config
-        self.pre_process, self.post_process, self.layer_offset = pre_process, post_process, layer_offset
+        super().__init__(config, pre_process=pre_process, post_process=post_process, layer_offset=layer_offset)
         c = config
         tie_across_stages = c.tie_embeddings and not (pre_process and post_process)
         # The last stage's MTP depths embed tokens too: without tying, a copy of the embedding
@@ -198,10 +192,7 @@ class GPTModel(nn.Module):
             return x
         if self.mtp is not None and mtp_labels is not None:
             x = self.mtp(x, mtp_labels, rotary, self._mtp_embed, self._logits)
-        logits = self._logits(x)
-        if labels is None:
-            return logits.transpose(0, 1)
-        return self.loss_from_logits(logits.transpose(0, 1), labels)
+        return self._loss_or_logits(self._logits(x), labels)
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         """[s, b, h] -> this rank's vocabulary slice of the logits [s, b, vocab/tp]."""
@@ -211,21 +202,3 @@ class GPTModel(nn.Module):
     def _mtp_embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """Token ids [b, s] -> [s, b, h] (a sequence chunk under SP), for the MTP depths."""
         return (self.embedding if self.pre_process else self.mtp_embedding)(tokens.t())
-
-    def _mask_vocab_padding(self, logits: torch.Tensor) -> torch.Tensor:
-        """-inf for the padded vocabulary entries this rank's slice holds, in place: they are not
-        tokens, so they get no probability mass (and the loss and logits match an unpadded model,
-        e.g. a Hugging Face one, exactly)."""
-        c = self.config
-        per = logits.shape[-1]
-        first = c.true_vocab_size - ps.get_tensor_model_parallel_rank() * per  # first padded column here
-        if first < per:
-            logits[..., max(first, 0) :].fill_(float("-inf"))
-        return logits
-
-    @staticmethod
-    def loss_from_logits(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """Per-token loss [b, s] for the logits forward() returns. Those are a [b, s, vocab/tp]
-        view of the contiguous [s, b, vocab/tp] tensor the model computes; the loss works on the
-        contiguous one, so the (large) logits are never copied."""
-        return vocab_parallel_cross_entropy(logits.transpose(0, 1), labels.t()).t()

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.models.gpt import GPTModel
+from engine.models.language_model import LanguageModel
 from engine.parallel_placement import set_placement
 from engine.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
 from engine.transformer.config import TransformerConfig
@@ -35,7 +35,7 @@ from engine.transformer.t5_layers import T5Stack
 T5_MODEL_INPUTS = ("decoder_input_ids", "attention_mask")
 
 
-class T5Model(nn.Module):
+class T5Model(LanguageModel):
     def __init__(
         self,
         config: TransformerConfig,
@@ -46,12 +46,9 @@ class T5Model(nn.Module):
         num_layers: int | None = None,
     ):
         """`pre_process`: this stage holds the encoder; `post_process`: the decoder. (The layer
-        arguments of GPTModel's signature do not apply: each stage holds a whole stack.)"""
-        super().__init__()
+        arguments, for families split by layers, do not apply: each stage holds a whole stack.)"""
+        super().__init__(config, pre_process=pre_process, post_process=post_process)
         c = config
-        self.config = config
-        self.pre_process, self.post_process, self.layer_offset = pre_process, post_process, 0
-        self.mtp = None  # no multi-token prediction (engine.objective reads this)
         split = not (pre_process and post_process)
 
         def embedding() -> VocabParallelEmbedding:
@@ -128,9 +125,4 @@ class T5Model(nn.Module):
         logits = self._mask_vocab_padding(
             self.output_layer(y, weight=table.weight if self.config.tie_embeddings else None)
         )
-        if labels is None:
-            return logits.transpose(0, 1)
-        return self.loss_from_logits(logits.transpose(0, 1), labels)
-
-    _mask_vocab_padding = GPTModel._mask_vocab_padding  # -inf on the padded vocabulary entries
-    loss_from_logits = staticmethod(GPTModel.loss_from_logits)
+        return self._loss_or_logits(logits, labels)
