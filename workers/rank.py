@@ -173,316 +173,363 @@ def _replicas_ended(registry, attempt: int) -> bool:
 def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     """Train this rank of the job (Ray Train's train_loop_per_worker)."""
     entered = time.time()
-    import ray
-    import ray.train
-    import torch.distributed as dist
+    # What a rank needs, imported here (a warm process has them already: workers/warm_processes.py),
+    # timed for the restart's breakdown.
+    import ray.train  # noqa: F401
+    import torch.distributed  # noqa: F401
 
-    from engine.checkpointing.recovery import recover
-    from engine.distributed.replica_quorum import ReplicaQuorum
-    from engine.rank_hooks import RankHooks, RankIdentity
-    from engine.train_loop import train_rank
-    from engine.watchdog import StepWatchdog
-    from workers.fencing import commit_guard, exit_fenced
-    from workers.replicas import (
-        form_replica,
-        lighthouse_addresses,
-        replace_replica,
-        replica_job,
-        replica_size,
-    )
-    from workers.snapshots import HolderStore, SnapshotPusher
-    from workers.telemetry import TelemetrySender
-    from workers.warm_processes import prestart_after_first_step, process_was_warm
+    import engine.checkpointing.recovery  # noqa: F401
+    import engine.distributed.replica_quorum  # noqa: F401
+    import engine.rank_hooks  # noqa: F401
+    import engine.train_loop  # noqa: F401
+    import engine.watchdog  # noqa: F401
+    import workers.fencing  # noqa: F401
+    import workers.replicas  # noqa: F401
+    import workers.snapshots  # noqa: F401
+    import workers.telemetry  # noqa: F401
+    import workers.warm_processes  # noqa: F401
 
-    imports_s = time.time() - entered
+    run = RankRun(config, entered, imports_s=time.time() - entered)
+    return run.train()
 
-    job_id, attempt = config["job_id"], config["attempt"]
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    hardware = _bind_device(config["device"], ctx.get_local_world_size())
-    job: ResolvedJob = config["job"]
-    # replace_replica: this rank is shard rank `shard` of data-parallel replica `replica` (of
-    # `count`), which runs on a process group of its own (workers/replicas.py); the engine sees
-    # a job of the replica's ranks (one, or HSDP's shard group).
-    replicas = replace_replica(job.spec)
-    size = replica_size(job.spec) if replicas else 1
-    replica, shard, count = rank // size, rank % size, world // size
-    identity = RankIdentity(
-        node_id=hardware,
-        job_id=job_id,
-        rank=shard if replicas else rank,
-        world_size=size if replicas else world,
-    )
 
-    me = {
-        "rank": rank,
-        "node_id": ray.get_runtime_context().get_node_id(),
-        "hardware": hardware,
-        "pid": os.getpid(),
-        "host": socket.gethostname(),
-    }
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, me)
-    registry = _registry(job_id)
-    group = None  # this worker group's number in the job (restarts and resizes each start one)
-    if rank == 0 and registry is not None:
-        group = ray.get(registry.group_started.remote(attempt, everyone))
+class RankRun:
+    """One rank of one attempt, in the order it happens: who it is and on what device
+    (`__init__`), meeting its group (`_meet`), its replica under replace_replica
+    (`_join_replica`), its telemetry (`_start_telemetry`), the watchdog, snapshots and quorum
+    around the engine (`_guards`), then `train`. The engine's hooks (`_on_trainer`,
+    `_on_record`) are its methods: what they share is on the instance, not in closures."""
 
-    # Closed over by the replica's watchers (a peer gone: this rank exits too, its telemetry
-    # delivered first where it can be).
-    lost = SimpleNamespace(sender=None)
-    membership = form_replica(registry, replica, shard, size, config, lost) if replicas and size > 1 else None
-    if replicas and config["device"] == "cpu":
-        # Ray's replica groups each count one local rank, so _bind_device gave this rank every
-        # core of the node, which the node's other replicas (and a replica's other ranks) share:
-        # the CPUs Ray assigned it.
-        import torch
+    def __init__(self, config: dict[str, Any], entered: float, imports_s: float) -> None:
+        import ray.train
 
-        cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
-        torch.set_num_threads(max(1, int(cpus)))
+        from engine.rank_hooks import RankIdentity
+        from workers.replicas import replace_replica, replica_size
 
-    if replicas:
-        job, dp = replica_job(job), world
-    else:
-        if job.spec.resources.ranks != world:  # an elastic group of another size
-            job = job.with_ranks(world)
-        dp = job.data_parallel_size
-    spec = job.spec
-
-    fallback = ray.get(registry.telemetry_settings.remote()) if registry is not None else {}
-    sender = TelemetrySender.from_env(
-        job_id,
-        f"rank-{rank}",
-        fallback,
-        flush_interval_s=config.get("flush_interval_s", 1.0),
-        event_defaults={"attempt": attempt},
-        on_fenced=exit_fenced,  # a newer attempt runs: stop now, unsaved (workers/fencing.py)
-    )
-    sender.start()
-    lost.sender = sender
-    if replicas:  # each replica's start (a replaced one: in a warm process or not)
-        sender.event(
-            contract.EVENT_REPLICA_STARTED,
-            replica=replica,
-            replicas=count,
-            world_size=world,  # Ray's workers in the group, the service's placement (one rank each)
-            group=group,
-            **({"shard_rank": shard, "round": membership.round} if membership is not None else {}),
-            # How long this process existed before it ran the rank: seconds for one started
-            # ahead (a warm process) or for a cold one's own imports alike; read with the
-            # replacement's start time, which only the controller knows.
-            process_age_s=round(entered - (process_started_at() or entered), 3),
-            **{contract.RANKS: [{**me, "rank": rank}]},
+        self.config, self.entered, self.imports_s = config, entered, imports_s
+        self.job_id, self.attempt = config["job_id"], config["attempt"]
+        ctx = ray.train.get_context()
+        self.rank, self.world = ctx.get_world_rank(), ctx.get_world_size()
+        self.hardware = _bind_device(config["device"], ctx.get_local_world_size())
+        self.job: ResolvedJob = config["job"]
+        # replace_replica: this rank is shard rank `shard` of data-parallel replica `replica` (of
+        # `count`), which runs on a process group of its own (workers/replicas.py); the engine
+        # sees a job of the replica's ranks (one, or HSDP's shard group).
+        self.replicas = replace_replica(self.job.spec)
+        self.size = replica_size(self.job.spec) if self.replicas else 1
+        self.replica, self.shard, self.count = self.rank // self.size, self.rank % self.size, self.world // self.size
+        self.identity = RankIdentity(
+            node_id=self.hardware,
+            job_id=self.job_id,
+            rank=self.shard if self.replicas else self.rank,
+            world_size=self.size if self.replicas else self.world,
         )
-    elif rank == 0:
-        sender.event(
-            contract.EVENT_RANKS_STARTED,
-            group=group,
-            world_size=world,
-            data_parallel_size=dp,
-            nodes=sorted({r["node_id"] for r in everyone}),
-            **{contract.RANKS: everyone},
-        )
+        self.membership = None  # an HSDP replica's own process group (replica_group.py)
+        self.progress_sent_at = 0.0
 
-    def report_own_failure(kind: str, message: str) -> None:
-        """The rank is about to kill itself: its event, and its message for the driver's cause."""
-        sender.event(kind, rank=rank, message=message, **({"replica": replica} if replicas else {}))
-        if registry is not None:
-            with contextlib.suppress(Exception):
-                ray.get(registry.report_watchdog.remote(attempt, rank, os.getpid(), message), timeout=5)
-        sender.flush(3)
+    def _meet(self) -> None:
+        """Who runs where (every rank's node and pid), and this worker group's number in the job
+        (restarts and resizes each start one), from the job registry."""
+        import ray
+        import torch.distributed as dist
 
-    def on_timeout(message: str) -> None:
-        report_own_failure(contract.EVENT_WATCHDOG_TIMEOUT, message)
-
-    warm_restart = job.warm_restart
-    pusher = (
-        SnapshotPusher(
-            job_id,
-            rank,
-            me["node_id"],
-            [r["node_id"] for r in everyone],
-            spec.checkpoint.local_replicas,
-            registry,
-        )
-        if spec.checkpoint.local_interval and registry is not None and not replicas
-        else None
-    )
-
-    def on_lighthouse_lost(message: str) -> None:
-        """replace_replica: the replica's link saw the Lighthouse's process end (replica_quorum.py)."""
-        if not _STATE.shutting_down.is_set():  # a group Ray shuts down loses it on purpose
-            watchdog.fail(message, report=report_lighthouse_lost)
-
-    def report_lighthouse_lost(message: str) -> None:
-        report_own_failure(contract.EVENT_LIGHTHOUSE_LOST, message)
-
-    # replace_replica: a replaced replica heals from a live peer instead of a snapshot.
-    quorum = (
-        ReplicaQuorum(
-            replica,
-            count,
-            **lighthouse_addresses(),
-            group=membership,
-            timeout_s=job.quorum_timeout_s,
-            startup_wait_s=job.setup_timeout_s,
-            peers_finished=lambda: _replicas_ended(registry, attempt),
-            heartbeat_timeout_ms=spec.resilience.replica_heartbeat_timeout_ms,
-            on_lighthouse_lost=on_lighthouse_lost,
-            last_progress=lambda: _last_progress(registry),
-        )
-        if replicas
-        else None
-    )
-    setup_started = time.time()
-
-    def on_trainer(trainer) -> None:
-        _STATE.trainer = trainer
-        if rank == 0 and trainer.checkpointer is not None:
-            trainer.checkpointer.before_commit = commit_guard(sender)
-        built = time.time()
-        recovery = {
-            "recovered_from": "persistent",
-            "iteration": trainer.iteration,
-            "agree_s": 0.0,
-            "restore_s": 0.0,
+        self.me = {
+            "rank": self.rank,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "hardware": self.hardware,
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
         }
-        if pusher is not None:
-            trainer.phase = "recover"
-            recovery = recover(trainer, HolderStore(job_id, me["node_id"]))
-        watchdog.watch(trainer)
-        if warm_restart:
-            prestart_after_first_step(trainer)
-        restarted = attempt > 0 or (group or 0) > 0
-        if rank == 0 and not replicas and (restarted or trainer.iteration > 0):
-            reached = _last_progress(registry)
-            started_at = config.get("attempt_started_at")
-            process_at = process_started_at()
-            split = started_at is not None and process_at is not None and started_at <= process_at <= entered
-            phases = {
-                "group_start": round(entered - started_at, 3) if started_at else None,
-                # group_start = until the rank's process exists (Ray Train's controller, placement
-                # group, actor scheduling) + the worker's own start (Python, Ray, torch and Ray
-                # Train imports, the torch process group, the train context)
-                "until_rank_process": round(process_at - started_at, 3) if split else None,
-                "rank_process_start": round(entered - process_at, 3) if split else None,
-                "imports": round(imports_s, 3),
-                "process_group_and_registry": round(setup_started - entered - imports_s, 3),
-                "build_and_persistent_resume": round(built - setup_started, 3),
-                "agree": round(recovery["agree_s"], 3),
-                "restore": round(recovery["restore_s"], 3),
-            }
+        self.everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(self.everyone, self.me)
+        self.registry = _registry(self.job_id)
+        self.group = None
+        if self.rank == 0 and self.registry is not None:
+            self.group = ray.get(self.registry.group_started.remote(self.attempt, self.everyone))
+
+    def _join_replica(self) -> None:
+        """The engine's job and data-parallel size: under replace_replica the replica's (an HSDP
+        replica first forms its own process group), else the job at this group's size."""
+        import ray
+
+        from workers.replicas import form_replica, replica_job
+
+        # Closed over by the replica's watchers (a peer gone: this rank exits too, its telemetry
+        # delivered first where it can be).
+        self.lost = SimpleNamespace(sender=None)
+        if self.replicas and self.size > 1:
+            self.membership = form_replica(self.registry, self.replica, self.shard, self.size, self.config, self.lost)
+        if self.replicas and self.config["device"] == "cpu":
+            # Ray's replica groups each count one local rank, so _bind_device gave this rank every
+            # core of the node, which the node's other replicas (and a replica's other ranks)
+            # share: the CPUs Ray assigned it.
+            import torch
+
+            cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
+            torch.set_num_threads(max(1, int(cpus)))
+        if self.replicas:
+            self.job, self.dp = replica_job(self.job), self.world
+        else:
+            if self.job.spec.resources.ranks != self.world:  # an elastic group of another size
+                self.job = self.job.with_ranks(self.world)
+            self.dp = self.job.data_parallel_size
+        self.spec = self.job.spec
+
+    def _start_telemetry(self) -> None:
+        """This rank's telemetry sender, and its start announced: each replica's own, or the
+        group's (rank 0) with every rank's node."""
+        import ray
+
+        from workers.fencing import exit_fenced
+        from workers.telemetry import TelemetrySender
+
+        fallback = ray.get(self.registry.telemetry_settings.remote()) if self.registry is not None else {}
+        sender = self.sender = TelemetrySender.from_env(
+            self.job_id,
+            f"rank-{self.rank}",
+            fallback,
+            flush_interval_s=self.config.get("flush_interval_s", 1.0),
+            event_defaults={"attempt": self.attempt},
+            on_fenced=exit_fenced,  # a newer attempt runs: stop now, unsaved (workers/fencing.py)
+        )
+        sender.start()
+        self.lost.sender = sender
+        if self.replicas:  # each replica's start (a replaced one: in a warm process or not)
             sender.event(
-                contract.EVENT_RECOVERED,
-                **{
-                    contract.RECOVERED_FROM: recovery["recovered_from"],
-                    contract.STEPS_LOST: max(0, reached - trainer.iteration) if reached is not None else None,
-                    contract.RECOVERY_PHASES: phases,
-                },
-                iteration=trainer.iteration,
-                reached=reached,
-                # the rank runs in a process started ahead, imports done (workers/warm_processes.py)
-                warm_process=process_was_warm(started_at, process_at),
-                group=group,
-                world_size=world,
+                contract.EVENT_REPLICA_STARTED,
+                replica=self.replica,
+                replicas=self.count,
+                world_size=self.world,  # Ray's workers in the group, the service's placement (one rank each)
+                group=self.group,
+                **({"shard_rank": self.shard, "round": self.membership.round} if self.membership is not None else {}),
+                # How long this process existed before it ran the rank: seconds for one started
+                # ahead (a warm process) or for a cold one's own imports alike; read with the
+                # replacement's start time, which only the controller knows.
+                process_age_s=round(self.entered - (process_started_at() or self.entered), 3),
+                **{contract.RANKS: [{**self.me, "rank": self.rank}]},
+            )
+        elif self.rank == 0:
+            sender.event(
+                contract.EVENT_RANKS_STARTED,
+                group=self.group,
+                world_size=self.world,
+                data_parallel_size=self.dp,
+                nodes=sorted({r["node_id"] for r in self.everyone}),
+                **{contract.RANKS: self.everyone},
             )
 
-    watchdog = StepWatchdog(
-        spec.resilience.step_timeout_s,
-        setup_timeout_s=job.setup_timeout_s,
-        on_timeout=on_timeout,
-    ).start()
+    def _report_own_failure(self, kind: str, message: str) -> None:
+        """The rank is about to kill itself: its event, and its message for the driver's cause."""
+        import ray
 
-    checkpoint_interval = spec.checkpoint.interval
+        self.sender.event(
+            kind, rank=self.rank, message=message, **({"replica": self.replica} if self.replicas else {})
+        )
+        if self.registry is not None:
+            with contextlib.suppress(Exception):
+                ray.get(self.registry.report_watchdog.remote(self.attempt, self.rank, os.getpid(), message), timeout=5)
+        self.sender.flush(3)
 
-    progress_sent_at = 0.0
+    def _on_lighthouse_lost(self, message: str) -> None:
+        """replace_replica: the replica's link saw the Lighthouse's process end (replica_quorum.py)."""
+        if not _STATE.shutting_down.is_set():  # a group Ray shuts down loses it on purpose
+            self.watchdog.fail(
+                message, report=lambda m: self._report_own_failure(contract.EVENT_LIGHTHOUSE_LOST, m)
+            )
 
-    def on_record(record: dict) -> None:
-        nonlocal progress_sent_at
-        if quorum is not None and quorum.participating_rank != 0:
+    def _guards(self) -> None:
+        """What runs beside the engine: the step watchdog, the in-memory snapshots' pusher
+        (restart_group with checkpoint.local_interval), the replicas' quorum (replace_replica:
+        a replaced replica heals from a live peer instead of a snapshot)."""
+        from engine.distributed.replica_quorum import ReplicaQuorum
+        from engine.watchdog import StepWatchdog
+        from workers.replicas import lighthouse_addresses
+        from workers.snapshots import SnapshotPusher
+
+        spec, job, registry, attempt = self.spec, self.job, self.registry, self.attempt
+        self.pusher = None
+        if spec.checkpoint.local_interval and registry is not None and not self.replicas:
+            nodes = [r["node_id"] for r in self.everyone]
+            self.pusher = SnapshotPusher(
+                self.job_id, self.rank, self.me["node_id"], nodes, spec.checkpoint.local_replicas, registry
+            )
+        self.quorum = None
+        if self.replicas:
+            self.quorum = ReplicaQuorum(
+                self.replica,
+                self.count,
+                **lighthouse_addresses(),
+                group=self.membership,
+                timeout_s=job.quorum_timeout_s,
+                startup_wait_s=job.setup_timeout_s,
+                peers_finished=lambda: _replicas_ended(registry, attempt),
+                heartbeat_timeout_ms=spec.resilience.replica_heartbeat_timeout_ms,
+                on_lighthouse_lost=self._on_lighthouse_lost,
+                last_progress=lambda: _last_progress(registry),
+            )
+        self.watchdog = StepWatchdog(
+            spec.resilience.step_timeout_s,
+            setup_timeout_s=job.setup_timeout_s,
+            on_timeout=lambda message: self._report_own_failure(contract.EVENT_WATCHDOG_TIMEOUT, message),
+        ).start()
+
+    def _on_trainer(self, trainer) -> None:
+        """The engine built its Trainer (and resumed from the persistent checkpoint): resume from
+        newer in-memory snapshots where there are, watch its steps, report the recovery."""
+        from engine.checkpointing.recovery import recover
+        from workers.fencing import commit_guard
+        from workers.snapshots import HolderStore
+        from workers.warm_processes import prestart_after_first_step
+
+        _STATE.trainer = trainer
+        if self.rank == 0 and trainer.checkpointer is not None:
+            trainer.checkpointer.before_commit = commit_guard(self.sender)
+        built = time.time()
+        recovery = {"recovered_from": "persistent", "iteration": trainer.iteration, "agree_s": 0.0, "restore_s": 0.0}
+        if self.pusher is not None:
+            trainer.phase = "recover"
+            recovery = recover(trainer, HolderStore(self.job_id, self.me["node_id"]))
+        self.watchdog.watch(trainer)
+        if self.job.warm_restart:
+            prestart_after_first_step(trainer)
+        restarted = self.attempt > 0 or (self.group or 0) > 0
+        if self.rank == 0 and not self.replicas and (restarted or trainer.iteration > 0):
+            self._send_recovered(trainer, recovery, built)
+
+    def _send_recovered(self, trainer, recovery: dict, built: float) -> None:
+        """Rank 0 of a restarted group: where the state came from, the steps lost, and what each
+        phase of the restart cost."""
+        from workers.warm_processes import process_was_warm
+
+        reached = _last_progress(self.registry)
+        started_at = self.config.get("attempt_started_at")
+        process_at = process_started_at()
+        entered = self.entered
+        split = started_at is not None and process_at is not None and started_at <= process_at <= entered
+        phases = {
+            "group_start": round(entered - started_at, 3) if started_at else None,
+            # group_start = until the rank's process exists (Ray Train's controller, placement
+            # group, actor scheduling) + the worker's own start (Python, Ray, torch and Ray
+            # Train imports, the torch process group, the train context)
+            "until_rank_process": round(process_at - started_at, 3) if split else None,
+            "rank_process_start": round(entered - process_at, 3) if split else None,
+            "imports": round(self.imports_s, 3),
+            "process_group_and_registry": round(self.setup_started - entered - self.imports_s, 3),
+            "build_and_persistent_resume": round(built - self.setup_started, 3),
+            "agree": round(recovery["agree_s"], 3),
+            "restore": round(recovery["restore_s"], 3),
+        }
+        self.sender.event(
+            contract.EVENT_RECOVERED,
+            **{
+                contract.RECOVERED_FROM: recovery["recovered_from"],
+                contract.STEPS_LOST: max(0, reached - trainer.iteration) if reached is not None else None,
+                contract.RECOVERY_PHASES: phases,
+            },
+            iteration=trainer.iteration,
+            reached=reached,
+            # the rank runs in a process started ahead, imports done (workers/warm_processes.py)
+            warm_process=process_was_warm(started_at, process_at),
+            group=self.group,
+            world_size=self.world,
+        )
+
+    def _on_record(self, record: dict) -> None:
+        """One step's metrics record: to the registry (how far the job got) and the control plane."""
+        if self.quorum is not None and self.quorum.participating_rank != 0:
             return  # the replica that is first in the step's quorum reports it
         # How far the job got, for the steps a restart loses (no wait): every step under
         # restart_group; under replace_replica, where only the fallback to the checkpoint reads
         # it, at most once a REPLICA_PROGRESS_EVERY_S (one actor call per step was 0.065 cores
         # of the 2-core SMALL survive bench).
         now = time.time()
-        if registry is not None and (quorum is None or now - progress_sent_at >= REPLICA_PROGRESS_EVERY_S):
-            registry.progress.remote(record["iteration"], now)
-            progress_sent_at = now
-        sender.record(
+        if self.registry is not None and (self.quorum is None or now - self.progress_sent_at >= REPLICA_PROGRESS_EVERY_S):
+            self.registry.progress.remote(record["iteration"], now)
+            self.progress_sent_at = now
+        self.sender.record(
             {
                 **record,
-                contract.RECORD_ATTEMPT: attempt,
-                contract.RECORD_GROUP: group,
-                contract.RECORD_WORLD_SIZE: world,
-                contract.RECORD_DATA_PARALLEL_SIZE: dp,
+                contract.RECORD_ATTEMPT: self.attempt,
+                contract.RECORD_GROUP: self.group,
+                contract.RECORD_WORLD_SIZE: self.world,
+                contract.RECORD_DATA_PARALLEL_SIZE: self.dp,
                 contract.RECORD_TS: time.time(),
             }
         )
         # The record of a step that checkpointed is the one a resume never redoes: deliver it
         # now (one POST per checkpoint), so even a hard kill of this rank cannot lose it.
-        if checkpoint_interval and record["iteration"] % checkpoint_interval == 0:
-            sender.flush(2.0)
+        interval = self.spec.checkpoint.interval
+        if interval and record["iteration"] % interval == 0:
+            self.sender.flush(2.0)
         if _STATE.shutting_down.is_set():  # stop at this step boundary until Ray kills the group
-            sender.flush(2.0)
+            self.sender.flush(2.0)
             _STATE.frozen.set()
             time.sleep(FREEZE_LIMIT_S)  # Ray kills this process within seconds
             raise RuntimeError("the worker group was shut down but this worker was not stopped")
 
-    records: list[dict] = []
-    finished = False
-    _STATE.sender, _STATE.rank = sender, rank
-    _STATE.shutting_down.clear()
-    _STATE.frozen.clear()
-    _STATE.running.set()
-    try:
-        watchdog.watch(_SETTING_UP)
-        records = train_rank(
-            job,
-            config.get("metrics_out") if rank == 0 else None,
-            config.get("quiet", False),
-            hooks=RankHooks(
-                on_trainer=on_trainer,
-                on_record=on_record if rank == 0 or replicas else None,
-                on_snapshot_due=pusher.snapshot if pusher is not None else None,
-                on_event=sender.forward_event,
-                # Rank 0's sender hears the scheduler's "stop" in its batches' answers; every
-                # rank takes part in agreeing on it (the others answer False).
-                should_stop=sender.stop_requested.is_set,
-                quorum=quorum,
-            ),
-            identity=identity,
-        )
-        finished = True
-        if replicas and registry is not None:  # a replacement still joining must not wait for us
-            registry.replica_ended.remote(attempt)
-        if membership is not None:  # its peers' watchers of this rank end quietly
-            membership.close()
-    except BaseException:
-        if membership is not None:  # a peer died: exit once it was replaced (replica_group.py)
-            membership.hold_if_lost()
-        raise
-    finally:
-        if pusher is not None:
-            pusher.wait()
-        _STATE.running.clear()
-        watchdog.stop()
-        _STATE.trainer = None
-        # A failing rank does not hold up the restart for an unreachable control plane: what is
-        # not delivered within a few seconds stays in the spool.
-        if not sender.close(10.0 if finished else 3.0) and sender.enabled:
-            print(
-                f"[elastron] telemetry from rank {rank} is spooled in {sender.spool_path} "
-                f"({sender.last_error}); it is re-sent by the next process of this rank on this node",
-                file=sys.stderr,
-                flush=True,
+    def train(self) -> dict[str, Any] | None:
+        """Set up, run the engine's train_rank, clean up; rank 0's last record for the driver."""
+        self._meet()
+        self._join_replica()
+        self._start_telemetry()
+        self._guards()
+        self.setup_started = time.time()
+        records = self._run_engine()
+        if self.rank != 0:
+            return None
+        last = records[-1] if records else {}
+        return {"iteration": last.get("iteration"), "loss": last.get("loss"), "steps": len(records), "time": time.time()}
+
+    def _run_engine(self) -> list[dict]:
+        from engine.rank_hooks import RankHooks
+        from engine.train_loop import train_rank
+
+        sender, pusher, rank = self.sender, self.pusher, self.rank
+        finished = False
+        _STATE.sender, _STATE.rank = sender, rank
+        _STATE.shutting_down.clear()
+        _STATE.frozen.clear()
+        _STATE.running.set()
+        try:
+            self.watchdog.watch(_SETTING_UP)
+            records = train_rank(
+                self.job,
+                self.config.get("metrics_out") if rank == 0 else None,
+                self.config.get("quiet", False),
+                hooks=RankHooks(
+                    on_trainer=self._on_trainer,
+                    on_record=self._on_record if rank == 0 or self.replicas else None,
+                    on_snapshot_due=pusher.snapshot if pusher is not None else None,
+                    on_event=sender.forward_event,
+                    # Rank 0's sender hears the scheduler's "stop" in its batches' answers; every
+                    # rank takes part in agreeing on it (the others answer False).
+                    should_stop=sender.stop_requested.is_set,
+                    quorum=self.quorum,
+                ),
+                identity=self.identity,
             )
-    if rank != 0:
-        return None
-    last = records[-1] if records else {}
-    return {
-        "iteration": last.get("iteration"),
-        "loss": last.get("loss"),
-        "steps": len(records),
-        "time": time.time(),
-    }
+            finished = True
+            if self.replicas and self.registry is not None:  # a replacement still joining must not wait for us
+                self.registry.replica_ended.remote(self.attempt)
+            if self.membership is not None:  # its peers' watchers of this rank end quietly
+                self.membership.close()
+            return records
+        except BaseException:
+            if self.membership is not None:  # a peer died: exit once it was replaced (replica_group.py)
+                self.membership.hold_if_lost()
+            raise
+        finally:
+            if pusher is not None:
+                pusher.wait()
+            _STATE.running.clear()
+            self.watchdog.stop()
+            _STATE.trainer = None
+            # A failing rank does not hold up the restart for an unreachable control plane: what
+            # is not delivered within a few seconds stays in the spool.
+            if not sender.close(10.0 if finished else 3.0) and sender.enabled:
+                print(
+                    f"[elastron] telemetry from rank {rank} is spooled in {sender.spool_path} "
+                    f"({sender.last_error}); it is re-sent by the next process of this rank on this node",
+                    file=sys.stderr,
+                    flush=True,
+                )
