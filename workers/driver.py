@@ -13,8 +13,8 @@ Process model:
                                     └─ one RayTrainWorker actor per rank ── workers.rank.rank_main
                                                                              └─ engine.train_loop.train_rank
 
-The driver calls `fit()` with Ray's own retries off (`FailureConfig(max_failures=0)`), so every
-failure comes back here with its per-rank causes (`WorkerGroupError.worker_failures`, the rerun
+Under `resilience.on_rank_failure: restart_group` (the default) the driver calls `fit()` with
+Ray's own retries off (`FailureConfig(max_failures=0)`), so every failure comes back here with its per-rank causes (`WorkerGroupError.worker_failures`, the rerun
 state machine's RerunExit among them). `workers.policy.RestartPolicy` decides: restart within
 `resilience.max_restarts`, resume elsewhere (exit 16), exclude a node (exit 17, persistent
 error), or fail. Each attempt is a new `fit()` under the same run name (the job id), and the
