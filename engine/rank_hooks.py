@@ -77,5 +77,5 @@ class RankHooks:
     on_event: Callable[[dict], None] | None = None
     should_stop: Callable[[], bool] | None = None
     # Not a hook: with resilience.on_rank_failure replace_replica, this replica group's
-    # membership in the job's quorum (engine/distributed/replica_quorum.py), built by the launcher.
+    # membership in the job's quorum (engine/fault_tolerance/replica_quorum.py), built by the launcher.
     quorum: Any = None

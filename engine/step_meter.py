@@ -24,7 +24,7 @@ from engine.flops import mfu, model_flops_per_iteration, peak_flops
 from engine.step_metrics import PER_RANK_MAX, PER_RANK_TIMERS, STEP_TIMERS, StepMetrics
 
 if TYPE_CHECKING:
-    from engine.distributed.replica_quorum import ReplicaQuorum
+    from engine.fault_tolerance.sync import ReplicaSync
     from engine.optimizer.optimizer import StepResult
     from engine.timers import Timers
     from engine.transformer.config import TransformerConfig
@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 
 class StepMeter:
     """One rank's measurements of its steps. `timers` are the Trainer's (the step's phases time
-    themselves into them); `dp_size` the data-parallel ranks of this process group; `quorum` this
-    replica group's membership when replicas are fault domains (the step's replicas come from it).
+    themselves into them); `dp_size` the data-parallel ranks of this process group; `replica_sync`
+    the job's replicas as the step sees them (engine/fault_tolerance/sync.py: the step's
+    replicas, samples and devices come from it).
 
     Built once per Trainer: it sets up the energy counters and agrees the peak FLOP/s (both
     collectives)."""
@@ -46,10 +47,10 @@ class StepMeter:
         device_type: str,
         log_interval: int,
         dp_size: int,
-        quorum: ReplicaQuorum | None = None,
+        replica_sync: ReplicaSync,
     ):
         self.config, self.timers, self.log_interval = config, timers, log_interval
-        self.dp_size, self.quorum = dp_size, quorum
+        self.dp_size, self.replica_sync = dp_size, replica_sync
         self.energy = EnergyMonitor(device_type)
         self.energy.setup()
         self.peak_flops_per_device = self._peak_flops(device_type, config.params_dtype)
@@ -101,16 +102,15 @@ class StepMeter:
     ) -> StepMetrics:
         """The stopped step's record. Collectives (energy, and the timers every log interval):
         every rank calls it."""
-        elapsed, quorum, gbs = self._elapsed, self.quorum, global_batch_size
+        elapsed, gbs = self._elapsed, global_batch_size
         # With replicas as fault domains a step may average over fewer of them: the missing
-        # replicas' samples are skipped, not re-assigned (engine/distributed/replica_quorum.py).
-        replicas = quorum.replicas if quorum is not None else self.dp_size
-        trained = gbs * replicas // quorum.count if quorum is not None else gbs
+        # replicas' samples are skipped, not re-assigned (engine/fault_tolerance/replica_quorum.py).
+        replicas, trained, device_share = self.replica_sync.step_share(gbs, self.dp_size)
         tokens = trained * self.config.seq_length
         # What the step trained, on the devices that trained it: every replica's ranks in the
         # quorum (this process group holds one replica's).
         flops = model_flops_per_iteration(self.config, trained)
-        devices = dist.get_world_size() * (replicas if quorum is not None else 1)
+        devices = dist.get_world_size() * device_share
         lap = self.energy.lap()
         memory = device.memory_bytes()
         timers, per_rank = {}, {}

@@ -12,11 +12,9 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from engine import parallel_state as ps
-from engine.distributed.replica_quorum import writes_job_checkpoint
 from engine.jobspec import JobSpec, ResolvedJob, resolve_job
 from engine.loggers import open_loggers
 from engine.loggers import require as require_loggers
@@ -114,7 +112,7 @@ def _train(
         # replicas as fault domains, replica 0's (each is a rank 0 of its own group, and two
         # writers of one run would duplicate or clash: the steps replica 0 misses while it is
         # replaced are in the job's records, not in these).
-        if is_logger and (trainer.quorum is None or trainer.quorum.index == 0):
+        if is_logger and trainer.replica_sync.writes_logs:
             loggers = open_loggers(spec.model_dump(mode="json"), identity.job_id)
         if hooks.on_trainer is not None:
             hooks.on_trainer(trainer)
@@ -144,12 +142,12 @@ def _train(
             # as it is frozen (and a watchdog kill then loses whatever had not gone out).
             trainer.checkpointer.on_commit = out.committed
         while trainer.iteration < spec.training.train_iters:
-            if hooks.should_stop is not None and _stop_agreed(trainer, hooks.should_stop()):
+            if hooks.should_stop is not None and trainer.replica_sync.stop_agreed(hooks.should_stop()):
                 _save_and_stop(trainer, saved_at, quiet=quiet or not is_logger)
                 break
             m = trainer.train_step()
             if m is None:  # the rerun state machine skipped a bad batch (or no quorum step)
-                if trainer.quorum is not None and trainer.quorum.job_done:
+                if trainer.replica_sync.job_done:
                     break  # a replacement that joined after its peers finished the job
                 continue
             trainer.evaluate_if_due(m)
@@ -179,8 +177,7 @@ def _train(
             sink.close()
         if loggers is not None:
             loggers.close()
-        if trainer.quorum is not None:
-            trainer.quorum.shutdown()
+        trainer.replica_sync.shutdown()
         ps.destroy_model_parallel()
     return records
 
@@ -215,16 +212,6 @@ class _RecordOut:
             print(progress_line(m, self.training.train_iters), flush=True)
 
 
-def _stop_agreed(trainer: Trainer, mine: bool) -> bool:
-    """Whether any rank was asked to stop: one tiny all-reduce before each step, so every rank
-    stops at the same step boundary."""
-    if trainer.quorum is not None:  # replicas as fault domains: agreed through the quorum
-        return trainer.quorum.stop_agreed(mine)
-    flag = torch.tensor([1.0 if mine else 0.0], device=trainer.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
 def _save_and_stop(trainer: Trainer, saved_at: int, quiet: bool) -> None:
     """Stop asked for (a preemption): a persistent checkpoint of the current step, unless the
     last step saved one already, committed before the loop returns; then the job resumes from
@@ -232,7 +219,7 @@ def _save_and_stop(trainer: Trainer, saved_at: int, quiet: bool) -> None:
     checkpointed = (
         trainer.checkpointer is not None
         and trainer.spec.checkpoint.path is not None
-        and writes_job_checkpoint(trainer.quorum)
+        and trainer.replica_sync.writes_checkpoint
     )
     if checkpointed and saved_at != trainer.iteration:
         trainer.phase = "checkpoint-save"

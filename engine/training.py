@@ -16,7 +16,7 @@ What it must not own: how any part does its job. The loss is the objective's; wh
 holds of a part is that part's (engine/checkpointing/stateful.py); the diagnosis of a bad result is
 the rerun state machine's (engine/rerun/: the Trainer acts on its decision); a replica's place in
 the quorum, and which replica writes the job's checkpoints, are the replica quorum's
-(engine/distributed/replica_quorum.py); how a step is measured for its record is the step meter's
+(engine/fault_tolerance/replica_quorum.py); how a step is measured for its record is the step meter's
 (engine/step_meter.py). Nor a launcher's concerns: watchdogs, snapshot stores and telemetry reach
 the Trainer through the hooks of engine/rank_hooks.py; the loop over the steps is
 engine/train_loop.py's.
@@ -47,9 +47,9 @@ from engine.checkpointing.stateful import (
 from engine.data.builder import build_datasets
 from engine.data.tokenizer import build_tokenizer
 from engine.distributed.finalize_grads import finalize_model_grads
-from engine.distributed.replica_group import shard_grad_views
-from engine.distributed.replica_quorum import ReplicaQuorum, writes_job_checkpoint
 from engine.evaluation import evaluate
+from engine.fault_tolerance.replica_group import shard_grad_views
+from engine.fault_tolerance.sync import ReplicaSync
 from engine.hf.base_record import LoRABase
 from engine.jobspec import JobSpec, ResolvedJob, resolve_job
 from engine.jobspec.layout import num_microbatches
@@ -90,12 +90,12 @@ class Trainer:
         *,
         identity: RankIdentity | None = None,
         on_event: Callable[[dict], None] | None = None,
-        quorum: ReplicaQuorum | None = None,
+        quorum: ReplicaSync | None = None,
     ):
         """`identity`: who runs this rank (default: this host); `on_event`: the launcher's hook
         for every event this rank records (engine/rank_hooks.py); `quorum`: this replica group's
         membership when replicas are fault domains (resilience.on_rank_failure: replace_replica,
-        engine/distributed/replica_quorum.py): the group's process group holds its own ranks only,
+        engine/fault_tolerance/replica_quorum.py): the group's process group holds its own ranks only,
         the data-parallel reduction over replicas goes through the quorum."""
         self.job = job if isinstance(job, ResolvedJob) else resolve_job(job)
         self.spec = spec = self.job.spec
@@ -136,14 +136,10 @@ class Trainer:
             device=self.device,
         )
         self.last_mtp_loss: float | None = None
-        self.quorum = quorum
-        # The data this rank reads: a replica's rank reads as data-parallel rank
-        # index * S + shard rank of count * S (S: the replica's ranks, its DP group here).
-        data_dp = (
-            (quorum.count * self.dp_size, quorum.index * self.dp_size + self.dp_rank)
-            if quorum is not None
-            else (self.dp_size, self.dp_rank)
-        )
+        # The job's replicas, as the step sees them (engine/fault_tolerance/sync.py): one, or
+        # replace_replica's quorum.
+        self.replica_sync = quorum if quorum is not None else ReplicaSync()
+        data_dp = self.replica_sync.data_rank(self.dp_size, self.dp_rank)  # the data this rank reads
         self.microbatches = MicrobatchCalculator.from_spec(t, data_dp[0])
         datasets = build_datasets(
             spec,
@@ -168,7 +164,7 @@ class Trainer:
             device_type=self.device.type,
             log_interval=t.log_interval,
             dp_size=self.dp_size,
-            quorum=quorum,
+            replica_sync=self.replica_sync,
         )
         self.events = EventLog(events_path, spec.name, (identity or RankIdentity.local()).node_id, on_event)
         self.rerun = RerunStateMachine.from_spec(spec.resilience, t.seed, self.events)
@@ -188,9 +184,8 @@ class Trainer:
         if spec.checkpoint.path or spec.checkpoint.resume_from:
             self.checkpointer = self.make_checkpointer()
             self.checkpointer.maybe_resume()  # the rerun machine's part moves it to our iteration
-        if quorum is not None:  # after the resume: what a peer heals from is this state
-            quorum.attach(self)
-            self.rerun.across_replicas = quorum.any_over_replicas
+        self.replica_sync.attach(self)  # after the resume: what a peer heals from is this state
+        self.rerun.across_replicas = self.replica_sync.across_replicas
 
     def _will_import(self) -> bool:
         """model.init_from's weights are loaded unless the job resumes: its checkpoint has newer
@@ -257,7 +252,7 @@ class Trainer:
         c = self.spec.checkpoint
         if self.checkpointer is None or c.path is None:
             return False
-        if not writes_job_checkpoint(self.quorum):
+        if not self.replica_sync.writes_checkpoint:
             return False
         last = self.iteration == self.spec.training.train_iters
         if last or (c.interval is not None and self.iteration % c.interval == 0):
@@ -311,9 +306,9 @@ class Trainer:
         scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
         for ddp in self.ddp_chunks:
             ddp.start_step(num_microbatches)
-        if self.quorum is not None and self.quorum.sits_out:
+        if self.replica_sync.sits_out:
             # This replica heals in this step and gives zeros to its reduction
-            # (engine/distributed/replica_quorum.py): nothing to compute.
+            # (engine/fault_tolerance/replica_quorum.py): nothing to compute.
             return torch.zeros((), device=self.device)
         with self.timers("data", 1):
             batches = self.batches.read(self.source, self.consumed_samples, num_microbatches)
@@ -353,10 +348,9 @@ class Trainer:
             self.phase = "grads-finalize"
             self.timers("grads-finalize", 1).start()
             finalize_model_grads(self.ddp_chunks)
-            if self.quorum is not None:  # the reduction over replicas: the managed group
-                loss = self.quorum.reduce(shard_grad_views(self.ddp_chunks), loss)
+            loss = self.replica_sync.reduce(shard_grad_views(self.ddp_chunks), loss)  # over replicas
             self.timers("grads-finalize", 1).stop()
-            if self.quorum is not None and self.quorum.waits_for_peers:
+            if self.replica_sync.waits_for_peers:
                 continue  # no result: nothing to validate, and nothing kept (not committed)
             rsm.validate_result(loss, is_nan_or_inf, "loss is NaN or Inf")
             if res.spike_threshold is not None:
@@ -384,7 +378,7 @@ class Trainer:
                     f"{decision.message}; but checkpoint.path is not set, so it cannot be re-run elsewhere",
                     decision.diagnosis,
                 )
-            if writes_job_checkpoint(self.quorum):  # every replica takes the decision (agreed)
+            if self.replica_sync.writes_checkpoint:  # every replica takes the decision (agreed)
                 self.checkpointer.save()
                 self.checkpointer.wait()
         if decision.exit_code:
@@ -406,12 +400,11 @@ class Trainer:
         for chunk in self.model_chunks:
             chunk.train()
         self.meter.start()
-        if self.quorum is not None:
-            self.phase = "quorum"
-            # May heal: iteration and data position are the peer's.
-            if not self.quorum.start_step() or self.iteration >= self.spec.training.train_iters:
-                return None
-            self.rerun.follow_iteration(self.iteration)
+        self.phase = "quorum"
+        # May heal: iteration and data position are the peer's.
+        if not self.replica_sync.start_step() or self.iteration >= self.spec.training.train_iters:
+            return None
+        self.rerun.follow_iteration(self.iteration)
         self.microbatches.update(self.consumed_samples)
         n, gbs = self.microbatches.num_microbatches, self.microbatches.current_global_batch_size
         lr = self.optimizer.param_groups[0]["lr"]
@@ -419,7 +412,7 @@ class Trainer:
         loss = self._validated_forward_backward(n)
         if self._act_on_rerun_decision(gbs):
             return None
-        if self.quorum is not None and not self.quorum.should_commit():
+        if not self.replica_sync.should_commit():
             return None  # a replica failed during the reduction: the step is taken again
         self.phase = "optimizer"
         self.timers("optimizer", 1).start()

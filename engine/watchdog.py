@@ -164,7 +164,7 @@ class StepWatchdog:
     def fail(self, message: str, report: Callable[[str], None] | None = None) -> None:
         """Fail this process now, as a timeout would (the same report, stacks and kill), for a
         stall another part saw coming: the job's Lighthouse gone
-        (engine/distributed/replica_quorum.py), where the step would wait out its quorum timeout.
+        (engine/fault_tolerance/replica_quorum.py), where the step would wait out its quorum timeout.
         `report(message)` is called in place of `on_timeout`, so the cause is not told as a
         timeout (the rank sends `lighthouse_lost`, not `watchdog_timeout`)."""
         with self._lock:

@@ -331,21 +331,20 @@ class RayJobsLauncher(Launcher):
             raise LauncherUnavailable(f"Ray could not list jobs: {err}") from err
         return {sid: found.get(sid, LaunchStatus.MISSING) for sid in wanted}
 
-    def message(self, submission_id: str) -> str | None:
-        client = self._client()
+    def _job_info(self, submission_id: str) -> Any:
+        """Ray's JobDetails of a submission; None where Ray does not answer with them."""
         try:
-            info = self._translate(client.get_job_info, submission_id)
+            return self._translate(self._client().get_job_info, submission_id)
         except RuntimeError:
             return None
-        return info.message
+
+    def message(self, submission_id: str) -> str | None:
+        info = self._job_info(submission_id)
+        return None if info is None else info.message
 
     def exit_code(self, submission_id: str) -> int | None:
-        client = self._client()
-        try:
-            info = self._translate(client.get_job_info, submission_id)
-        except RuntimeError:
-            return None
-        return info.driver_exit_code
+        info = self._job_info(submission_id)
+        return None if info is None else info.driver_exit_code
 
     def stop(self, submission_id: str) -> bool:
         client = self._client()

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 ENGINE_FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("foundation", ("jobspec", "device", "parallel_state", "parallel_placement", "loggers", "compile",
                     "step_metrics", "watchdog")),
-    ("process groups", ("distributed", "microbatches")),
+    ("process groups", ("distributed", "fault_tolerance", "microbatches")),
     ("parallel layers, optimizer", ("tensor_parallel", "optimizer", "timers", "energy_monitor")),
     ("transformer", ("transformer",)),
     ("models", ("models", "pipeline_parallel", "step_batches", "flops")),

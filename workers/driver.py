@@ -86,7 +86,7 @@ class WorkerRunOptions:
     cpus_per_rank: float = CPUS_PER_RANK
     # {Ray node id: ranks} the service's scheduler admitted the job on (ELASTRON_PLACEMENT)
     placement: dict[str, int] | None = None
-    # replace_replica: the Lighthouse's liveness relay (engine/distributed/lighthouse.py); off is
+    # replace_replica: the Lighthouse's liveness relay (engine/fault_tolerance/lighthouse.py); off is
     # torchft's Lighthouse alone, bench/recovery.py's same-run comparison
     replica_relay: bool = True
 

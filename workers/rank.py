@@ -179,7 +179,7 @@ def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     import torch.distributed  # noqa: F401
 
     import engine.checkpointing.recovery  # noqa: F401
-    import engine.distributed.replica_quorum  # noqa: F401
+    import engine.fault_tolerance.replica_quorum  # noqa: F401
     import engine.rank_hooks  # noqa: F401
     import engine.train_loop  # noqa: F401
     import engine.watchdog  # noqa: F401
@@ -341,7 +341,7 @@ class RankRun:
         """What runs beside the engine: the step watchdog, the in-memory snapshots' pusher
         (restart_group with checkpoint.local_interval), the replicas' quorum (replace_replica:
         a replaced replica heals from a live peer instead of a snapshot)."""
-        from engine.distributed.replica_quorum import ReplicaQuorum
+        from engine.fault_tolerance.replica_quorum import ReplicaQuorum
         from engine.watchdog import StepWatchdog
         from workers.replicas import lighthouse_addresses
         from workers.snapshots import SnapshotPusher

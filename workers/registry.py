@@ -15,7 +15,7 @@ read from here:
   replica, at most once a second, read only by a fallback to the persistent checkpoint).
 - `replica_join(...)` / `replica_round(...)`: `resilience.on_rank_failure: replace_replica` with
   replicas of several ranks (HSDP): the rendezvous by rounds through which a replica's ranks form
-  their process group again after one of them was replaced (engine/distributed/replica_group.py).
+  their process group again after one of them was replaced (engine/fault_tolerance/replica_group.py).
 - `snapshot_holders(node_ids)`: the in-memory snapshots' holder on each node, started here when
   missing, so that the driver's side owns them (workers/snapshots.py): they outlive the ranks and
   die with the driver.
@@ -95,14 +95,14 @@ class JobRegistry:
         return attempt in self._replicas_ended
 
     def replica_join(self, replica: int, shard_rank: int, size: int, address: tuple[str, int] | None) -> int:
-        from engine.distributed.replica_group import ReplicaRounds
+        from engine.fault_tolerance.replica_group import ReplicaRounds
 
         if self._rounds is None:
             self._rounds = ReplicaRounds()
         return self._rounds.join(replica, shard_rank, size, address)
 
     def replica_round(self, replica: int, number: int) -> dict[str, Any]:
-        from engine.distributed.replica_group import ReplicaRounds
+        from engine.fault_tolerance.replica_group import ReplicaRounds
 
         return (self._rounds or ReplicaRounds()).round(replica, number)
 

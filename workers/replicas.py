@@ -7,12 +7,12 @@ S) one shard group of S ranks, so the job must have no tensor, pipeline, context
 parallelism. Replica r is Ray world ranks r*S .. r*S+S-1 (shard rank = world rank % S) and runs
 the engine as a job of S ranks (its DP=S sharding) on a process group of its own; its ranks read
 their share of every global batch as data-parallel ranks r*S + shard rank of replicas*S
-(engine/distributed/replica_quorum.py).
+(engine/fault_tolerance/replica_quorum.py).
 
 Ray 2.60's replica groups have one worker each (its WorkerGroup builds them with
 `replica_group_size=1`), so Ray replaces single workers: each gets Ray's one-rank process group,
 which a replica of S > 1 ranks replaces with its own, formed by rounds through the job registry
-(`form_replica`, engine/distributed/replica_group.py). When one rank of such a replica dies, its
+(`form_replica`, engine/fault_tolerance/replica_group.py). When one rank of such a replica dies, its
 peers notice at once (their watchers), leave the quorum and exit as soon as the dead rank's
 replacement has joined (Ray 2.60 cannot replace two failed replica groups of one poll); Ray
 replaces them as well, and the new round heals from a live replica.
@@ -114,7 +114,7 @@ def form_replica(registry, replica: int, shard: int, size: int, config: dict[str
     import ray
     import torch.distributed as dist
 
-    from engine.distributed.replica_group import exit_process, form_replica_group
+    from engine.fault_tolerance.replica_group import exit_process, form_replica_group
 
     if registry is None:
         raise RuntimeError("replace_replica with data_parallel_shard_size needs the job registry (workers/registry.py)")

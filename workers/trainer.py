@@ -214,11 +214,11 @@ def _set_env(name: str, value: str) -> None:
 
 
 class _LighthouseActor:
-    """The job's Lighthouse with its liveness relay (engine/distributed/lighthouse.py), as a Ray
+    """The job's Lighthouse with its liveness relay (engine/fault_tolerance/lighthouse.py), as a Ray
     actor: Ray's own LighthouseServerActor hosts torchft's server alone."""
 
     def __init__(self, lighthouse_kwargs: dict):
-        from engine.distributed.lighthouse import Lighthouse
+        from engine.fault_tolerance.lighthouse import Lighthouse
 
         self.lighthouse = Lighthouse(**lighthouse_kwargs)
 
@@ -232,7 +232,7 @@ class _LighthouseActor:
 def torchft_config(timeout_s: int, heartbeat_timeout_ms: int = 500, relay: bool = True):
     """Ray Train's TorchftConfig for `resilience.on_rank_failure: replace_replica`: one torch
     process group per replica group (Ray 2.60: one worker each), the controller replacing only a
-    failed replica group, and the Lighthouse in an actor (engine/distributed/replica_quorum.py
+    failed replica group, and the Lighthouse in an actor (engine/fault_tolerance/replica_quorum.py
     is the replicas' side). Our backend differs from Ray's in two things: the Lighthouse actor asks
     for no CPU, so it fits on a head node without CPUs (as the driver and the controller do), and
     it is ours: torchft's Lighthouse with the liveness relay, whose address every worker gets in

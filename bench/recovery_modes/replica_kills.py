@@ -18,7 +18,7 @@ and the tokens the steps without replica 1 did not train (`fewer_samples_s`); `c
 the machine's CPU went in both runs, by process (the two replicas' ranks, Ray's and Ray Train's
 processes, the warm processes). Every survive line carries `relay`: `--compare-no-relay` runs
 the same kills again with torchft's Lighthouse alone (no liveness relay,
-engine/distributed/lighthouse.py), against the same uninterrupted run.
+engine/fault_tolerance/lighthouse.py), against the same uninterrupted run.
 """
 
 from __future__ import annotations

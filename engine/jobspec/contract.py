@@ -81,7 +81,7 @@ STEPS_LOST = "steps_lost"
 RECOVERY_PHASES = "phase_seconds"
 
 
-# resilience.on_rank_failure replace_replica (engine/distributed/replica_quorum.py): a replica's
+# resilience.on_rank_failure replace_replica (engine/fault_tolerance/replica_quorum.py): a replica's
 # start, the survivors stepping without one (with the step's `replicas` and the survivors'
 # `stall_s`), and a replaced replica back in the quorum (`rejoin_s` from the survivors' side,
 # `heal_s` from the healed replica's).

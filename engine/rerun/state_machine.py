@@ -197,7 +197,7 @@ class RerunStateMachine:
         # resilience.on_rank_failure replace_replica: this process group is one replica, and the
         # others must take every decision with it (a re-run is a second reduction over the
         # replicas, which they all must join): flags -> the flags OR-ed over the replicas
-        # (engine/distributed/replica_quorum.py's any_over_replicas).
+        # (engine/fault_tolerance/replica_quorum.py's any_over_replicas).
         self.across_replicas: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @classmethod

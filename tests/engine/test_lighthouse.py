@@ -1,4 +1,4 @@
-"""engine/distributed/lighthouse.py's liveness relay, with the real torchft Lighthouse.
+"""engine/fault_tolerance/lighthouse.py's liveness relay, with the real torchft Lighthouse.
 
 - A linked process that is SIGKILLed stops being heartbeated as soon as its connection closes.
 - A link that stays open but stops pinging (its host is gone) is dropped after the silent
@@ -23,7 +23,7 @@ from tests.tools import require_module
 
 require_module("torchft", "torchft (a main dependency: pip install -e '.[dev]') is not installed")
 
-from engine.distributed.lighthouse import RELAY_TIMEOUT_MS, Lighthouse, LivenessLink  # noqa: E402
+from engine.fault_tolerance.lighthouse import RELAY_TIMEOUT_MS, Lighthouse, LivenessLink  # noqa: E402
 from tests.waiting import wait_for  # noqa: E402
 
 

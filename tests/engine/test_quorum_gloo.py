@@ -1,4 +1,4 @@
-"""engine/distributed/quorum_gloo.py: the managed group's rendezvous has its own short timeout,
+"""engine/fault_tolerance/quorum_gloo.py: the managed group's rendezvous has its own short timeout,
 its collectives the full one. Two ranks in two processes meet through a store, as two replicas
 do when a quorum changes."""
 
@@ -19,7 +19,7 @@ require_module("torchft", "torchft (a main dependency: pip install -e '.[dev]') 
 import torch  # noqa: E402
 from torch.distributed import TCPStore  # noqa: E402
 
-from engine.distributed.quorum_gloo import RENDEZVOUS_TIMEOUT_S, QuorumGloo  # noqa: E402
+from engine.fault_tolerance.quorum_gloo import RENDEZVOUS_TIMEOUT_S, QuorumGloo  # noqa: E402
 
 FULL = timedelta(seconds=4)
 RENDEZVOUS = timedelta(seconds=0.3)

@@ -1,4 +1,4 @@
-"""engine/distributed/replica_quorum.py without Ray: two data-parallel replicas, each a one-rank
+"""engine/fault_tolerance/replica_quorum.py without Ray: two data-parallel replicas, each a one-rank
 process group of its own (forked from a forkserver with torch and the engine imported, so a
 replacement starts in a fraction of a second), and torchft's Lighthouse in this process.
 
@@ -56,7 +56,7 @@ def _replica(
     """One replica: a one-rank gloo group on a free port, the quorum, the engine's loop. It writes
     what it saw to a file of its own (a multiprocessing queue shared with a process that is then
     SIGKILLed can stay locked for every other writer). `lighthouse`: torchft's address and the
-    liveness relay's (engine/distributed/lighthouse.py); `spec`: SPEC unless given; `delay_s`:
+    liveness relay's (engine/fault_tolerance/lighthouse.py); `spec`: SPEC unless given; `delay_s`:
     it starts that much later (a peer built slower)."""
     import json
 
@@ -64,7 +64,7 @@ def _replica(
     import torch
     import torch.distributed as dist
 
-    from engine.distributed.replica_quorum import ReplicaQuorum
+    from engine.fault_tolerance.replica_quorum import ReplicaQuorum
     from engine.launcher import free_port
     from engine.rank_hooks import RankHooks
     from engine.train_loop import train_rank
@@ -118,7 +118,7 @@ def test_ten_kills_in_a_row_neither_stop_the_survivor_nor_deadlock(tmp_path):
     The Lighthouse would keep a silent replica for SILENT_MS (the job's
     replica_heartbeat_timeout_ms): the survivor goes on within seconds of each kill only because
     the killed process's closed connection to the liveness relay ends its heartbeats at once."""
-    from engine.distributed.lighthouse import Lighthouse
+    from engine.fault_tolerance.lighthouse import Lighthouse
 
     lighthouse = Lighthouse(silent_timeout_ms=SILENT_MS, join_timeout_ms=500)
     ctx = mp.get_context("forkserver")
@@ -232,7 +232,7 @@ def _run_replicas(specs: list[dict], outdir, delays: list[float] | None = None) 
     seconds late); the messages they wrote. The
     quorum waits up to 60 s (not the kill test's 5): on a loaded CI machine the last of three
     replicas can take longer than 5 s to build, and the others' first quorum then fails."""
-    from engine.distributed.lighthouse import Lighthouse
+    from engine.fault_tolerance.lighthouse import Lighthouse
 
     lighthouse = Lighthouse(silent_timeout_ms=500)
     outdir.mkdir()
@@ -368,8 +368,17 @@ def test_a_replica_alone_before_its_peers_join_neither_trains_nor_decides_a_reru
 def test_a_rerun_checkpoint_is_written_by_one_replica():
     """The checkpoint before a rerun's exit 16: every replica of the quorum takes the decision,
     the quorum's first replica alone writes it (two writing one checkpoint would race)."""
+    from engine.fault_tolerance.replica_quorum import ReplicaQuorum
     from engine.rerun.state_machine import RerunDecision, RerunExit
     from engine.training import Trainer
+
+    class _QuorumAt(ReplicaQuorum):  # the quorum's answer at a participating rank, no torchft
+        def __init__(self, participating_rank: int) -> None:
+            self._at = participating_rank
+
+        @property
+        def participating_rank(self) -> int:
+            return self._at
 
     for participating_rank, writes in ((0, 1), (1, 0)):
         saves: list[str] = []
@@ -378,7 +387,7 @@ def test_a_rerun_checkpoint_is_written_by_one_replica():
             rerun=SimpleNamespace(should_checkpoint_and_exit=lambda d=exit_16: d),
             checkpointer=SimpleNamespace(save=functools.partial(saves.append, "save"), wait=lambda: None),
             spec=SimpleNamespace(checkpoint=SimpleNamespace(path="/ckpt")),
-            quorum=SimpleNamespace(participating_rank=participating_rank),
+            replica_sync=_QuorumAt(participating_rank),
         )
         with pytest.raises(RerunExit):
             Trainer._act_on_rerun_decision(trainer, 4)

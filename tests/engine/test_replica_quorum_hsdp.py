@@ -1,4 +1,4 @@
-"""HSDP replicas as fault domains without Ray (engine/distributed/replica_group.py and
+"""HSDP replicas as fault domains without Ray (engine/fault_tolerance/replica_group.py and
 replica_quorum.py): two replicas of two ranks each (HSDP 2x2, ZeRO-1 inside each replica), every
 rank a process of its own on gloo, the rendezvous of rounds served from this process (as the job
 registry does on Ray), torchft's Lighthouse here too.
@@ -26,7 +26,7 @@ from multiprocessing.managers import BaseManager
 
 import pytest
 
-from engine.distributed.replica_quorum import ReplicaQuorum
+from engine.fault_tolerance.replica_quorum import ReplicaQuorum
 from tests.engine.replica_messages import drain_until
 from tests.tiny_jobs import TINY_LLAMA
 from tests.tools import require_module
@@ -70,7 +70,7 @@ def _rank(replica: int, shard: int, lighthouse: tuple[str, str], rounds_at: tupl
     of its own (a queue shared with a SIGKILLed process can stay locked)."""
     import torch
 
-    from engine.distributed.replica_group import form_replica_group
+    from engine.fault_tolerance.replica_group import form_replica_group
     from engine.jobspec import resolve_job
     from engine.rank_hooks import RankHooks
     from engine.train_loop import train_rank
@@ -135,8 +135,8 @@ def _reference(steps: int) -> list[float] | None:
 
 
 def test_hsdp_replica_loses_a_rank_the_other_replica_goes_on_and_the_rebuilt_one_heals(tmp_path):
-    from engine.distributed.lighthouse import Lighthouse
-    from engine.distributed.replica_group import ReplicaRounds
+    from engine.fault_tolerance.lighthouse import Lighthouse
+    from engine.fault_tolerance.replica_group import ReplicaRounds
     from engine.launcher import spawn
 
     rounds = ReplicaRounds()
@@ -244,7 +244,7 @@ def test_hsdp_replica_loses_a_rank_the_other_replica_goes_on_and_the_rebuilt_one
 
 
 def test_rounds_a_rejoining_shard_rank_starts_the_next_round_and_supersedes_the_last():
-    from engine.distributed.replica_group import ReplicaRounds
+    from engine.fault_tolerance.replica_group import ReplicaRounds
 
     rounds = ReplicaRounds()
     assert rounds.join(1, 1, 2, None) == 0

@@ -21,8 +21,8 @@ from tests.tools import require_module
 torchft = require_module("torchft", "torchft (a main dependency) is not installed")
 TORCHFT = f"torchft {importlib.metadata.version('torchft')}"
 
-QUORUM = "engine/distributed/replica_quorum.py"
-GLOO = "engine/distributed/quorum_gloo.py"
+QUORUM = "engine/fault_tolerance/replica_quorum.py"
+GLOO = "engine/fault_tolerance/quorum_gloo.py"
 PRIVATES = [
     ("torchft.manager.Manager", "_min_replica_size", "read", QUORUM),  # written: the per-step minimum
     ("torchft.manager.Manager", "_healing", "read", QUORUM),  # read, and cleared after our own apply

@@ -196,7 +196,7 @@ def test_the_ray_internals_the_torchft_config_overrides_exist():
     import ray
     from ray.train.v2.torch import torchft_config as ft
 
-    from engine.distributed.lighthouse import Lighthouse
+    from engine.fault_tolerance.lighthouse import Lighthouse
 
     assert hasattr(ft, "_TorchftBackend"), ray.__version__
     assert hasattr(ft._TorchftBackend, "_maybe_create_lighthouse_actor"), ray.__version__

@@ -16,7 +16,7 @@ must find each other again every time one of them is new. They do it here:
    worker): `init_process_group` over the round's store, shard rank `rank % S`, world S. The
    engine then runs a normal S-rank job on it (the replica's DP=S sharding,
    workers/replicas.py `replica_job`), and torchft's Manager of each rank uses the same store
-   (its group-rank-0 ManagerServer publishes its address there; engine/distributed/replica_quorum.py).
+   (its group-rank-0 ManagerServer publishes its address there; engine/fault_tolerance/replica_quorum.py).
 3. **No silent hang when a peer dies.** A collective of the replica's group fails fast on a
    SIGKILLed peer (gloo: "Connection closed by peer"), but a rank can also wait where no
    collective of this group runs: in torchft's quorum or should_commit (its ManagerServer waits

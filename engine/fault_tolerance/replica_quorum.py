@@ -1,14 +1,14 @@
 """Data-parallel replicas as fault domains (`resilience.on_rank_failure: replace_replica`).
 
 Each replica group runs the engine on its own torch process group (its ranks only: one rank,
-or HSDP's shard group of S ranks, formed by engine/distributed/replica_group.py), and the
+or HSDP's shard group of S ranks, formed by engine/fault_tolerance/replica_group.py), and the
 data-parallel reduction over the replica dimension goes through torchft's managed,
 reconfigurable process group instead of the default group. With S > 1 every rank of a replica
 has a Manager (group rank = its shard rank, world S, the replica's store); each shard rank
 reduces only its own gradient shard, with the same shard rank of the other replicas, heals
 from the same shard rank of a live replica (each rank's snapshot is its own shard state), and
 torchft agrees `should_commit` within the replica. A `torchft.Manager` per replica agrees a
-quorum with the others through the Lighthouse (engine/distributed/lighthouse.py: torchft's, with
+quorum with the others through the Lighthouse (engine/fault_tolerance/lighthouse.py: torchft's, with
 a liveness relay that drops a replica whose process died at once) for every step; a replica
 that died is simply absent from the next quorum (the survivors keep stepping). The quorum is
 asked for at the step's start and answered on torchft's thread while the forward and backward
@@ -42,7 +42,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from engine.distributed.lighthouse import LivenessLink
+from engine.fault_tolerance.lighthouse import LivenessLink
+from engine.fault_tolerance.sync import ReplicaSync
 from engine.jobspec.contract import (
     EVENT_RECOVERED,
     EVENT_REPLICA_LOST,
@@ -52,7 +53,7 @@ from engine.jobspec.contract import (
 )
 
 if TYPE_CHECKING:
-    from engine.distributed.replica_group import ReplicaMembership
+    from engine.fault_tolerance.replica_group import ReplicaMembership
 
 # A replica alone waiting for its peers asks for the quorum again after this long (each ask is a
 # Lighthouse round trip; its peers are starting on the same CPUs).
@@ -94,14 +95,7 @@ class ReplicaState(Protocol):
     def restore_snapshot(self, blob: memoryview) -> int: ...
 
 
-def writes_job_checkpoint(quorum: ReplicaQuorum | None) -> bool:
-    """Whether this rank's group writes the job's persistent checkpoints: always, except under
-    replace_replica, where one replica writes them (the first of the step's quorum: each holds
-    the whole state over its ranks, and two writing one checkpoint would race)."""
-    return quorum is None or quorum.participating_rank == 0
-
-
-class ReplicaQuorum:
+class ReplicaQuorum(ReplicaSync):
     """One replica group's membership in the job's quorum (built by the launcher, driven by the
     Trainer: `attach`, then per step `start_step`, `reduce`, `should_commit`).
 
@@ -127,6 +121,7 @@ class ReplicaQuorum:
         on_lighthouse_lost: Callable[[str], None] | None = None,
         last_progress: Callable[[], int | None] | None = None,
     ):
+        super().__init__()
         self.index, self.count = index, count
         self.group = group
         self.shard_size = group.size if group is not None else 1
@@ -136,7 +131,7 @@ class ReplicaQuorum:
         # peers that have finished and left): asked only until this replica's first commit.
         self.peers_finished = peers_finished
         self.job_done = False
-        # The job's Lighthouse (host:port) and its liveness relay (engine/distributed/lighthouse.py;
+        # The job's Lighthouse (host:port) and its liveness relay (engine/fault_tolerance/lighthouse.py;
         # None: a bare torchft Lighthouse, where a death is noticed by the heartbeat timeout
         # alone), given by the caller: the engine reads no environment for them.
         self.lighthouse_addr = lighthouse_addr
@@ -178,7 +173,7 @@ class ReplicaQuorum:
         from torchft import Manager
         from torchft.checkpointing.pg_transport import PGTransport
 
-        from engine.distributed.quorum_gloo import QuorumGloo
+        from engine.fault_tolerance.quorum_gloo import QuorumGloo
 
         self.trainer = trainer
         self._start_iteration = trainer.iteration
@@ -381,11 +376,32 @@ class ReplicaQuorum:
     def participating_rank(self) -> int | None:
         return self.manager.participating_rank() if self.manager is not None else None
 
+    # ------------------------------------------------------------------ ReplicaSync's answers
+    def data_rank(self, dp_size: int, dp_rank: int) -> tuple[int, int]:
+        """A replica's rank reads as data-parallel rank index * S + its rank of count * S (S: the
+        replica's ranks, its DP group)."""
+        return self.count * dp_size, self.index * dp_size + dp_rank
+
+    @property
+    def across_replicas(self):
+        return self.any_over_replicas
+
+    @property
+    def writes_checkpoint(self) -> bool:
+        """One replica writes the job's persistent checkpoints, the first of the step's quorum:
+        each holds the whole state over its ranks, and two writing one checkpoint would race."""
+        return self.participating_rank == 0
+
+    def step_share(self, global_batch_size: int, dp_size: int) -> tuple[int, int, int]:
+        """A step may average over fewer replicas: the missing replicas' samples are skipped,
+        not re-assigned; the devices are every replica's ranks in the quorum."""
+        return self.replicas, global_batch_size * self.replicas // self.count, self.replicas
+
     @torch.no_grad()
     def reduce(self, grads: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
         """Average the grads (in place) and the loss over the quorum's replicas. `grads`: what
         this rank holds of the reduced gradient (the whole buffers on a one-rank replica; this
-        rank's shard ranges in a replica of several: engine/distributed/replica_group.py's
+        rank's shard ranges in a replica of several: engine/fault_tolerance/replica_group.py's
         `shard_grad_views`), reduced with the same shard rank of every other replica."""
         self._quorum_answered()
         flat = None
