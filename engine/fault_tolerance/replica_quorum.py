@@ -24,7 +24,7 @@ What a step with fewer replicas means: the survivors reduce over their own sampl
 over the quorum's participants); the missing replica's share of that global batch is not
 trained on and not re-assigned, and `consumed_samples` advances by the whole global batch, so
 the data position stays the uninterrupted run's. The step record's `replicas` says how many
-replicas a step averaged over (docs/architecture.md, "Replica groups as fault domains").
+replicas a step averaged over (docs/resilience.md).
 
 A step whose reduction failed (a peer died during it) is not committed: `should_commit()`
 says no on every survivor, the optimizer is not stepped and the step is taken again with the
