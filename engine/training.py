@@ -402,7 +402,7 @@ class Trainer:
         self.meter.start()
         self.phase = "quorum"
         # May heal: iteration and data position are the peer's.
-        if not self.replica_sync.start_step() or self.iteration >= self.spec.training.train_iters:
+        if not self.replica_sync.start_step(self.spec.training.train_iters):
             return None
         self.rerun.follow_iteration(self.iteration)
         self.microbatches.update(self.consumed_samples)

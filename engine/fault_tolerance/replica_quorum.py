@@ -253,10 +253,11 @@ class ReplicaQuorum(ReplicaSync):
         self._healed = self._ever_healed = True
 
     # ------------------------------------------------------------------ per step
-    def start_step(self) -> bool:
+    def start_step(self, train_iters: int) -> bool:
         """Ask for this step's quorum; torchft answers it, and sends or receives a heal, on its
         own thread while the forward and backward run (`reduce` waits for it). False when this
-        replica joined after its peers finished the job (`job_done`): nothing to train."""
+        replica joined after its peers finished the job (`job_done`), or its state is already at
+        `train_iters`: nothing to train."""
         if not self._first_commit and self.peers_finished is not None and self._agreed(self.peers_finished()):
             self.job_done = True
             return False
@@ -286,7 +287,8 @@ class ReplicaQuorum(ReplicaSync):
             self.sits_out = bool(self.manager._healing) or self.waits_for_peers
             if self.waits_for_peers:
                 time.sleep(PEER_WAIT_POLL_S)
-        return True
+        # A heal may have brought the state of a peer that has trained its last step.
+        return self.trainer.iteration < train_iters
 
     def _quorum_answered(self) -> None:
         """The quorum of this step is known: its replicas, and the events its change calls for

@@ -44,8 +44,10 @@ class ReplicaSync:
         """How the rerun state machine ORs its flags over the other replicas (None: none)."""
         return None
 
-    def start_step(self) -> bool:
-        """Join this step's quorum (may heal); False: nothing to train (the job is done)."""
+    def start_step(self, train_iters: int) -> bool:
+        """Join this step's quorum (may heal); False: nothing to train (the job is done, or a
+        heal brought the state of a peer that has trained `train_iters` steps). One replica
+        always trains the step it is asked for."""
         return True
 
     def reduce(self, grads: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:

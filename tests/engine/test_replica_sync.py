@@ -1,0 +1,42 @@
+"""The seam between the Trainer and the job's replicas (engine/fault_tolerance/sync.py): a job of
+one replica answers every question trivially, so the Trainer asks them of every job; a quorum
+of replicas answers them from torchft's agreement (tests/engine/test_replica_quorum.py runs it)."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.fault_tolerance.replica_quorum import ReplicaQuorum
+from engine.fault_tolerance.sync import ReplicaSync
+
+
+def test_one_replica_trains_every_step_it_is_asked_for_and_writes_everything():
+    one = ReplicaSync()
+    # Past train_iters too: the parallel harness trains a saved job on (tests/engine/test_deepseek.py).
+    assert one.start_step(train_iters=4) is True and one.should_commit() is True
+    assert (one.sits_out, one.waits_for_peers, one.job_done) == (False, False, False)
+    assert one.writes_checkpoint and one.writes_logs and one.across_replicas is None
+    assert one.data_rank(4, 3) == (4, 3)
+    assert one.step_share(16, 4) == (4, 16, 1)  # every DP rank, the whole batch, this group's devices
+    loss = torch.tensor(2.5)
+    assert one.reduce([torch.ones(3)], loss) is loss
+
+
+class _Quorum(ReplicaQuorum):
+    """A quorum's answers without torchft: replica `index` of `count`, `replicas` in this step."""
+
+    def __init__(self, index: int, count: int, replicas: int, participating_rank: int) -> None:
+        ReplicaSync.__init__(self)
+        self.index, self.count, self.replicas, self._at = index, count, replicas, participating_rank
+
+    @property
+    def participating_rank(self) -> int:
+        return self._at
+
+
+def test_a_replica_reads_its_share_and_a_step_with_fewer_replicas_trains_fewer_samples():
+    q = _Quorum(index=1, count=3, replicas=2, participating_rank=1)
+    assert q.data_rank(2, 1) == (6, 3)  # DP rank 1 of replica 1's two ranks: rank 3 of 6
+    assert q.step_share(12, 2) == (2, 8, 2)  # two of three replicas trained 8 of the 12 samples
+    assert not q.writes_checkpoint and not q.writes_logs
+    assert _Quorum(0, 3, 3, participating_rank=0).writes_checkpoint
