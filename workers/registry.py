@@ -29,7 +29,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-NAMESPACE = "elastron"
+from workers.snapshots import NAMESPACE  # the job's named actors' one namespace
+
+__all__ = ["NAMESPACE", "JobRegistry", "registry_name"]
 
 
 def registry_name(job_id: str) -> str:

@@ -39,6 +39,8 @@ from typing import Any
 
 log = logging.getLogger(__name__)
 
+# The Ray namespace of a job's named actors: the snapshot holders here, the job registry
+# (workers/registry.py, which takes it from here).
 NAMESPACE = "elastron"
 KEEP = 2
 CALL_TIMEOUT_S = 10.0
