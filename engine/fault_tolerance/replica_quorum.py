@@ -129,8 +129,7 @@ class ReplicaQuorum(ReplicaSync):
         self.timeout_s, self.startup_wait_s = timeout_s, startup_wait_s
         # Whether the job's last step is done (a replacement that started late must not wait for
         # peers that have finished and left): asked only until this replica's first commit.
-        self.peers_finished = peers_finished
-        self.job_done = False
+        self.peers_finished = peers_finished  # (`job_done`, ReplicaSync's, says when it was so)
         # The job's Lighthouse (host:port) and its liveness relay (engine/fault_tolerance/lighthouse.py;
         # None: a bare torchft Lighthouse, where a death is noticed by the heartbeat timeout
         # alone), given by the caller: the engine reads no environment for them.
@@ -162,10 +161,8 @@ class ReplicaQuorum(ReplicaSync):
         self._healed = False  # this step's quorum healed this replica
         self._ever_healed = False  # it took a peer's state before its first commit
         self._start_iteration = 0  # the iteration its own build resumed (0: a fresh start)
-        # No forward and backward in this step (the Trainer asks): it heals in it, or it waits
-        # for its peers (`start_step`).
-        self.sits_out = False
-        self.waits_for_peers = False  # alone before the job's first step: its results are not kept
+        # `sits_out` / `waits_for_peers` (ReplicaSync's, set by `start_step`): this step it heals,
+        # or it is alone before the job's first step and its results are not kept.
 
     # ------------------------------------------------------------------ setup
     def attach(self, trainer: ReplicaState) -> None:
