@@ -48,7 +48,6 @@ from engine.data.builder import build_datasets
 from engine.data.tokenizer import build_tokenizer
 from engine.distributed.finalize_grads import finalize_model_grads
 from engine.evaluation import evaluate
-from engine.fault_tolerance.replica_group import shard_grad_views
 from engine.fault_tolerance.sync import ReplicaSync
 from engine.hf.base_record import LoRABase
 from engine.jobspec import JobSpec, ResolvedJob, resolve_job
@@ -348,7 +347,7 @@ class Trainer:
             self.phase = "grads-finalize"
             self.timers("grads-finalize", 1).start()
             finalize_model_grads(self.ddp_chunks)
-            loss = self.replica_sync.reduce(shard_grad_views(self.ddp_chunks), loss)  # over replicas
+            loss = self.replica_sync.reduce(self.ddp_chunks, loss)  # over replicas
             self.timers("grads-finalize", 1).stop()
             if self.replica_sync.waits_for_peers:
                 continue  # no result: nothing to validate, and nothing kept (not committed)

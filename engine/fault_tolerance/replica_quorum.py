@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from engine.fault_tolerance.lighthouse import LivenessLink
+from engine.fault_tolerance.replica_group import shard_grad_views
 from engine.fault_tolerance.sync import ReplicaSync
 from engine.jobspec.contract import (
     EVENT_RECOVERED,
@@ -397,11 +398,12 @@ class ReplicaQuorum(ReplicaSync):
         return self.replicas, global_batch_size * self.replicas // self.count, self.replicas
 
     @torch.no_grad()
-    def reduce(self, grads: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
-        """Average the grads (in place) and the loss over the quorum's replicas. `grads`: what
-        this rank holds of the reduced gradient (the whole buffers on a one-rank replica; this
-        rank's shard ranges in a replica of several: engine/fault_tolerance/replica_group.py's
-        `shard_grad_views`), reduced with the same shard rank of every other replica."""
+    def reduce(self, ddp_chunks: list, loss: torch.Tensor) -> torch.Tensor:
+        """Average the grads (in place) and the loss over the quorum's replicas: what this rank
+        holds of the reduced gradient (the whole buffers on a one-rank replica; this rank's
+        shard ranges in a replica of several: replica_group.py's `shard_grad_views`), reduced
+        with the same shard rank of every other replica."""
+        grads = shard_grad_views(ddp_chunks)
         self._quorum_answered()
         flat = None
         if len(grads) > 1 and self.shard_size > 1:  # one collective for the shard's ranges

@@ -50,8 +50,9 @@ class ReplicaSync:
         always trains the step it is asked for."""
         return True
 
-    def reduce(self, grads: list[torch.Tensor], loss: torch.Tensor) -> torch.Tensor:
-        """Average the grads (in place) and the loss over the step's replicas."""
+    def reduce(self, ddp_chunks: list, loss: torch.Tensor) -> torch.Tensor:
+        """Average the gradients this rank holds in `ddp_chunks`' buffers (in place) and the loss
+        over the step's replicas. One replica: nothing to do, and nothing gathered to do it."""
         return loss
 
     def should_commit(self) -> bool:
