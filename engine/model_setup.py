@@ -55,10 +55,12 @@ def build_model_chunks(
     vp = p.virtual_pipeline or 1
     num_stages = p.pipeline * vp
     stage_indices = virtual_stages_of(ps.get_pipeline_model_parallel_rank(), p.pipeline, vp)
-    t5 = config.t5 is not None  # encoder | decoder stages (engine/models/t5.py), not a layer split
-    ranges = [(0, None)] * num_stages if t5 else stage_layer_ranges(config.num_layers, num_stages, p.pipeline_layers)
-    chunks = []
     model_class = model_family(spec.model.arch)
+    if model_class.splits_layers_over_stages:
+        ranges = stage_layer_ranges(config.num_layers, num_stages, p.pipeline_layers)
+    else:
+        ranges = [(0, None)] * num_stages
+    chunks = []
     for idx in stage_indices:
         offset, count = ranges[idx]
         with params_on_meta() if deferred else nullcontext():

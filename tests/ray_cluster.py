@@ -15,7 +15,10 @@ A shared cluster is only as good as its clean-up: a test that leaves an actor, a
 or a running Ray job slows or breaks the tests after it in ways that are hard to trace back. So
 every test that uses `ray_cluster` is checked when it ends (`leftovers`): what it started must be
 gone within LEAK_GRACE_S (Ray tears down a finished run's actors asynchronously), or the test
-fails naming what it left, and the leftovers are removed so the next test starts clean.
+fails naming what it left, and the leftovers are removed so the next test starts clean. The
+same holds for the cluster's shape: a test that removes a worker node must add one back (a test
+that fails half-way does not), so the guard puts the two one-CPU worker nodes back and fails a
+test that changed their number; one failed node test no longer fails every Ray test after it.
 """
 
 from __future__ import annotations
@@ -49,6 +52,9 @@ RAY_TEST_ENV = {
     "RAY_JOB_STOP_WAIT_TIME_S": "60",
 }
 
+# The shared cluster's worker nodes: what every Ray test may count on when it starts.
+WORKER_NODES = 2
+WORKER_NODE_ARGS = {"num_cpus": 1}
 # How long a test's actors, placement groups and Ray jobs may take to go after it ends.
 LEAK_GRACE_S = 30.0
 # Detached singletons Ray itself keeps for the cluster's life once something first needs them
@@ -92,8 +98,8 @@ def ray_cluster(tmp_path_factory):
         head = {"num_cpus": 0, "include_dashboard": True, "dashboard_port": free_port()}
         cluster = Cluster(initialize_head=True, head_node_args=head)
         try:
-            for _ in range(2):
-                cluster.add_node(num_cpus=1)
+            for _ in range(WORKER_NODES):
+                cluster.add_node(**WORKER_NODE_ARGS)
             cluster.wait_for_nodes()
             ray.init(address=cluster.address, log_to_driver=False)
             with environment(RAY_ADDRESS=cluster.address):
@@ -192,9 +198,24 @@ def remove(cluster, left: Leftovers) -> None:
             ray.util.remove_placement_group(PlacementGroup(PlacementGroupID(bytes.fromhex(pg))))
 
 
+def restore_worker_nodes(cluster) -> int:
+    """Put the cluster back to WORKER_NODES worker nodes; returns how many were missing (negative:
+    how many were added beyond them)."""
+    nodes = worker_nodes(cluster)
+    missing = WORKER_NODES - len(nodes)
+    for _ in range(missing):
+        cluster.add_node(**WORKER_NODE_ARGS)
+    for extra in nodes[WORKER_NODES:]:
+        cluster.remove_node(extra)
+    if missing:
+        cluster.wait_for_nodes()
+    return missing
+
+
 @pytest.fixture(autouse=True)
 def ray_leak_guard(request):
-    """Fails a test that uses `ray_cluster` and leaves an actor, placement group or Ray job."""
+    """Fails a test that uses `ray_cluster` and leaves an actor, placement group or Ray job, or
+    a different number of worker nodes than it found."""
     if "ray_cluster" not in request.fixturenames:
         yield
         return
@@ -204,4 +225,9 @@ def ray_leak_guard(request):
     left = left_behind(cluster, before)
     if left:
         remove(cluster, left)
-        pytest.fail(f"{request.node.nodeid} left on the shared Ray cluster: {left.describe()}", pytrace=False)
+    missing = restore_worker_nodes(cluster)
+    problems = [left.describe()] if left else []
+    if missing:
+        problems.append(f"{WORKER_NODES - missing} worker nodes instead of {WORKER_NODES} (put back)")
+    if problems:
+        pytest.fail(f"{request.node.nodeid} left on the shared Ray cluster: {'; '.join(problems)}", pytrace=False)

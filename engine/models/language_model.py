@@ -22,6 +22,10 @@ from engine.transformer.config import TransformerConfig
 
 
 class LanguageModel(nn.Module):
+    # Whether pipeline stages split this family's layers (`layer_offset`, `num_layers`); False for
+    # a family whose stages are whole stacks of their own (T5: encoder | decoder).
+    splits_layers_over_stages = True
+
     def __init__(self, config: TransformerConfig, *, pre_process: bool, post_process: bool, layer_offset: int = 0):
         super().__init__()
         self.config = config

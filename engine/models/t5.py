@@ -36,6 +36,8 @@ T5_MODEL_INPUTS = ("decoder_input_ids", "attention_mask")
 
 
 class T5Model(LanguageModel):
+    splits_layers_over_stages = False  # the encoder | decoder stages, each a whole stack
+
     def __init__(
         self,
         config: TransformerConfig,

@@ -1,6 +1,7 @@
 """The shared cluster's leak guard (tests/ray_cluster.py) can fail: an actor, a placement group
 and a Ray job started here and left alive are each named by it, and its clean-up removes them
-(else every test after this one would fail the guard too)."""
+(else every test after this one would fail the guard too); a worker node a test removed and did
+not add back is put back."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import ray
 from ray.job_submission import JobSubmissionClient
 from ray.util.placement_group import placement_group
 
-from tests.ray_cluster import left_behind, leftovers, remove
+from tests.ray_cluster import WORKER_NODES, left_behind, leftovers, remove, restore_worker_nodes, worker_nodes
 from tests.waiting import wait_for
 
 
@@ -38,3 +39,13 @@ def test_an_actor_a_placement_group_and_a_job_left_alive_fail_the_guard(ray_clus
 
     remove(ray_cluster, left)
     assert not left_behind(ray_cluster, before), leftovers(ray_cluster).since(before).describe()
+
+
+def test_a_removed_worker_node_is_put_back(ray_cluster):
+    assert restore_worker_nodes(ray_cluster) == 0  # the shape every Ray test starts from
+    ray_cluster.remove_node(worker_nodes(ray_cluster)[-1], allow_graceful=False)
+    assert len(worker_nodes(ray_cluster)) == WORKER_NODES - 1
+
+    assert restore_worker_nodes(ray_cluster) == 1
+    alive = [n for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU")]
+    assert len(worker_nodes(ray_cluster)) == len(alive) == WORKER_NODES
