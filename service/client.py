@@ -109,6 +109,18 @@ class ApiClient:
     def cancel(self, job_id: str) -> dict[str, Any]:
         return self._call("POST", f"/v1/jobs/{job_id}/cancel").json()
 
+    def submit_sweep(self, spec: dict[str, Any]) -> dict[str, Any]:
+        return self._call("POST", "/v1/sweeps", json=spec).json()
+
+    def sweep(self, sweep_id: str) -> dict[str, Any]:
+        return self._call("GET", f"/v1/sweeps/{sweep_id}").json()
+
+    def sweeps(self) -> dict[str, Any]:
+        return self._call("GET", "/v1/sweeps").json()
+
+    def cancel_sweep(self, sweep_id: str) -> dict[str, Any]:
+        return self._call("POST", f"/v1/sweeps/{sweep_id}/cancel").json()
+
     def events(self, job_id: str, after: int = 0, limit: int = 500) -> dict[str, Any]:
         return self._call("GET", f"/v1/jobs/{job_id}/events", params={"after": after, "limit": limit}).json()
 

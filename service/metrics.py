@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.states import JobState
 from service.store import scheduler_stats
 from service.store import stats as job_stats
-from service.store.models import Job
+from service.store.models import Job, Sweep, SweepTrial
 
 _METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
 # Gauges read from the last metrics record: (metric name, record field, help).
@@ -109,16 +109,17 @@ class JobSeries:
                 )
             ).all()
             scheduler = scheduler_stats.read(s)
+            sweeps = _sweep_counts(s, cutoff)
         counts: dict[str, int] = {}
         queue = []
         for state, tenant, priority, n in groups:
             counts[state] = counts.get(state, 0) + n
             if state == JobState.QUEUED.value:
                 queue.append((tenant, priority, n))
-        return rows, counts, queue, scheduler
+        return rows, counts, queue, scheduler, sweeps
 
     def render(self) -> str:
-        rows, counts, queue, scheduler = self._read()
+        rows, counts, queue, scheduler, sweeps = self._read()
         jobs = _Family("elastron_jobs", "gauge", "Jobs in each state.")
         for state in JobState:
             jobs.add(f'state="{state.value}"', counts.get(state.value, 0))
@@ -278,7 +279,40 @@ class JobSeries:
             step,
             ckpt_save,
         )
-        return "".join(f.text() for f in families) + _scheduler_text(scheduler)
+        return "".join(f.text() for f in families) + _scheduler_text(scheduler) + _sweep_text(*sweeps)
+
+
+def _sweep_counts(s: Session, cutoff: float) -> tuple[list[Any], list[Any]]:
+    """Sweeps per tenant and state, and their trials per tenant and state: the running sweeps and
+    those that ended within the retention (grouped: the size grows with tenants, not trials)."""
+    recent = or_(Sweep.finished_at.is_(None), Sweep.finished_at >= cutoff)
+    sweeps = s.execute(
+        select(Sweep.tenant, Sweep.state, func.count()).where(recent).group_by(Sweep.tenant, Sweep.state)
+    ).all()
+    trials = s.execute(
+        select(Sweep.tenant, SweepTrial.state, func.count())
+        .join(Sweep, Sweep.id == SweepTrial.sweep_id)
+        .where(recent)
+        .group_by(Sweep.tenant, SweepTrial.state)
+    ).all()
+    return sweeps, trials
+
+
+def _sweep_text(sweeps: list[Any], trials: list[Any]) -> str:
+    families = []
+    for name, doc, rows in (
+        ("elastron_sweeps", "Sweeps per tenant and state (running, completed, cancelled, failed).", sweeps),
+        (
+            "elastron_sweep_trials",
+            "Trials of those sweeps per tenant and state (waiting, running, pruning, complete, pruned, failed).",
+            trials,
+        ),
+    ):
+        family = _Family(name, "gauge", doc)
+        for tenant, state, n in rows:
+            family.add(f'state="{_label(state)}",tenant="{_label(tenant)}"', n)
+        families.append(family)
+    return "".join(f.text() for f in families)
 
 
 def _scheduler_text(stats: dict[str, Any]) -> str:

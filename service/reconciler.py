@@ -16,7 +16,9 @@ Every pass (every `reconcile_interval_s`, or sooner when a request nudges it):
    (service/reconcile/launch.py, which also says why a crash at any point of a launch is safe);
 6. checkpoint exports (service/export_runs.py): submit the recorded ones as their own Ray jobs
    with resource requests, poll the unfinished ones and record how they ended.
-Between 4 and 5, retired attempts that Ray never confirmed ended are watched and stopped should
+Between 4 and 5, running sweeps are advanced (service/reconcile/sweeps.py: metrics to the study,
+pruned trials asked to stop, new trials recorded as queued jobs, which step 5 then launches), and
+retired attempts that Ray never confirmed ended are watched and stopped should
 they show up (service/fencing.py: fencing tokens, orphan attempts, lost jobs requeued).
 
 Its own module: the loop's schedule, the order of its steps and what the API reads of it (is Ray
@@ -42,6 +44,7 @@ from service.metrics import SchedulerMetrics
 from service.reconcile.launch import Launching
 from service.reconcile.scheduling_pass import SchedulingPass
 from service.reconcile.stops import GracefulStops
+from service.reconcile.sweeps import SweepTrials
 from service.reconcile.watch import LaunchWatch
 from service.scheduling.lease import SchedulerLease
 from service.scheduling.model import Node
@@ -81,6 +84,7 @@ class Reconciler:
             sessions, settings, self.clock, self._stopping, self.launching, self.stops, metrics
         )
         self.exports = ExportRuns(sessions, launcher, settings, self.clock, self._stopping)
+        self.sweeps = SweepTrials(sessions, launcher, settings, self.clock, self._stopping)
 
     async def run(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -119,6 +123,8 @@ class Reconciler:
                     self.watch.run_pass(on_start=False)
                 self.stops.run_pass()
                 self.orphans.run_pass()
+                if self.lease.held():  # one replica advances sweeps, as one schedules
+                    self.sweeps.run_pass(self.capacity)
                 self._dispatch()
                 self.exports.run_pass()
             except LauncherUnavailable as err:  # Ray went away during the pass: try again later

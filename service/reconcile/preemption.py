@@ -93,3 +93,46 @@ def stopped_as_asked(
     fencing.retire(s, job, fencing.STOPPED, now, watch=False)
     job.submission_id = job.telemetry_token_hash = job.stop_sent_at = job.preempt_requested_at = None
     job.placement = None
+
+
+def record_prune(s: Session, job: Job, reason: str, now: float) -> bool:
+    """Stop a trial its sweep's pruner stopped (service/reconcile/sweeps.py): asked to save its
+    step and stop as a preempted job is (so its last record is its last checkpoint's iteration),
+    then cancelled, not requeued (`stopped_pruned`); one not launched yet is cancelled at once.
+    Its checkpoint stays, so a longer sweep can resume it (`checkpoint.resume_from: job:ID`)."""
+    if job.state in FINAL or job.pruned_at is not None:
+        return False
+    job.pruned_at = now
+    if job.submission_id is None:
+        add_event(s, job, "pruned", f"{reason}; it had not started")
+        transition(s, job, JobState.CANCELLED, f"pruned before launch: {reason}")
+        return True
+    job.preempt_requested_at = now
+    job.preempt_reason = reason
+    add_event(
+        s,
+        job,
+        "pruning",
+        f"{reason}: asking {job.submission_id} to save its step and stop",
+        data={"submission_id": job.submission_id, "iteration": job.current_iteration},
+    )
+    return True
+
+
+def stopped_pruned(s: Session, job: Job, sid: str, status: LaunchStatus) -> None:
+    """A pruned trial's stop is confirmed: cancelled, with the checkpoint it saved."""
+    latest = (job.latest_checkpoint or {}).get("iteration")
+    add_event(
+        s,
+        job,
+        "pruned",
+        f"{sid} stopped ({status}) at iteration {job.current_iteration}, checkpoint of iteration {latest}",
+        data={
+            "submission_id": sid,
+            "launcher_status": str(status),
+            "stopped_at_iteration": job.current_iteration,
+            "checkpoint_iteration": latest,
+        },
+    )
+    transition(s, job, JobState.CANCELLED, f"pruned by its sweep: {job.preempt_reason}", submission_id=sid)
+    job.preempt_requested_at = None

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 from engine.jobspec import contract
 from service import fencing
 from service.launcher import LaunchStatus
-from service.reconcile.preemption import requeue
+from service.reconcile.preemption import requeue, stopped_pruned
 from service.reconcile.resize import stopped_for_resize
 from service.reconcile.step import ReconcileStep
 from service.states import FINAL, JobState
@@ -128,7 +128,10 @@ class LaunchWatch(ReconcileStep):
             # A job that saved its current step and stopped as asked ends "succeeded" short of
             # train_iters; one that really finished meanwhile is done.
             if status != LaunchStatus.SUCCEEDED or (job.current_iteration or 0) < job.train_iters:
-                (stopped_for_resize if job.resize_to else requeue)(s, job, sid, status, self.clock())
+                if job.pruned_at is not None:
+                    stopped_pruned(s, job, sid, status)
+                else:
+                    (stopped_for_resize if job.resize_to else requeue)(s, job, sid, status, self.clock())
                 return
         if status in _STILL_GOING:
             if job.state == JobState.QUEUED:

@@ -8,7 +8,6 @@ are in routers/logs.py.)
 
 from __future__ import annotations
 
-import time
 from typing import Annotated
 
 from fastapi import APIRouter, Body, Header, HTTPException, Query, Response, status
@@ -16,7 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, load_only
 
 from service.deps import Caller, Ctx, DbSession, JobId, VisibleJob, not_found
-from service.scheduling.admission import check_submission, schedule_fields
+from service.new_jobs import record_new_job
 from service.schemas import (
     CheckpointList,
     CheckpointOut,
@@ -29,12 +28,17 @@ from service.schemas import (
     Problem,
 )
 from service.states import JobState
-from service.storage_policy import record_job_roots, roots_for
+from service.storage_policy import roots_for
 from service.store.db import in_transaction
-from service.store.jobs import add_event, create_job, find_by_idempotency_key, get_job, new_job_id, transition
+from service.store.jobs import (
+    find_by_idempotency_key,
+    get_job,
+    new_job_id,
+    request_cancel,
+)
 from service.store.models import Checkpoint, Job, JobEvent, JobMetric
 from service.store.tokens import Principal
-from service.submission import SpecBody, accept_spec, effective_spec, request_hash
+from service.submission import SpecBody, accept_spec, request_hash
 
 router = APIRouter(prefix="/v1/jobs", tags=["jobs"])
 
@@ -129,18 +133,17 @@ def submit_job(
             existing = find_by_idempotency_key(session, caller.tenant, idempotency_key)
             if existing is not None:  # a concurrent retry won the race
                 return _check_replay(existing, digest), True
-        demand = check_submission(session, caller, spec, ctx.reconciler.capacity, ctx.settings)
-        run_spec = effective_spec(spec, job_id=job_id, caller=caller, settings=ctx.settings, session=session)
-        job = create_job(
+        job = record_new_job(
             session,
             job_id=job_id,
-            tenant=caller.tenant,
-            spec=run_spec,
+            caller=caller,
+            spec=spec,
+            roots=roots,
+            settings=ctx.settings,
+            capacity=ctx.reconciler.capacity,
             idempotency_key=idempotency_key,
             request_hash=digest,
         )
-        record_job_roots(session, job_id, caller.tenant, roots)
-        schedule_fields(job, spec, demand, run_spec["checkpoint"]["path"])
         return JobOut.from_row(job), False
 
     out, replayed = in_transaction(ctx.sessions, create)
@@ -266,13 +269,7 @@ def cancel_job(job_id: JobId, ctx: Ctx, caller: Caller, response: Response) -> J
             raise HTTPException(
                 status.HTTP_409_CONFLICT, detail=f"job {job_id} already {job.state}: nothing to cancel"
             )
-        if job.state == JobState.CANCELLED:
-            return JobOut.from_row(job)
-        if job.cancel_requested_at is None:
-            job.cancel_requested_at = time.time()
-            add_event(session, job, "cancel_requested", f"cancel requested with token {caller.token_id}")
-        if job.state == JobState.QUEUED and job.submission_id is None:
-            transition(session, job, JobState.CANCELLED, "cancelled before launch")
+        request_cancel(session, job, f"token {caller.token_id}")
         return JobOut.from_row(job)
 
     out = in_transaction(ctx.sessions, cancel)

@@ -137,3 +137,16 @@ def get_job(session: Session, job_id: str) -> Job | None:
 
 def find_by_idempotency_key(session: Session, tenant: str, key: str) -> Job | None:
     return session.scalar(select(Job).where(Job.tenant == tenant, Job.idempotency_key == key))
+
+
+def request_cancel(session: Session, job: Job, who: str) -> None:
+    """Record a cancel of a job that has not ended: a queued job not yet launched is cancelled at
+    once; a launched one gets a graceful stop from the reconciler (service/reconcile/stops.py) and
+    is cancelled when the launcher confirms it."""
+    if job.state in FINAL:
+        return
+    if job.cancel_requested_at is None:
+        job.cancel_requested_at = time.time()
+        add_event(session, job, "cancel_requested", f"cancel requested by {who}")
+    if job.state == JobState.QUEUED and job.submission_id is None:
+        transition(session, job, JobState.CANCELLED, "cancelled before launch")

@@ -109,6 +109,9 @@ class Job(Base):
     # a preemption is, and is then launched again at once at this size and placement.
     resize_to: Mapped[int | None] = mapped_column(Integer, nullable=True)
     resize_placement: Mapped[dict[str, int] | None] = mapped_column(JSON, nullable=True)
+    # A sweep's pruner stopped this trial (service/reconcile/sweeps.py): asked to save its step and
+    # stop, as a preemption is, and then cancelled rather than requeued.
+    pruned_at: Mapped[float | None] = mapped_column(Float, nullable=True)
     version: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
 
     __mapper_args__ = {"version_id_col": version}
@@ -259,3 +262,48 @@ class SchedulerStats(Base):
     version: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
 
     __mapper_args__ = {"version_id_col": version}
+
+
+class Sweep(Base):
+    """A hyperparameter sweep (service/sweeps/): what was submitted, where it stands, and what it
+    has spent. Its Optuna study is kept beside the store (service/sweeps/study.py); its trials
+    are ordinary jobs, each linked by a `sweep_trials` row."""
+
+    __tablename__ = "sweeps"
+
+    id: Mapped[str] = mapped_column(String(96), primary_key=True)
+    tenant: Mapped[str] = mapped_column(String(64), index=True)
+    # The submitter was an admin: its trials are as unconfined as a job it submitted would be.
+    admin: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
+    name: Mapped[str] = mapped_column(String(64))
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)  # service/sweeps/spec.SweepSpec, as JSON
+    state: Mapped[str] = mapped_column(String(16), index=True)  # running | completed | cancelled | failed
+    created_at: Mapped[float] = mapped_column(Float)
+    updated_at: Mapped[float] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    cancel_requested_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    trials_started: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    gpu_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default=text("0"))  # ended trials'
+    best: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # number, value, params, job_id
+    message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    version: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
+
+    __mapper_args__ = {"version_id_col": version}
+
+
+class SweepTrial(Base):
+    """One trial of a sweep: its Optuna number, the values it runs with, its job (none when the
+    drawn job spec was refused), and what the study was told of it."""
+
+    __tablename__ = "sweep_trials"
+
+    sweep_id: Mapped[str] = mapped_column(ForeignKey("sweeps.id", ondelete="CASCADE"), primary_key=True)
+    number: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str | None] = mapped_column(String(96), nullable=True, index=True)
+    params: Mapped[dict[str, Any]] = mapped_column(JSON)
+    state: Mapped[str] = mapped_column(String(16))  # running | complete | pruned | failed
+    value: Mapped[float | None] = mapped_column(Float, nullable=True)  # the metric it ended on
+    reported_iteration: Mapped[int] = mapped_column(Integer, default=0, server_default=text("0"))
+    created_at: Mapped[float] = mapped_column(Float)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    message: Mapped[str | None] = mapped_column(Text, nullable=True)

@@ -150,6 +150,30 @@ class SweepStudy:
     def failed(self, number: int) -> None:
         self.study.tell(number, state=optuna.trial.TrialState.FAIL)
 
+    def finish(self, number: int, outcome: str, value: float | None = None) -> None:
+        """Tell how trial `number` ended (`complete` with its value, `pruned`, `failed`), once:
+        a trial told already is left as it is (the store's transaction that follows a tell may be
+        retried, and Optuna refuses a second tell)."""
+        study_id = self.storage.get_study_id_from_name(self.study.study_name)
+        trial_id = self.storage.get_trial_id_from_study_id_trial_number(study_id, number)
+        if self.storage.get_trial(trial_id).state.is_finished():
+            return
+        if outcome == "complete":
+            self.complete(number, float(value))
+        elif outcome == "pruned":
+            self.pruned(number)
+        else:
+            self.failed(number)
+
+    def trial_count(self) -> int:
+        return len(self.study.get_trials(deepcopy=False))
+
+    def running_params(self) -> dict[int, dict[str, Any]]:
+        """Trials asked for and not told: their values (a sweep adopts those it has no row for,
+        after a crash between `ask` and recording the trial)."""
+        running = self.study.get_trials(deepcopy=False, states=(optuna.trial.TrialState.RUNNING,))
+        return {t.number: dict(t.params) for t in running}
+
     def states(self) -> dict[int, str]:
         return {t.number: t.state.name.lower() for t in self.study.get_trials(deepcopy=False)}
 

@@ -1,6 +1,7 @@
 // elastron's web UI: the same /v1 API and bearer token as every other client. The token lives
 // in this tab's sessionStorage only. Views are chosen by the URL's hash: #/ (jobs), #/jobs/<id>
-// (one job, refreshed while it runs), #/compare?jobs=a,b,c[&x=iteration|tokens|time], #/queue (waiting jobs and the cluster's use), #/submit. When a view has drawn its data it sets
+// (one job, refreshed while it runs), #/compare?jobs=a,b,c[&x=iteration|tokens|time], #/queue (waiting jobs and the cluster's use), #/submit,
+// #/sweeps and #/sweeps/<id> (sweeps.js). When a view has drawn its data it sets
 // window.elastronReady (ms since navigation start): the browser tests read it.
 "use strict";
 
@@ -459,6 +460,9 @@ function route() {
   view.dataset.compare = "";
   if (hash.startsWith("#/submit")) return showSubmit();
   if (hash.startsWith("#/queue")) return showQueue().catch(showError);
+  const sweep = hash.match(/^#\/sweeps\/([^/?]+)/);
+  if (sweep) return showSweep(decodeURIComponent(sweep[1])).catch(showError);
+  if (hash.startsWith("#/sweeps")) return showSweeps().catch(showError);
   const state = new URLSearchParams(hash.split("?")[1] || "").get("state") || "";
   return showJobs(state).catch(showError);
 }

@@ -155,3 +155,17 @@ def test_an_empty_budget_is_refused_by_the_schema():
         sweep(budget={"max_trials": 0})
     with pytest.raises(ValidationError, match="budget"):
         SweepSpec.model_validate({"base": BASE, "search_space": {}})
+
+
+def test_the_readmes_sweep_file_is_a_sweep_that_can_run():
+    """README.md's example sweep file, checked as the API checks one (no problem)."""
+    from pathlib import Path
+
+    import yaml
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### Hyperparameter sweeps", 1)[1]
+    text = section.split("```yaml\n", 1)[1].split("```", 1)[0]
+    spec = SweepSpec.model_validate(yaml.safe_load(text))
+    assert sweep_problems(spec, parse_job(spec.base)) == []
+    assert spec.pruner.name == "asha" and "optimizer.lr" in spec.search_space
