@@ -14,6 +14,7 @@ namespace.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,7 +139,11 @@ class SweepStudy:
     def report(self, number: int, iteration: int, value: float) -> bool:
         """Record trial `number`'s metric at `iteration`; True when the pruner stops it there."""
         trial = self._running(number)
-        trial.report(value, iteration)
+        with warnings.catch_warnings():
+            # A step reported again (the store's transaction after a report was retried, or the
+            # API stopped between the two): Optuna keeps the first value and warns; nothing to say.
+            warnings.filterwarnings("ignore", message=".*is already reported", category=UserWarning)
+            trial.report(value, iteration)
         return trial.should_prune()
 
     def complete(self, number: int, value: float) -> None:

@@ -81,7 +81,9 @@ def run_to_end(env, job_id: str, scale: float) -> None:
     finish(env, job_id)
 
 
-def test_a_sweep_prunes_a_trial_that_falls_behind_and_ends_on_the_studys_best(env):
+def test_a_sweep_prunes_a_trial_that_falls_behind_and_ends_on_the_studys_best(start_env):
+    # A pruned trial is asked in its telemetry answers first; the stop signal only after the grace.
+    env = start_env(preempt_grace_s=3600.0)
     sweep = submit(env, sweep_body())
     sid = sweep["id"]
     assert sweep["state"] == "running" and sweep["spec"]["pruner"]["max_resource"] == ITERS
