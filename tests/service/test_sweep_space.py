@@ -169,3 +169,20 @@ def test_the_readmes_sweep_file_is_a_sweep_that_can_run():
     spec = SweepSpec.model_validate(yaml.safe_load(text))
     assert sweep_problems(spec, parse_job(spec.base)) == []
     assert spec.pruner.name == "asha" and "optimizer.lr" in spec.search_space
+
+
+def test_the_example_sweep_file_is_a_sweep_that_can_run(tmp_path, monkeypatch):
+    """examples/sweep_lora.yaml, checked as the API checks it, on the model folder the example
+    script writes (its base job reads model.init_from's config.json)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from engine.jobspec.yaml_text import load_yaml
+
+    root = Path(__file__).resolve().parents[2]
+    monkeypatch.chdir(tmp_path)
+    subprocess.run([sys.executable, str(root / "examples" / "make_tiny_hf_model.py")], check=True, capture_output=True)
+    spec = SweepSpec.model_validate(load_yaml((root / "examples" / "sweep_lora.yaml").read_text()))
+    assert sweep_problems(spec, parse_job(spec.base)) == []
+    assert spec.budget.max_trials >= 8 and spec.pruner.name == "asha"
