@@ -301,7 +301,7 @@ def _sweep_counts(s: Session, cutoff: float) -> tuple[list[Any], list[Any]]:
 def _sweep_text(sweeps: list[Any], trials: list[Any]) -> str:
     families = []
     for name, doc, rows in (
-        ("elastron_sweeps", "Sweeps per tenant and state (running, completed, cancelled, failed).", sweeps),
+        ("elastron_sweeps", "Sweeps per tenant and state (running, completed, cancelled).", sweeps),
         (
             "elastron_sweep_trials",
             "Trials of those sweeps per tenant and state (waiting, running, pruning, complete, pruned, failed).",

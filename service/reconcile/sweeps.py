@@ -248,7 +248,7 @@ class SweepTrials(ReconcileStep):
     def _conclude(self, s: Session, sweep_id: str, spec: SweepSpec, study: SweepStudy) -> None:
         sweep = get_sweep(s, sweep_id)
         best = study.best()
-        if best is not None:
+        if best is not None and (sweep.best or {}).get("number") != best.number:
             row = s.get(SweepTrial, (sweep_id, best.number))
             sweep.best = {
                 "number": best.number,

@@ -277,7 +277,7 @@ class Sweep(Base):
     admin: Mapped[bool] = mapped_column(Boolean, default=False, server_default=false())
     name: Mapped[str] = mapped_column(String(64))
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)  # service/sweeps/spec.SweepSpec, as JSON
-    state: Mapped[str] = mapped_column(String(16), index=True)  # running | completed | cancelled | failed
+    state: Mapped[str] = mapped_column(String(16), index=True)  # running | completed | cancelled
     created_at: Mapped[float] = mapped_column(Float)
     updated_at: Mapped[float] = mapped_column(Float)
     finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)

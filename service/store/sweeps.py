@@ -13,8 +13,8 @@ from sqlalchemy.orm import Session
 
 from service.store.models import JobMetric, Sweep, SweepTrial
 
-SWEEP_STATES = ("running", "completed", "cancelled", "failed")
-SWEEP_FINAL = frozenset({"completed", "cancelled", "failed"})
+SWEEP_STATES = ("running", "completed", "cancelled")
+SWEEP_FINAL = frozenset({"completed", "cancelled"})
 TRIAL_ACTIVE = frozenset({"waiting", "running", "pruning"})  # waiting: drawn, its job not made yet
 
 

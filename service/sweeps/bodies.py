@@ -50,7 +50,7 @@ class SweepSummary(BaseModel):
     id: str
     name: str
     tenant: str
-    state: str = Field(description="running | completed | cancelled | failed")
+    state: str = Field(description="running | completed | cancelled")
     metric: dict[str, Any] = Field(description="The metric and its direction.")
     trials_started: int
     gpu_hours: float = Field(description="Rank-hours the ended trials used (a rank is a GPU; one CPU process on CPU).")

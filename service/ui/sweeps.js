@@ -6,7 +6,7 @@
 // when its views run.
 "use strict";
 
-const SWEEP_FINAL = ["completed", "cancelled", "failed"];
+const SWEEP_FINAL = ["completed", "cancelled"];
 
 async function showSweeps() {
   const { sweeps } = await api("/v1/sweeps");
