@@ -167,8 +167,8 @@ def test_the_dispatcher_lists_every_layers_commands_as_before_the_split():
     assert list(typer.main.get_command(app).commands) == [
         "train", "export", "schema", "preprocess", "checkpoint",  # engine/cli.py (checkpoint: the admin's convert)
         "worker-run",  # workers/cli.py
-        # service/cli.py; its command groups (token, jobs: a listing with `jobs export`, tenants) come last
-        "up", "down", "submit", "status", "logs", "cancel", "demo", "queue", "token", "jobs", "tenants",
+        # service/cli.py; its command groups (token, jobs: a listing with `jobs export`, tenants, sweep) come last
+        "up", "down", "submit", "status", "logs", "cancel", "demo", "queue", "token", "jobs", "tenants", "sweep",
     ]  # fmt: skip
 
 
