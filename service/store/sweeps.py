@@ -15,6 +15,7 @@ from service.store.models import JobMetric, Sweep, SweepTrial
 
 SWEEP_STATES = ("running", "completed", "cancelled")
 SWEEP_FINAL = frozenset({"completed", "cancelled"})
+TRIAL_STATES = ("waiting", "running", "pruning", "complete", "pruned", "failed")
 TRIAL_ACTIVE = frozenset({"waiting", "running", "pruning"})  # waiting: drawn, its job not made yet
 
 

@@ -125,9 +125,9 @@ def test_a_sweep_prunes_a_trial_that_falls_behind_and_ends_on_the_studys_best(st
     assert [p[0] for p in history] == list(range(1, ITERS + 1))
 
     exposition = scrape(env)
-    assert 'elastron_sweeps{state="completed",tenant="alice"} 1' in exposition
-    assert 'elastron_sweep_trials{state="pruned",tenant="alice"} 1' in exposition
-    assert 'elastron_sweep_trials{state="complete",tenant="alice"} 3' in exposition
+    assert 'elastron_sweeps{state="completed"} 1' in exposition
+    assert 'elastron_sweep_trials{state="pruned"} 1' in exposition
+    assert 'elastron_sweep_trials{state="complete"} 3' in exposition
 
     with env.client("bob") as c:  # another tenant sees none of it
         assert c.get(f"/v1/sweeps/{sid}").status_code == 404
