@@ -236,3 +236,28 @@ def test_a_sweep_that_cannot_run_is_a_422_naming_the_field(env, over, field):
     assert field in locs, r.json()
     with env.client() as c:
         assert c.get("/v1/sweeps").json()["sweeps"] == []  # nothing recorded
+
+
+def test_the_sweep_commands_submit_show_and_cancel(env, tmp_path):
+    import yaml
+
+    from tests.service.test_cli import cli
+
+    path = tmp_path / "sweep.yaml"
+    path.write_text(yaml.safe_dump(sweep_body(pruner={"name": "none"})))
+    r = cli(env, "sweep", "submit", str(path))
+    assert r.exit_code == 0, r.output
+    sid = r.stdout.split()[1]
+    first, _ = launched_trials(env, sid, 2)
+    run_to_end(env, first["job_id"], 1.0)
+    wait_for(lambda: "best: #0" in cli(env, "sweep", "status", sid).stdout, 30, "the best trial shown")
+    status = cli(env, "sweep", "status", sid).stdout
+    assert f"{sid}  running  loss (min)" in status and "#0   complete" in status and first["job_id"] in status
+    assert sid in cli(env, "sweep", "list").stdout
+    r = cli(env, "sweep", "cancel", sid)
+    assert r.exit_code == 0 and "cancel requested" in r.stdout
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(sweep_body(search_space={"optimizer.lrr": {"type": "float", "low": 1, "high": 2}})))
+    r = cli(env, "sweep", "submit", str(bad))
+    assert r.exit_code == 2 and "search_space.optimizer.lrr" in r.stderr and "no field 'lrr'" in r.stderr
