@@ -34,7 +34,7 @@ from service.scheduling.model import Node
 from service.states import FINAL, JobState
 from service.storage_policy import roots_for
 from service.store.db import in_transaction
-from service.store.jobs import get_job, new_job_id, request_cancel
+from service.store.jobs import add_event, get_job, new_job_id, request_cancel
 from service.store.models import Sweep, SweepTrial
 from service.store.sweeps import TRIAL_ACTIVE, get_sweep, metric_points, trials_of
 from service.store.tokens import Principal
@@ -213,7 +213,7 @@ class SweepTrials(ReconcileStep):
             trial = s.get(SweepTrial, (sweep_id, number))
             if trial.state != "waiting":
                 return
-            record_new_job(
+            job = record_new_job(
                 s,
                 job_id=job_id,
                 caller=principal,
@@ -221,6 +221,13 @@ class SweepTrials(ReconcileStep):
                 roots=roots,
                 settings=self.settings,
                 capacity=capacity,
+            )
+            add_event(
+                s,
+                job,
+                "sweep_trial",
+                f"trial {number} of sweep {sweep_id}",
+                data={"sweep_id": sweep_id, "number": number, "params": params},
             )
             trial.job_id, trial.state, trial.message = job_id, "running", None
             sweep = get_sweep(s, sweep_id)

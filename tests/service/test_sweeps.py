@@ -92,6 +92,9 @@ def test_a_sweep_prunes_a_trial_that_falls_behind_and_ends_on_the_studys_best(st
     job = env.job(first["job_id"], "admin")
     assert job["spec"]["optimizer"]["lr"] == first["params"]["optimizer.lr"]  # the drawn value runs
     assert job["name"] == "lr-t0" and job["tenant"] == "alice"
+    with env.client() as c:  # the job's record links it to its sweep
+        (link,) = [e for e in c.get(f"/v1/jobs/{job['id']}/events").json()["events"] if e["kind"] == "sweep_trial"]
+    assert link["data"] == {"sweep_id": sid, "number": 0, "params": first["params"]}
 
     run_to_end(env, first["job_id"], 1.0)
     wait_for(lambda: trial_state(env, sid, 0) == "complete", 30, "trial 0 complete")
