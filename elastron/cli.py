@@ -3,7 +3,7 @@
 engine/cli.py: train, export, schema, preprocess, checkpoint convert; workers/cli.py: worker-run;
 service/cli.py: up, down, token (create, list, revoke), submit, jobs (and jobs export), status,
 logs, cancel, demo, queue, tenants (set-quota, quota, set-storage, storage), sweep (submit,
-status, list, cancel). This module only puts
+status, list, extend, cancel). This module only puts
 them together; it sits above the layers (the one place allowed to import all three), so that the
 service imports nothing of the engine but the job spec, and nothing of the workers. No torch or
 Ray at import: each command imports what it needs when it runs.

@@ -1,6 +1,6 @@
 """The service's commands: `up`, `down`, `token`, `submit`, `jobs`, `status`, `logs`, `cancel`,
 `demo` (service/cli_jobs.py), `queue` and `tenants` (service/cli_queue.py), `tenants set-storage`
-and `tenants storage` (service/cli_storage.py), `sweep submit|status|list|cancel`
+and `tenants storage` (service/cli_storage.py), `sweep submit|status|list|extend|cancel`
 (service/cli_sweeps.py), composed into
 `elastron` by elastron/cli.py with the engine's and the workers' own commands. Importing this loads no torch and nothing of the engine or workers.
 """

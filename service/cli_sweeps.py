@@ -1,4 +1,4 @@
-"""`elastron sweep submit | status | cancel | list`: hyperparameter sweeps over the API
+"""`elastron sweep submit | status | list | extend | cancel`: hyperparameter sweeps over the API
 (service/routers/sweeps.py). Thin HTTP clients like the job commands (service/cli_jobs.py): a
 sweep file is YAML or JSON (examples/sweep_lora.yaml), validated by the API, whose 422 names each
 bad field."""
@@ -83,3 +83,16 @@ def cancel(sweep_id: Annotated[str, typer.Argument(help="Sweep id.")]) -> None:
     """Stop drawing trials and cancel the running ones."""
     sweep = _api(_client().cancel_sweep, sweep_id)
     typer.echo(f"{sweep['id']}: cancel requested ({sweep['state']} until its trials have stopped)")
+
+
+@sweep_app.command("extend")
+def extend(
+    sweep_id: Annotated[str, typer.Argument(help="Sweep id.")],
+    max_trials: Annotated[int, typer.Option(help="The new trial budget (above the trials run so far).")],
+    resume_pruned: Annotated[
+        bool, typer.Option(help="First continue the pruned trials from their checkpoints, best first.")
+    ] = False,
+) -> None:
+    """Raise a sweep's trial budget (it runs again if it had completed)."""
+    sweep = _api(_client().extend_sweep, sweep_id, max_trials, resume_pruned)
+    typer.echo(f"{sweep['id']}: {sweep['message']} ({sweep['state']})")

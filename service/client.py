@@ -118,6 +118,10 @@ class ApiClient:
     def sweeps(self) -> dict[str, Any]:
         return self._call("GET", "/v1/sweeps").json()
 
+    def extend_sweep(self, sweep_id: str, max_trials: int, resume_pruned: bool) -> dict[str, Any]:
+        body = {"max_trials": max_trials, "resume_pruned": resume_pruned}
+        return self._call("POST", f"/v1/sweeps/{sweep_id}/extend", json=body).json()
+
     def cancel_sweep(self, sweep_id: str) -> dict[str, Any]:
         return self._call("POST", f"/v1/sweeps/{sweep_id}/cancel").json()
 

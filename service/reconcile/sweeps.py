@@ -101,10 +101,29 @@ class SweepTrials(ReconcileStep):
             cancel = sweep.cancel_requested_at is not None
         study = self.study(sweep_id, spec)
         self._adopt(sweep_id, study)
+        self._hand_over_resumes(sweep_id, study)
         in_transaction(self.sessions, lambda s: self._follow_trials(s, sweep_id, spec, study, cancel))
         if not cancel:
             self._draw(sweep_id, spec, study, capacity)
         in_transaction(self.sessions, lambda s: self._conclude(s, sweep_id, spec, study))
+
+    def _hand_over_resumes(self, sweep_id: str, study: SweepStudy) -> None:
+        """An extension's pruned trials to resume, queued in the study (once per job: a crash
+        before the store forgets them hands them over again, which the study ignores)."""
+        with self.sessions() as s:
+            pending = list(get_sweep(s, sweep_id).pending_resumes or [])
+            params = {t.job_id: dict(t.params) for t in trials_of(s, sweep_id) if t.job_id in pending}
+        if not pending:
+            return
+        for job_id in pending:
+            if job_id in params:
+                study.enqueue_resume(params[job_id], job_id)
+
+        def forget(s: Session) -> None:
+            sweep = get_sweep(s, sweep_id)
+            sweep.pending_resumes = [j for j in (sweep.pending_resumes or []) if j not in pending] or None
+
+        in_transaction(self.sessions, forget)
 
     def _adopt(self, sweep_id: str, study: SweepStudy) -> None:
         """Study trials without a row (a crash between `ask` and recording it): recorded now."""
@@ -113,7 +132,7 @@ class SweepTrials(ReconcileStep):
             known = {t.number for t in trials_of(s, sweep_id)}
             for number, params in study.running_params().items():
                 if number not in known:
-                    s.add(_row(sweep_id, number, params, self.clock()))
+                    s.add(_row(sweep_id, number, params, self.clock(), study.resumes(number)))
 
         in_transaction(self.sessions, adopt)
 
@@ -182,8 +201,10 @@ class SweepTrials(ReconcileStep):
             if active >= spec.budget.max_parallel or study.trial_count() >= limit or not budget_left:
                 return
             number, values = study.ask()
+            resumes = study.resumes(number)
             in_transaction(
-                self.sessions, lambda s, n=number, v=values: s.add(_row(sweep_id, n, v, self.clock()))
+                self.sessions,
+                lambda s, n=number, v=values, r=resumes: s.add(_row(sweep_id, n, v, self.clock(), r)),
             )
 
     def _make_job(
@@ -198,10 +219,12 @@ class SweepTrials(ReconcileStep):
         """The job of drawn trial `number`; False when it must wait (a tenant quota is full)."""
         with self.sessions() as s:
             trial = s.get(SweepTrial, (sweep_id, number))
-            params = dict(trial.params)
+            params, resumes = dict(trial.params), trial.resumes_job
             roots = roots_for(self.settings, s, principal)
         body = with_values(spec.base, params)
         body["name"] = trial_job_name(spec.name, number)
+        if resumes is not None:  # continues a pruned trial's job from the checkpoint it saved
+            body["checkpoint"] = {**(body.get("checkpoint") or {}), "resume_from": f"job:{resumes}"}
         try:
             job_spec = accept_spec(body, roots)
         except SpecProblem as err:
@@ -229,7 +252,9 @@ class SweepTrials(ReconcileStep):
                 f"trial {number} of sweep {sweep_id}",
                 data={"sweep_id": sweep_id, "number": number, "params": params},
             )
-            trial.job_id, trial.state, trial.message = job_id, "running", None
+            trial.job_id, trial.state = job_id, "running"
+            if (trial.message or "").startswith("waiting:"):  # the quota that held it back
+                trial.message = None
             sweep = get_sweep(s, sweep_id)
             sweep.trials_started = (sweep.trials_started or 0) + 1
             sweep.updated_at = self.clock()
@@ -280,9 +305,18 @@ class SweepTrials(ReconcileStep):
         sweep.finished_at = sweep.updated_at = now
 
 
-def _row(sweep_id: str, number: int, params: dict[str, Any], now: float) -> SweepTrial:
+def _row(
+    sweep_id: str, number: int, params: dict[str, Any], now: float, resumes: str | None = None
+) -> SweepTrial:
     return SweepTrial(
-        sweep_id=sweep_id, number=number, params=params, state="waiting", reported_iteration=0, created_at=now
+        sweep_id=sweep_id,
+        number=number,
+        params=params,
+        resumes_job=resumes,
+        state="waiting",
+        reported_iteration=0,
+        created_at=now,
+        message=None if resumes is None else f"continues {resumes} from its checkpoint",
     )
 
 

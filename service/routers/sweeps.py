@@ -14,6 +14,7 @@ import time
 from typing import Annotated
 
 from fastapi import APIRouter, Body, HTTPException, Path, Response, status
+from pydantic import BaseModel, ConfigDict, Field
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -26,7 +27,7 @@ from service.store.models import Sweep
 from service.store.sweeps import SWEEP_FINAL, create_sweep, get_sweep, metric_points, new_sweep_id, trials_of
 from service.submission import SpecProblem, accept_spec
 from service.sweeps.bodies import HISTORY_POINTS, SweepList, SweepOut, SweepSummary, TrialOut
-from service.sweeps.spec import SweepSpec, sweep_problems
+from service.sweeps.spec import MAX_TRIALS, SweepSpec, sweep_problems
 
 router = APIRouter(prefix="/v1/sweeps", tags=["sweeps"])
 
@@ -143,5 +144,70 @@ def cancel_sweep(sweep_id: SweepId, ctx: Ctx, caller: Caller) -> SweepOut:
         return _out(session, sweep)
 
     out = in_transaction(ctx.sessions, cancel)
+    ctx.reconciler.nudge()
+    return out
+
+
+class SweepExtension(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    max_trials: int = Field(
+        ge=1, le=MAX_TRIALS, description="The sweep's new trial budget (above its trials so far)."
+    )
+    resume_pruned: bool = Field(
+        False,
+        description="Spend the new trials first on the pruned ones, best first: each a trial with the same values "
+        "that continues the pruned trial's job from the checkpoint it saved when it stopped.",
+    )
+
+
+@router.post(
+    "/{sweep_id}/extend",
+    response_model=SweepOut,
+    responses={
+        **AUTH,
+        **NOT_FOUND,
+        409: {"model": Problem, "description": "The sweep was cancelled."},
+        422: {"model": Problem, "description": "max_trials is not above the trials the sweep has run."},
+    },
+)
+def extend_sweep(
+    sweep_id: SweepId, body: Annotated[SweepExtension, Body()], ctx: Ctx, caller: Caller
+) -> SweepOut:
+    """Raise a running or completed sweep's trial budget; with `resume_pruned`, its pruned trials
+    continue from their checkpoints (best first) before new values are drawn."""
+
+    def extend(session: Session) -> SweepOut:
+        sweep = _visible(session, caller, sweep_id)
+        if sweep.cancel_requested_at is not None or sweep.state == "cancelled":
+            raise HTTPException(
+                status.HTTP_409_CONFLICT, detail=f"sweep {sweep_id} was cancelled: submit a new one"
+            )
+        trials = trials_of(session, sweep_id)
+        if body.max_trials <= len(trials):
+            raise SpecProblem(
+                [
+                    (
+                        "max_trials",
+                        f"max_trials ({body.max_trials}) must be above the {len(trials)} trials sweep {sweep_id} has",
+                    )
+                ]
+            )
+        spec = dict(sweep.spec)
+        spec["budget"] = {**spec["budget"], "max_trials": body.max_trials}
+        if body.resume_pruned:
+            sign = -1 if (spec.get("metric") or {}).get("direction") == "max" else 1
+            pruned = sorted(
+                (t for t in trials if t.state == "pruned" and t.job_id and t.value is not None),
+                key=lambda t: sign * t.value,
+            )
+            room = body.max_trials - len(trials)
+            sweep.pending_resumes = [*(sweep.pending_resumes or []), *(t.job_id for t in pruned[:room])]
+        sweep.spec = spec
+        sweep.state, sweep.finished_at, sweep.updated_at = "running", None, time.time()
+        sweep.message = f"extended to {body.max_trials} trials"
+        return _out(session, sweep)
+
+    out = in_transaction(ctx.sessions, extend)
     ctx.reconciler.nudge()
     return out

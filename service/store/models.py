@@ -286,6 +286,8 @@ class Sweep(Base):
     gpu_seconds: Mapped[float] = mapped_column(Float, default=0.0, server_default=text("0"))  # ended trials'
     best: Mapped[dict[str, Any] | None] = mapped_column(JSON, nullable=True)  # number, value, params, job_id
     message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # An extension asked to resume these pruned trials' jobs (their ids), not yet handed to the study.
+    pending_resumes: Mapped[list[str] | None] = mapped_column(JSON, nullable=True)
     version: Mapped[int] = mapped_column(Integer, nullable=False, default=1)
 
     __mapper_args__ = {"version_id_col": version}
@@ -300,6 +302,8 @@ class SweepTrial(Base):
     sweep_id: Mapped[str] = mapped_column(ForeignKey("sweeps.id", ondelete="CASCADE"), primary_key=True)
     number: Mapped[int] = mapped_column(Integer, primary_key=True)
     job_id: Mapped[str | None] = mapped_column(String(96), nullable=True, index=True)
+    # A pruned trial's job this trial continues from its checkpoint (a sweep extended with resume_pruned).
+    resumes_job: Mapped[str | None] = mapped_column(String(96), nullable=True)
     params: Mapped[dict[str, Any]] = mapped_column(JSON)
     state: Mapped[str] = mapped_column(String(16))  # running | complete | pruned | failed
     value: Mapped[float | None] = mapped_column(Float, nullable=True)  # the metric it ended on

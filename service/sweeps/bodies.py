@@ -21,6 +21,10 @@ class TrialOut(BaseModel):
     job_id: str | None = Field(description="Its job; null when its drawn job spec was refused (see message).")
     state: str = Field(description="waiting | running | pruning | complete | pruned | failed")
     params: dict[str, Any] = Field(description="Job-spec field path -> the value this trial runs with.")
+    resumes_job: str | None = Field(
+        None,
+        description="The pruned trial's job it continues from its checkpoint (an extension's resume_pruned).",
+    )
     value: float | None = Field(description="Its newest value of the sweep's metric.")
     iteration: int = Field(description="The iteration of that value.")
     history: list[tuple[int, float]] = Field(
@@ -37,6 +41,7 @@ class TrialOut(BaseModel):
             job_id=row.job_id,
             state=row.state,
             params=row.params or {},
+            resumes_job=row.resumes_job,
             value=row.value,
             iteration=row.reported_iteration or 0,
             history=history,
@@ -53,8 +58,12 @@ class SweepSummary(BaseModel):
     state: str = Field(description="running | completed | cancelled")
     metric: dict[str, Any] = Field(description="The metric and its direction.")
     trials_started: int
-    gpu_hours: float = Field(description="Rank-hours the ended trials used (a rank is a GPU; one CPU process on CPU).")
-    best: dict[str, Any] | None = Field(description="The best complete trial as the study ranks it: number, value, params, job_id.")
+    gpu_hours: float = Field(
+        description="Rank-hours the ended trials used (a rank is a GPU; one CPU process on CPU)."
+    )
+    best: dict[str, Any] | None = Field(
+        description="The best complete trial as the study ranks it: number, value, params, job_id."
+    )
     message: str | None
     created_at: datetime | None
     finished_at: datetime | None

@@ -26,6 +26,7 @@ from service.sweeps.space import SearchSpace, grid, suggest
 from service.sweeps.spec import MAX_TRIALS, SweepSpec
 
 STUDY_SCHEMA = "elastron_optuna"
+RESUMES = "elastron_resumes_job"  # a trial's user attribute: the pruned trial's job it continues
 _DIRECTIONS = {"min": "minimize", "max": "maximize"}
 
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # a line per trial is the service's to log
@@ -170,8 +171,24 @@ class SweepStudy:
         else:
             self.failed(number)
 
+    def enqueue_resume(self, params: dict[str, Any], job_id: str) -> bool:
+        """Queue a trial with a pruned trial's values that continues its job (`resumes`), once per
+        job: False when one was queued for it already (an extension handed over twice)."""
+        if job_id in {t.user_attrs.get(RESUMES) for t in self.study.get_trials(deepcopy=False)}:
+            return False
+        self.study.enqueue_trial(params, user_attrs={RESUMES: job_id}, skip_if_exists=False)
+        return True
+
+    def resumes(self, number: int) -> str | None:
+        """The pruned trial's job trial `number` continues, if it was queued by `enqueue_resume`."""
+        study_id = self.storage.get_study_id_from_name(self.study.study_name)
+        trial = self.storage.get_trial(self.storage.get_trial_id_from_study_id_trial_number(study_id, number))
+        return trial.user_attrs.get(RESUMES)
+
     def trial_count(self) -> int:
-        return len(self.study.get_trials(deepcopy=False))
+        """Trials asked for (a trial queued by `enqueue_resume` counts once it is asked)."""
+        waiting = optuna.trial.TrialState.WAITING
+        return sum(1 for t in self.study.get_trials(deepcopy=False) if t.state != waiting)
 
     def running_params(self) -> dict[int, dict[str, Any]]:
         """Trials asked for and not told: their values (a sweep adopts those it has no row for,

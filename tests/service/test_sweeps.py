@@ -264,3 +264,32 @@ def test_the_sweep_commands_submit_show_and_cancel(env, tmp_path):
     bad.write_text(yaml.safe_dump(sweep_body(search_space={"optimizer.lrr": {"type": "float", "low": 1, "high": 2}})))
     r = cli(env, "sweep", "submit", str(bad))
     assert r.exit_code == 2 and "search_space.optimizer.lrr" in r.stderr and "no field 'lrr'" in r.stderr
+
+
+def test_an_extended_sweep_continues_its_pruned_trial_from_its_checkpoint(start_env):
+    env = start_env(preempt_grace_s=3600.0)
+    sid = submit(env, sweep_body(budget={"max_trials": 2, "max_parallel": 2}))["id"]
+    first, second = launched_trials(env, sid, 2)
+    run_to_end(env, first["job_id"], 1.0)
+    wait_for(lambda: trial_state(env, sid, 0) == "complete", 30, "trial 0 complete")
+    report(env, second["job_id"], [10.0])
+    wait_for(lambda: trial_state(env, sid, 1) == "pruning", 30, "trial 1 pruned")
+    finish(env, second["job_id"])
+    wait_for(lambda: get(env, sid)["state"] == "completed", 30, "the sweep completed")
+
+    with env.client() as c:
+        assert c.post(f"/v1/sweeps/{sid}/extend", json={"max_trials": 2}).status_code == 422  # not above 2
+        r = c.post(f"/v1/sweeps/{sid}/extend", json={"max_trials": 3, "resume_pruned": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["state"] == "running" and r.json()["spec"]["budget"]["max_trials"] == 3
+    resumed = next(t for t in launched_trials(env, sid, 3) if t["number"] == 2)
+    assert resumed["params"] == second["params"] and resumed["resumes_job"] == second["job_id"]
+    spec = env.job(resumed["job_id"], "admin")["spec"]
+    assert second["job_id"] in spec["checkpoint"]["resume_from"]  # job:<id> resolved to where it saved
+    run_to_end(env, resumed["job_id"], 0.5)
+    done = wait_for(lambda: (s := get(env, sid))["state"] == "completed" and s, 30, "the extended sweep completed")
+    assert [t["state"] for t in done["trials"]] == ["complete", "pruned", "complete"]
+    assert done["best"]["number"] == 2
+    with env.client() as c:
+        assert c.post(f"/v1/sweeps/{sid}/cancel").status_code == 409  # completed
+        assert c.post("/v1/sweeps/nope/extend", json={"max_trials": 9}).status_code == 404

@@ -37,6 +37,7 @@ def upgrade() -> None:
         sa.Column("gpu_seconds", sa.Float(), nullable=False, server_default=sa.text("0")),
         sa.Column("best", sa.JSON(), nullable=True),
         sa.Column("message", sa.Text(), nullable=True),
+        sa.Column("pending_resumes", sa.JSON(), nullable=True),
         sa.Column("version", sa.Integer(), nullable=False),
     )
     op.create_index("ix_sweeps_tenant", "sweeps", ["tenant"])
@@ -46,6 +47,7 @@ def upgrade() -> None:
         sa.Column("sweep_id", sa.String(96), sa.ForeignKey("sweeps.id", ondelete="CASCADE"), primary_key=True),
         sa.Column("number", sa.Integer(), primary_key=True),
         sa.Column("job_id", sa.String(96), nullable=True),
+        sa.Column("resumes_job", sa.String(96), nullable=True),
         sa.Column("params", sa.JSON(), nullable=False),
         sa.Column("state", sa.String(16), nullable=False),
         sa.Column("value", sa.Float(), nullable=True),
