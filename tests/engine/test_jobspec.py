@@ -687,6 +687,7 @@ def test_examples_load():
         "finetune_lora.yaml",
         "gpt2_small_dp.yaml",
         "llama_tiny_tp2.yaml",
+        "sweep_lora.yaml",  # a sweep file, not a job: tests/service/test_sweep_space.py checks it
         "t5_tiny.yaml",  # checked by test_t5_example.py
     ]
 
