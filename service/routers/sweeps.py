@@ -52,7 +52,9 @@ def _visible(session: Session, caller, sweep_id: str) -> Sweep:
 def _out(session: Session, sweep: Sweep) -> SweepOut:
     metric = (sweep.spec.get("metric") or {}).get("name", "valid_loss")
     trials = [
-        TrialOut.from_row(t, metric_points(session, t.job_id, metric)[-HISTORY_POINTS:] if t.job_id else [])
+        TrialOut.from_row(
+            t, metric_points(session, t.job_id, metric, limit=HISTORY_POINTS, newest=True) if t.job_id else []
+        )
         for t in trials_of(session, sweep.id)
     ]
     return SweepOut(**SweepSummary.fields_of(sweep), spec=sweep.spec, trials=trials)

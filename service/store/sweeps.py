@@ -53,16 +53,20 @@ def trials_of(session: Session, sweep_id: str) -> list[SweepTrial]:
 
 
 def metric_points(
-    session: Session, job_id: str, metric: str, after: int = 0, limit: int = 10_000
+    session: Session, job_id: str, metric: str, after: int = 0, limit: int = 10_000, newest: bool = False
 ) -> list[tuple[int, float]]:
     """(iteration, value) of `metric` in the job's stored records after iteration `after`, in
-    order; records without a finite value of it are skipped."""
+    order: the first `limit` records, or with `newest` the last `limit`; records without a finite
+    value of it are skipped."""
+    order = JobMetric.iteration.desc() if newest else JobMetric.iteration
     rows = session.execute(
         select(JobMetric.iteration, JobMetric.record)
         .where(JobMetric.job_id == job_id, JobMetric.iteration > after)
-        .order_by(JobMetric.iteration)
+        .order_by(order)
         .limit(limit)
     ).all()
+    if newest:
+        rows.reverse()
     out = []
     for iteration, record in rows:
         value = (record or {}).get(metric)

@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from typing import Any
 
 from pydantic import BaseModel, Field
 
+from service.schemas import _time  # stored unix time -> datetime, None for one out of range
 from service.store.models import Sweep, SweepTrial
 
 HISTORY_POINTS = 200  # per trial in a sweep's page: the newest ones
-
-
-def _time(ts: float | None) -> datetime | None:
-    return None if ts is None else datetime.fromtimestamp(ts, UTC)
 
 
 class TrialOut(BaseModel):

@@ -15,6 +15,7 @@ only says what to draw and where it goes.
 
 from __future__ import annotations
 
+import copy
 import types
 import typing
 from typing import Annotated, Any, Literal, Union
@@ -93,7 +94,7 @@ def field_problem(path: str) -> str | None:
 def with_values(base: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
     """A copy of the job spec dict `base` with each path in `values` set (sections made as needed:
     varying `model.lora.rank` in a base job without LoRA gives it LoRA's defaults and that rank)."""
-    out = _copy(base)
+    out = copy.deepcopy(base)
     for path, value in values.items():
         *sections, name = path.split(".")
         node = out
@@ -104,14 +105,6 @@ def with_values(base: dict[str, Any], values: dict[str, Any]) -> dict[str, Any]:
             node = child
         node[name] = value
     return out
-
-
-def _copy(data: Any) -> Any:
-    if isinstance(data, dict):
-        return {k: _copy(v) for k, v in data.items()}
-    if isinstance(data, list):
-        return [_copy(v) for v in data]
-    return data
 
 
 def _range_problems(key: str, p: FloatRange | IntRange) -> list[tuple[str, str]]:

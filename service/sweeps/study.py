@@ -129,13 +129,14 @@ class SweepStudy:
         trial = self.study.ask()
         return trial.number, suggest(trial, self.space)
 
-    def _running(self, number: int) -> optuna.Trial:
-        """Trial `number` as a live `optuna.Trial`, from storage (the API that asked for it may have
-        restarted since): the storage calls are Optuna's public storage interface."""
+    def _trial_id(self, number: int) -> int:
+        """Trial `number`'s id in storage (Optuna's public storage interface): the API that asked
+        for it may have restarted since."""
         study_id = self.storage.get_study_id_from_name(self.study.study_name)
-        return optuna.Trial(
-            self.study, self.storage.get_trial_id_from_study_id_trial_number(study_id, number)
-        )
+        return self.storage.get_trial_id_from_study_id_trial_number(study_id, number)
+
+    def _running(self, number: int) -> optuna.Trial:
+        return optuna.Trial(self.study, self._trial_id(number))
 
     def report(self, number: int, iteration: int, value: float) -> bool:
         """Record trial `number`'s metric at `iteration`; True when the pruner stops it there."""
@@ -160,9 +161,7 @@ class SweepStudy:
         """Tell how trial `number` ended (`complete` with its value, `pruned`, `failed`), once:
         a trial told already is left as it is (the store's transaction that follows a tell may be
         retried, and Optuna refuses a second tell)."""
-        study_id = self.storage.get_study_id_from_name(self.study.study_name)
-        trial_id = self.storage.get_trial_id_from_study_id_trial_number(study_id, number)
-        if self.storage.get_trial(trial_id).state.is_finished():
+        if self.storage.get_trial(self._trial_id(number)).state.is_finished():
             return
         if outcome == "complete":
             self.complete(number, float(value))
@@ -181,9 +180,7 @@ class SweepStudy:
 
     def resumes(self, number: int) -> str | None:
         """The pruned trial's job trial `number` continues, if it was queued by `enqueue_resume`."""
-        study_id = self.storage.get_study_id_from_name(self.study.study_name)
-        trial = self.storage.get_trial(self.storage.get_trial_id_from_study_id_trial_number(study_id, number))
-        return trial.user_attrs.get(RESUMES)
+        return self.storage.get_trial(self._trial_id(number)).user_attrs.get(RESUMES)
 
     def trial_count(self) -> int:
         """Trials asked for (a trial queued by `enqueue_resume` counts once it is asked)."""
