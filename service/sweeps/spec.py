@@ -70,7 +70,9 @@ def sweep_problems(spec: SweepSpec, base: JobSpec) -> list[tuple[str, str]]:
     validated (`base`: the service checks `spec.base` as it checks a job submission, storage
     confinement first): fields and values the job spec refuses, a metric the base job never
     reports, a grid that is not one, a pruner's resources past the trial's length."""
-    problems = space_problems(spec.base, spec.search_space)
+    # Probed in the accepted base: it carries model.init_from's config already (and its digest),
+    # so no probe reads that config.json again (up to 16 x 64 reads, S3 too, on the request path).
+    problems = space_problems(base.model_dump(mode="json"), spec.search_space)
     space_ok = not problems
     if spec.metric.name == "valid_loss" and base.training.eval_interval is None:
         problems.append(

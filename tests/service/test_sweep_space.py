@@ -184,5 +184,12 @@ def test_the_example_sweep_file_is_a_sweep_that_can_run(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     subprocess.run([sys.executable, str(root / "examples" / "make_tiny_hf_model.py")], check=True, capture_output=True)
     spec = SweepSpec.model_validate(load_yaml((root / "examples" / "sweep_lora.yaml").read_text()))
-    assert sweep_problems(spec, parse_job(spec.base)) == []
+    base = parse_job(spec.base)  # reads model.init_from's config.json, once
+    from engine.jobspec import hf_config
+
+    reads = []
+    real = hf_config.load_hf_config
+    monkeypatch.setattr(hf_config, "load_hf_config", lambda folder: reads.append(folder) or real(folder))
+    assert sweep_problems(spec, base) == []
+    assert reads == []  # the probes of 2 bounds and 3 choices read no config again
     assert spec.budget.max_trials >= 8 and spec.pruner.name == "asha"
