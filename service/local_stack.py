@@ -9,6 +9,9 @@ Everything lives under ELASTRON_HOME (default ~/.elastron):
 
 The Ray head runs as `ray start --head --block` under our own pid, so `down` stops exactly the
 processes `up` started (never `ray stop`, which would stop every Ray cluster on the machine).
+`down` sends it SIGTERM, which Ray's node handles itself (its processes stopped gracefully, as
+atexit would), not SIGINT: a head started from a background shell inherits SIGINT ignored, and
+then sat out `down`'s whole wait before being killed (60 s in every CI run).
 All of Ray's ports are picked free, so this head coexists with other local clusters. The head
 gets RAY_JOB_STOP_SIGNAL=SIGINT (a cancelled job's driver gets the signal Ray Train handles
 gracefully) and this Python's bin directory first on PATH (so the entrypoint `elastron
@@ -160,6 +163,9 @@ def start_ray_head(
         # checkpoint's commit: give a cancelled job time to finish cleanly.
         RAY_JOB_STOP_WAIT_TIME_S=env.get("RAY_JOB_STOP_WAIT_TIME_S", "60"),
         RAY_USAGE_STATS_ENABLED="0",
+        # On SIGTERM (`down`) Ray first drains the node for Ray Serve, 30 s by default; nothing
+        # here serves traffic, and the jobs' own graceful stop is the SIGINT each driver gets.
+        RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=env.get("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0"),
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
     )
     home.mkdir(parents=True, exist_ok=True)
@@ -184,23 +190,25 @@ def wait_for_ray(
         time.sleep(0.5)
 
 
-def stop_process(pid: int, sig: int, timeout_s: float = 30.0) -> None:
-    """Signal `pid`, wait for it to exit, then kill its whole session (it leads one: start_new_session)."""
+def stop_process(pid: int, sig: int, timeout_s: float = 30.0) -> bool:
+    """Signal `pid`, wait for it to exit, then kill its whole session (it leads one:
+    start_new_session). True when it exited on the signal, False when it had to be killed."""
     try:
         os.kill(pid, sig)
     except ProcessLookupError:
-        return
+        return True
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
             os.kill(pid, 0)
         except ProcessLookupError:
-            return
+            return True
         time.sleep(0.2)
     try:
         os.killpg(pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
+    return False
 
 
 def _ensure_token(settings: Settings, echo: Echo) -> None:
@@ -308,12 +316,15 @@ def down(settings: Settings, echo: Echo = print) -> bool:
     api_pid = _alive(home / "api.pid", "service.app:create_app")
     if api_pid is not None:
         echo(f"stopping the API (pid {api_pid}); running jobs keep running on Ray while Ray is up")
-        stop_process(api_pid, signal.SIGTERM)
+        if not stop_process(api_pid, signal.SIGTERM):
+            echo("the API did not stop within 30 s of SIGTERM: killed it")
         stopped = True
     ray_pid = _alive(home / "ray.pid", "ray")
     if ray_pid is not None:
         echo(f"stopping the Ray head (pid {ray_pid}) and its jobs")
-        stop_process(ray_pid, signal.SIGINT, timeout_s=60)  # --block: SIGINT shuts its processes down
+        # Ray's own SIGTERM handler stops its processes (and the jobs' drivers, with SIGINT).
+        if not stop_process(ray_pid, signal.SIGTERM, timeout_s=60):
+            echo("the Ray head did not stop within 60 s of SIGTERM: killed its processes")
         stopped = True
     for name in ("api.pid", "ray.pid", "api_url"):
         (home / name).unlink(missing_ok=True)

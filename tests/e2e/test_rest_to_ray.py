@@ -41,6 +41,7 @@ def stack(tmp_path_factory):
     finally:
         down = run("down")
         assert down.returncode == 0, down.stdout + down.stderr
+        assert "killed" not in down.stdout, down.stdout  # stopped by its signal, not after a wait
 
 
 def test_job_over_rest_trains_on_ray_checkpoints_and_shows_on_metrics(stack):

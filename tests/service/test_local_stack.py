@@ -75,7 +75,13 @@ def stack(tmp_path_factory):
         FAKE_WORKER_PAUSE_AT="2",
     )
     cwd = Path(__file__).resolve().parents[2]
-    up = subprocess.run([*ELASTRON, "up"], env=env, capture_output=True, text=True, timeout=300, cwd=cwd)
+    # `up` as a background shell starts it (nohup, `&` in a script, CI): SIGINT ignored, which
+    # its Ray head inherits; `down` must still stop the head by its signal, not by the kill after
+    # its 60 s wait (issue 52: every CI run's two stack teardowns sat out that wait).
+    in_background = ["bash", "-c", 'trap "" INT; exec "$@"', "up"]
+    up = subprocess.run(
+        [*in_background, *ELASTRON, "up"], env=env, capture_output=True, text=True, timeout=300, cwd=cwd
+    )
     pids = [int((home / f).read_text()) for f in ("api.pid", "ray.pid") if (home / f).exists()]
     try:
         assert up.returncode == 0, up.stdout + up.stderr
@@ -96,6 +102,7 @@ def stack(tmp_path_factory):
             [*ELASTRON, "down"], env=env, capture_output=True, text=True, timeout=180, cwd=cwd
         )
         assert down.returncode == 0, down.stdout + down.stderr
+        assert "killed" not in down.stdout, down.stdout
         for pid in pids:
             assert wait_for(lambda pid=pid: not _pid_alive(pid), 60, f"pid {pid} to exit")
 
