@@ -46,6 +46,9 @@ RAY_TEST_ENV = {
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     "RAY_TRAIN_METRICS_ENABLED": "0",
     "RAY_DEDUP_LOGS": "0",
+    # Each node's dashboard agent publishes its physical stats (psutil over every process) every
+    # 5 s by default; nothing here reads them (the service reads nodes from the GCS's State API).
+    "REPORTER_UPDATE_INTERVAL_MS": "60000",
     # Ray Jobs: stop a job with SIGINT (Ray Train's graceful abort) and give it time to finish
     # (the default 3 s before SIGKILL is shorter than an abort).
     "RAY_JOB_STOP_SIGNAL": "SIGINT",
@@ -54,7 +57,12 @@ RAY_TEST_ENV = {
 
 # The shared cluster's worker nodes: what every Ray test may count on when it starts.
 WORKER_NODES = 2
-WORKER_NODE_ARGS = {"num_cpus": 1}
+# No log monitor: it tails every worker's log file for drivers that print them, and over a
+# session of some 500 worker processes it used 39 CPU-s of the workers tests' ~1,600; the tests
+# read the ranks through telemetry and the drivers' own output through Ray Jobs, neither of which
+# goes through it.
+NODE_ARGS = {"include_log_monitor": False}
+WORKER_NODE_ARGS = {"num_cpus": 1, **NODE_ARGS}
 # How long a test's actors, placement groups and Ray jobs may take to go after it ends.
 LEAK_GRACE_S = 30.0
 # Detached singletons Ray itself keeps for the cluster's life once something first needs them
@@ -95,7 +103,7 @@ def ray_cluster(tmp_path_factory):
     with private_ray_env(tmp_path_factory.mktemp("ray")):
         # The dashboard on a free port: Ray's fixed 8265 fails the whole fixture while another
         # run on this machine (a second checkout's tests, a bench) holds it.
-        head = {"num_cpus": 0, "include_dashboard": True, "dashboard_port": free_port()}
+        head = {"num_cpus": 0, "include_dashboard": True, "dashboard_port": free_port(), **NODE_ARGS}
         cluster = Cluster(initialize_head=True, head_node_args=head)
         try:
             for _ in range(WORKER_NODES):

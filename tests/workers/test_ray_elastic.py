@@ -20,7 +20,7 @@ from ray.job_submission import JobStatus, JobSubmissionClient
 from engine.checkpointing.backends import open_storage
 from engine.checkpointing.commit import committed_iterations, latest_checkpoint
 from tests.environ import environment
-from tests.ray_cluster import worker_nodes
+from tests.ray_cluster import WORKER_NODE_ARGS, worker_nodes
 from tests.waiting import wait_for
 from tests.workers.conftest import job
 from tests.workers.ray_helpers import (
@@ -113,7 +113,7 @@ def test_elastic_job_shrinks_when_a_node_goes_and_grows_back_then_cancels(ray_cl
         small = wait_for(
             lambda: len(records_after(shrunk)) >= 3 and records_after(shrunk), what="1-rank steps"
         )
-        c.add_node(num_cpus=1)  # the node comes back
+        c.add_node(**WORKER_NODE_ARGS)  # the node comes back
 
         regrown = wait_for(lambda: alive("growing")() and started(2)[1:], what="the job on 2 ranks again")[0]
         wait_for(lambda: len(records_after(regrown)) >= 3, what="2-rank steps after growing back")

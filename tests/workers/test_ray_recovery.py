@@ -20,7 +20,7 @@ import threading
 
 import pytest
 
-from tests.ray_cluster import worker_nodes
+from tests.ray_cluster import WORKER_NODE_ARGS, worker_nodes
 from tests.waiting import wait_for
 from tests.workers.conftest import job
 from tests.workers.ray_helpers import elastron_train, run
@@ -151,7 +151,7 @@ def test_a_lost_node_resumes_from_the_replica_on_the_other_node(ray_cluster, tel
     wait_for(lambda: replica_of_rank_1() >= 9, what="rank 1's replica of iteration 9")
     node = next(n for n in worker_nodes(ray_cluster) if n.node_id == victim["node_id"])
     ray_cluster.remove_node(node, allow_graceful=False)
-    ray_cluster.add_node(num_cpus=1)  # a fresh node (no snapshots) for the restarted rank
+    ray_cluster.add_node(**WORKER_NODE_ARGS)  # a fresh node (no snapshots) for the restarted rank
     driver.join(timeout=300)
     result = outcome.get("result")
     assert result is not None and result.exit_code == 0, result

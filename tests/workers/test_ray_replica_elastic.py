@@ -27,7 +27,7 @@ import threading
 import time
 
 from tests.environ import environment
-from tests.ray_cluster import worker_nodes
+from tests.ray_cluster import WORKER_NODE_ARGS, worker_nodes
 from tests.waiting import wait_for
 from tests.workers.conftest import job
 from tests.workers.ray_helpers import ray_train_leftovers, run
@@ -105,7 +105,7 @@ def test_replicas_shrink_with_a_lost_node_grow_back_and_replace_one(ray_cluster,
         )
         # 2. The node comes back: the job grows to 2 replicas.
         seen["added_at"] = added_at = time.time()
-        c.add_node(num_cpus=1)
+        c.add_node(**WORKER_NODE_ARGS)
         grown = wait_for(
             lambda: alive("growing") and _both(_started(telemetry, job_id, added_at)), 120, "2 replicas again"
         )
@@ -135,7 +135,7 @@ def test_replicas_shrink_with_a_lost_node_grow_back_and_replace_one(ray_cluster,
         telemetry.ack = {}
         # The shared cluster goes back to two worker nodes for the next tests.
         while len(worker_nodes(c)) < 2:
-            c.add_node(num_cpus=1)
+            c.add_node(**WORKER_NODE_ARGS)
     assert "result" in done, done
     result = done["result"]
     assert result.exit_code == 0, result.reason

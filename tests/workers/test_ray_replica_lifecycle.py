@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 
-from tests.ray_cluster import worker_nodes
+from tests.ray_cluster import WORKER_NODE_ARGS, worker_nodes
 from tests.waiting import wait_for
 from tests.workers.conftest import job
 from tests.workers.ray_helpers import run
@@ -57,7 +57,7 @@ def test_replicas_through_a_lost_node_a_double_failure_and_a_preemption(ray_clus
     groups for the replicas."""
     c = ray_cluster
     job_id = "ft-lifecycle"
-    spare = c.add_node(num_cpus=1)
+    spare = c.add_node(**WORKER_NODE_ARGS)
     c.wait_for_nodes()
     seen: dict = {}
 
