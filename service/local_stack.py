@@ -322,7 +322,7 @@ def down(settings: Settings, echo: Echo = print) -> bool:
     ray_pid = _alive(home / "ray.pid", "ray")
     if ray_pid is not None:
         echo(f"stopping the Ray head (pid {ray_pid}) and its jobs")
-        # Ray's own SIGTERM handler stops its processes (and the jobs' drivers, with SIGINT).
+        # Ray's own SIGTERM handler stops its processes (SIGTERM to each, then a kill).
         if not stop_process(ray_pid, signal.SIGTERM, timeout_s=60):
             echo("the Ray head did not stop within 60 s of SIGTERM: killed its processes")
         stopped = True
