@@ -83,6 +83,9 @@ def test_the_api_killed_between_recording_and_launching(start_env, tmp_path):  #
             events = c.get(f"/v1/jobs/{job_id}/events").json()["events"]
     finally:
         dying.kill_all()
+        # The restarted API is not start_env's (that one stops the first): stopped here, or its
+        # reconciler ran on until the interpreter's exit, logging a failed pass per tick.
+        env.server.stop()
     launched = sorted(p.name for p in (tmp_path / "launches").iterdir())
     assert launched == [f"elastron-{job_id}-2"], launched  # the lost launch never ran; one did
     assert done["attempt"] == 2 and [e["kind"] for e in events].count("launch") == 2
