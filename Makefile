@@ -47,8 +47,9 @@ tools:
 	@bash deploy/tools/install-tools.sh >/dev/null || echo "deploy/tools/install-tools.sh failed: the tests that need its tools will skip"
 
 # TEST_WORKERS=2: two pytest-xdist workers, the Ray tests (one group, one shared cluster:
-# tests/conftest.py) on one, everything else on both (~33-40 min instead of ~50 on 2 cores, but
-# not yet green there: the Ray tests overrun their waits when they share the 2 cores; issue 52).
+# tests/conftest.py) on one, everything else on both. For machines with cores to spare: on 2
+# cores the suite is CPU-bound (~80 % busy in one process), and two workers took longer than one
+# (2394 s against 2252 s) with Ray tests overrunning their waits (issue 52).
 # The default, 0, runs the suite in this one process.
 TEST_WORKERS ?= 0
 test: $(STAMP) browser postgres tools
