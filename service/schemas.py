@@ -18,7 +18,7 @@ from service.store.telemetry import number
 log = logging.getLogger(__name__)
 
 
-def _time(ts: float | None) -> datetime | None:
+def stored_time(ts: float | None) -> datetime | None:
     """A stored unix time as a datetime; None (and a log line) for one no datetime can hold, which
     rows written before telemetry was bounded may carry: a bad row must not make a job unreadable."""
     if ts is None:
@@ -52,7 +52,7 @@ class CheckpointOut(BaseModel):
             bytes=row.bytes,
             seconds=row.seconds,
             result=row.result,
-            time=_time(row.ts),
+            time=stored_time(row.ts),
         )
 
     @classmethod
@@ -64,7 +64,7 @@ class CheckpointOut(BaseModel):
             uri=latest.get("uri"),
             bytes=latest.get("bytes"),
             seconds=latest.get("seconds"),
-            time=_time(latest.get("ts")),
+            time=stored_time(latest.get("ts")),
         )
 
 
@@ -126,10 +126,10 @@ def _summary_fields(job: Job, stats: dict[str, Any] | None = None) -> dict[str, 
         "name": job.name,
         "tenant": job.tenant,
         "state": JobState(job.state),
-        "created_at": _time(job.created_at),
-        "updated_at": _time(job.updated_at),
-        "started_at": _time(job.started_at),
-        "finished_at": _time(job.finished_at),
+        "created_at": stored_time(job.created_at),
+        "updated_at": stored_time(job.updated_at),
+        "started_at": stored_time(job.started_at),
+        "finished_at": stored_time(job.finished_at),
         "iteration": job.current_iteration,
         "train_iters": job.train_iters,
         "restarts": job.restarts,
@@ -171,10 +171,10 @@ class JobOut(JobSummary):
             **_summary_fields(job),
             spec=job.spec,
             last_metrics=job.last_record,
-            last_progress_at=_time(job.last_progress_at),
+            last_progress_at=stored_time(job.last_progress_at),
             latest_checkpoint=CheckpointOut.from_latest(job.latest_checkpoint),
             failure_cause=job.failure_cause,
-            cancel_requested_at=_time(job.cancel_requested_at),
+            cancel_requested_at=stored_time(job.cancel_requested_at),
             submission_id=job.submission_id,
             attempt=job.attempt,
             rank_step_s=stats.get("rank_step_s"),
@@ -200,7 +200,7 @@ class EventOut(BaseModel):
     def from_row(cls, row: JobEvent) -> EventOut:
         return cls(
             id=row.id,
-            time=_time(row.ts),
+            time=stored_time(row.ts),
             kind=row.kind,
             iteration=row.iteration,
             message=row.message,
@@ -329,8 +329,8 @@ class ExportOut(BaseModel):
             status=row.status,
             message=row.message,
             submission_id=row.submission_id,
-            created_at=_time(row.created_at),
-            finished_at=_time(row.finished_at),
+            created_at=stored_time(row.created_at),
+            finished_at=stored_time(row.finished_at),
         )
 
 

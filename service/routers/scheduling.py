@@ -7,7 +7,6 @@ last scheduling pass wrote on the job rows, the cluster what it last read.
 from __future__ import annotations
 
 import time
-from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, HTTPException, Path, Query, status
@@ -15,7 +14,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from service.deps import Caller, Ctx, DbSession
-from service.schemas import ClusterUse, Problem, QueueEntry, QueueOut, QuotaIn, QuotaOut, _layout
+from service.schemas import ClusterUse, Problem, QueueEntry, QueueOut, QuotaIn, QuotaOut, _layout, stored_time
 from service.states import JobState
 from service.store.db import in_transaction
 from service.store.models import Job, TenantQuota
@@ -27,10 +26,6 @@ AUTH = {401: {"model": Problem, "description": "Missing, invalid or revoked toke
 Tenant = Annotated[
     str, Path(min_length=1, max_length=64, pattern=TENANT_PATTERN.pattern, description="The tenant's name.")
 ]
-
-
-def _time(ts: float | None) -> datetime | None:
-    return None if ts is None else datetime.fromtimestamp(ts, UTC)
 
 
 @router.get("/v1/queue", response_model=QueueOut, responses=AUTH)
@@ -77,7 +72,7 @@ def queue(
                 priority=r.priority or 0,
                 ranks=_layout(r.spec)[0],
                 waiting_reason=r.waiting_reason,
-                queued_since=_time(since),
+                queued_since=stored_time(since),
                 waited_s=(r.waited_s or 0.0) + max(0.0, now - since),
             )
         )
@@ -91,7 +86,7 @@ def queue(
             gpus=sum(n.gpus for n in alive),
             allocated_cpus=rec.scheduling.allocated[0],
             allocated_gpus=rec.scheduling.allocated[1],
-            read_at=_time(rec.capacity_at),
+            read_at=stored_time(rec.capacity_at),
         )
     return QueueOut(jobs=entries, cluster=cluster)
 
@@ -107,7 +102,7 @@ def _out(tenant: str, row: TenantQuota | None) -> QuotaOut:
         queued=row.queued,
         max_priority=row.max_priority,
         allow_non_preemptible=row.allow_non_preemptible,
-        updated_at=_time(row.updated_at),
+        updated_at=stored_time(row.updated_at),
     )
 
 

@@ -8,7 +8,7 @@ Jobs already admitted keep the roots they were admitted with.
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 
 from fastapi import APIRouter, HTTPException, status
 from pydantic import BaseModel, Field
@@ -16,7 +16,7 @@ from sqlalchemy.orm import Session
 
 from service.deps import Caller, Ctx, DbSession
 from service.routers.scheduling import AUTH, Tenant
-from service.schemas import Problem
+from service.schemas import Problem, stored_time
 from service.storage_policy import default_roots, grants, set_grants
 from service.store.db import in_transaction
 
@@ -54,7 +54,7 @@ def _out(ctx: Ctx, session: Session, tenant: str) -> StorageOut:
         roots=list(row.roots) if row else [],
         read_roots=list(row.read_roots) if row else [],
         shared_read_roots=list(ctx.settings.shared_read_roots),
-        updated_at=datetime.fromtimestamp(row.updated_at, UTC) if row else None,
+        updated_at=stored_time(row.updated_at) if row else None,
     )
 
 

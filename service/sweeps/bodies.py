@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from service.schemas import _time  # stored unix time -> datetime, None for one out of range
+from service.schemas import stored_time
 from service.store.models import Sweep, SweepTrial
 
 HISTORY_POINTS = 200  # per trial in a sweep's page: the newest ones
@@ -43,8 +43,8 @@ class TrialOut(BaseModel):
             iteration=row.reported_iteration or 0,
             history=history,
             message=row.message,
-            created_at=_time(row.created_at),
-            finished_at=_time(row.finished_at),
+            created_at=stored_time(row.created_at),
+            finished_at=stored_time(row.finished_at),
         )
 
 
@@ -78,9 +78,9 @@ class SweepSummary(BaseModel):
             "gpu_hours": round((sweep.gpu_seconds or 0.0) / 3600, 6),
             "best": sweep.best,
             "message": sweep.message,
-            "created_at": _time(sweep.created_at),
-            "finished_at": _time(sweep.finished_at),
-            "cancel_requested_at": _time(sweep.cancel_requested_at),
+            "created_at": stored_time(sweep.created_at),
+            "finished_at": stored_time(sweep.finished_at),
+            "cancel_requested_at": stored_time(sweep.cancel_requested_at),
         }
 
     @classmethod
