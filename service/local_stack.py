@@ -42,6 +42,10 @@ import httpx
 from service.settings import Settings
 
 Echo = Callable[[str], None]
+# How long `down` waits for each process to exit on its SIGTERM before killing it: the API's
+# shutdown stops its reconciler; the Ray head's stops every Ray process it started.
+API_STOP_S = 30.0
+RAY_HEAD_STOP_S = 60.0
 
 
 class StackError(RuntimeError):
@@ -164,7 +168,7 @@ def start_ray_head(
         RAY_JOB_STOP_WAIT_TIME_S=env.get("RAY_JOB_STOP_WAIT_TIME_S", "60"),
         RAY_USAGE_STATS_ENABLED="0",
         # On SIGTERM (`down`) Ray first drains the node for Ray Serve, 30 s by default; nothing
-        # here serves traffic, and the jobs' own graceful stop is the SIGINT each driver gets.
+        # here serves traffic.
         RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S=env.get("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0"),
         PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
     )
@@ -190,7 +194,7 @@ def wait_for_ray(
         time.sleep(0.5)
 
 
-def stop_process(pid: int, sig: int, timeout_s: float = 30.0) -> bool:
+def stop_process(pid: int, sig: int, timeout_s: float) -> bool:
     """Signal `pid`, wait for it to exit, then kill its whole session (it leads one:
     start_new_session). True when it exited on the signal, False when it had to be killed."""
     try:
@@ -316,15 +320,15 @@ def down(settings: Settings, echo: Echo = print) -> bool:
     api_pid = _alive(home / "api.pid", "service.app:create_app")
     if api_pid is not None:
         echo(f"stopping the API (pid {api_pid}); running jobs keep running on Ray while Ray is up")
-        if not stop_process(api_pid, signal.SIGTERM):
-            echo("the API did not stop within 30 s of SIGTERM: killed it")
+        if not stop_process(api_pid, signal.SIGTERM, API_STOP_S):
+            echo(f"the API did not stop within {API_STOP_S:.0f} s of SIGTERM: killed it")
         stopped = True
     ray_pid = _alive(home / "ray.pid", "ray")
     if ray_pid is not None:
         echo(f"stopping the Ray head (pid {ray_pid}) and its jobs")
         # Ray's own SIGTERM handler stops its processes (SIGTERM to each, then a kill).
-        if not stop_process(ray_pid, signal.SIGTERM, timeout_s=60):
-            echo("the Ray head did not stop within 60 s of SIGTERM: killed its processes")
+        if not stop_process(ray_pid, signal.SIGTERM, RAY_HEAD_STOP_S):
+            echo(f"the Ray head did not stop within {RAY_HEAD_STOP_S:.0f} s of SIGTERM: killed its processes")
         stopped = True
     for name in ("api.pid", "ray.pid", "api_url"):
         (home / name).unlink(missing_ok=True)
