@@ -8,7 +8,7 @@ import optuna
 import pytest
 from pydantic import TypeAdapter, ValidationError
 
-from engine.jobspec import parse_job
+from engine.jobspec import hf_config, parse_job
 from service.sweeps.space import SearchSpace, field_problem, grid, space_problems, suggest, with_values
 from service.sweeps.spec import SweepSpec, sweep_problems
 
@@ -185,8 +185,6 @@ def test_the_example_sweep_file_is_a_sweep_that_can_run(tmp_path, monkeypatch):
     subprocess.run([sys.executable, str(root / "examples" / "make_tiny_hf_model.py")], check=True, capture_output=True)
     spec = SweepSpec.model_validate(load_yaml((root / "examples" / "sweep_lora.yaml").read_text()))
     base = parse_job(spec.base)  # reads model.init_from's config.json, once
-    from engine.jobspec import hf_config
-
     reads = []
     real = hf_config.load_hf_config
     monkeypatch.setattr(hf_config, "load_hf_config", lambda folder: reads.append(folder) or real(folder))
