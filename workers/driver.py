@@ -33,6 +33,7 @@ decision is an event, sent to the control plane and printed on the Ray Jobs log
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -57,6 +58,8 @@ from workers.policy import (
 from workers.replicas import check_replace_replica, replace_replica
 from workers.spec_on_ray import JobInputError, default_storage_path, prepare_spec
 from workers.telemetry import telemetry_settings
+
+log = logging.getLogger(__name__)
 
 # Set in this process unless already set; Ray Train passes them on to its controller.
 RAY_ENV_DEFAULTS = {
@@ -333,10 +336,53 @@ class JobDriver:
         self.events.placement_sticky(attempt, sticky)
         return sticky
 
+    def _launch_nodes(self, attempt: int, blocked: set[str]) -> dict[str, int] | None:
+        """Where this attempt's ranks will run ({node: ranks}) when the driver knows it before Ray
+        Train places them: the scheduler's placement (a first attempt, or an elastic job's), or a
+        fixed-size group that needs every free slot of the usable nodes. None when Ray picks, and
+        after a restart of a job whose ranks started their own warm processes."""
+        import ray
+        from ray._private.state import available_resources_per_node  # private: per-node room
+
+        elastic = self.spec.resources.elastic
+        if attempt > 0 and self.job.warm_restart:
+            return None
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        scheduled = self.options.placement if (attempt == 0 or elastic) else None
+        if scheduled:
+            return {n: k for n, k in scheduled.items() if k > 0 and n in alive and n not in blocked} or None
+        per = {k: v for k, v in self._per_rank().items() if v > 0}
+        if elastic or not per:
+            return None
+        slots = {}
+        for node, have in available_resources_per_node().items():
+            if node in alive and node not in blocked:
+                fits = int(min(have.get(k, 0.0) // v for k, v in per.items()))
+                if fits > 0:
+                    slots[node] = fits
+        return slots if sum(slots.values()) == self.sizes[0] else None
+
+    def _prestart_ranks(self, attempt: int) -> None:
+        """Ask the nodes this attempt's ranks will run on for their processes now, so that their
+        imports run beside the controller's start (workers/warm_processes.py). Never fails the
+        attempt: without them the ranks start as Ray starts them."""
+        try:
+            nodes = self._launch_nodes(attempt, self.policy.blocked | self.lost_nodes)
+            if not nodes:
+                return
+            from workers.trainer import rank_actor_runtime_env
+            from workers.warm_processes import prestart_for_launch, rank_runtime_env
+
+            asked = prestart_for_launch(nodes, rank_actor_runtime_env(rank_runtime_env()))
+            log.info("elastron: %d rank processes asked for ahead on %d nodes", asked, len(nodes))
+        except Exception:  # noqa: BLE001 - an optimisation, never a failure
+            log.warning("could not ask for the ranks' processes ahead", exc_info=True)
+
     def _attempt(self, attempt: int) -> tuple[Outcome, dict | None]:
         import ray
         from ray.train import ControllerError, WorkerGroupError
 
+        self._prestart_ranks(attempt)
         trainer = self._trainer(attempt)
         self.lost_nodes = set()
         try:

@@ -239,6 +239,9 @@ class RankRun:
             "hardware": self.hardware,
             "pid": os.getpid(),
             "host": socket.gethostname(),
+            # Whether the rank ran in a process started ahead (workers/warm_processes.py) or one
+            # Ray started for it: /proc's clock, comparable with other processes' on the node.
+            "process_started_at": process_started_at(),
         }
         self.everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(self.everyone, self.me)

@@ -169,6 +169,38 @@ class ElastronTorchTrainer(TorchTrainer):
         signal.signal(signal.SIGTERM, handler)
 
 
+def rank_actor_runtime_env(worker_runtime_env: dict) -> str:
+    """The serialized runtime environment Ray Train's worker actors will get from a controller
+    this process starts now with `RunConfig(worker_runtime_env=...)`: what the driver names when
+    it asks for the ranks' processes ahead (workers/warm_processes.py, `prestart_for_launch`).
+
+    Ray Train builds it in two steps, mirrored here: the controller actor gets
+    `{"env_vars": <Ray Train's variables set in this process>}` with the blocking-get warning's
+    default (DataParallelTrainer._initialize_and_run_controller), merged into this process's job
+    environment; each worker actor then gets the worker environment with the same variables
+    (WorkerGroup._get_worker_runtime_env, a private static method), merged into the
+    controller's. tests/workers/test_warm_processes.py runs a job on the result."""
+    # Internal: Ray Train's list of variables it passes on, the controller's default and the
+    # worker's environment builder; a public "the workers' runtime environment" would replace
+    # all three.
+    from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
+    from ray.train.v2._internal.constants import (
+        DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+        get_env_vars_to_propagate,
+    )
+    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+
+    from workers.warm_processes import actor_runtime_env
+
+    controller_vars = get_env_vars_to_propagate()
+    controller_vars.setdefault(
+        RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR, DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE
+    )
+    job_env = ray._private.worker.global_worker.core_worker.get_current_runtime_env()
+    controller = actor_runtime_env(job_env, {"env_vars": controller_vars})
+    return actor_runtime_env(controller, WorkerGroup._get_worker_runtime_env(worker_runtime_env))
+
+
 class GracefulShutdown(WorkerCallback):
     """Runs in each worker when Ray Train shuts the group down (a resize, a cancel, the end of a
     failed attempt): rank 0 stops at the next step boundary with its telemetry delivered, and a

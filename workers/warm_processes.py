@@ -23,6 +23,17 @@ never run anything else and was started with the same job and the same runtime e
    hook (`job_runtime_env`, Ray's public `worker_process_setup_hook`) so that those processes
    have Ray Train and torch imported too.
 
+4. A job's first group (and a restart without warm processes) where the driver knows the nodes
+   before Ray Train does (`prestart_for_launch`): the scheduler's placement, or a fixed-size
+   group that fills every free slot of the cluster. The driver asks those raylets for the rank
+   processes before it starts the controller, so the ranks' imports run beside the
+   controller's own (~3 s here) instead of after them: a 2-rank job's ranks started 2.3 s
+   sooner on this 2-core machine (10.3 -> 8.0 s from launch, the median of four runs each).
+   The driver must name the exact environment string the rank actors will get, which Ray
+   builds from the controller's (`actor_runtime_env`; workers.trainer.rank_actor_runtime_env
+   says what Ray Train puts in it); a wrong string costs the process and nothing else
+   (tests/workers/test_warm_processes.py fails if the ranks stop landing in them).
+
 Each warm process holds about 0.3 GB of host memory and nothing else (no GPU context, no
 resources reserved). Ray ends them with the driver (they belong to its Ray job) or after
 `KEEP_ALIVE_S` idle when the node runs more workers than it has CPUs.
@@ -42,6 +53,7 @@ tests/workers/test_ray_internals.py pins each:
 from __future__ import annotations
 
 import importlib
+import json
 import logging
 import threading
 import time
@@ -73,6 +85,9 @@ RAY_TRAIN_MODULES = ("torch", "ray.train.torch", "ray.train.v2.api.data_parallel
 # the node than CPUs).
 KEEP_ALIVE_S = 24 * 3600
 PRESTART_TIMEOUT_S = 10.0
+# How long a process asked for at a launch stays when no rank takes it (the group was placed
+# elsewhere): the group's start, generously.
+LAUNCH_KEEP_ALIVE_S = 300
 
 
 def _import_all(names: tuple[str, ...]) -> None:
@@ -133,6 +148,19 @@ def prestart_here(count: int = 1, keep_alive_s: int = KEEP_ALIVE_S, spacing_s: f
 
 
 def _prestart_one(keep_alive_s: int) -> bool:
+    import ray
+
+    worker = ray._private.worker.global_worker
+    # This process's own raylet, without ray.nodes(): that lists the whole cluster, and every
+    # rank of a large job would ask for it at each restart.
+    raylet = f"{worker.node.node_ip_address}:{worker.node.node_manager_port}"
+    env = worker.core_worker.get_current_runtime_env()
+    return _prestart(raylet, env, 1, keep_alive_s, "the next restart")
+
+
+def _prestart(raylet: str, serialized_env: str, count: int, keep_alive_s: int, why: str) -> bool:
+    """Ask the raylet at `raylet` (host:port) for `count` idle processes of this process's Ray
+    job with the runtime environment `serialized_env`. False (logged) when Ray refuses."""
     try:
         import ray
         from ray._private.grpc_utils import init_grpc_channel
@@ -140,18 +168,14 @@ def _prestart_one(keep_alive_s: int) -> bool:
         from ray.core.generated import common_pb2, node_manager_pb2, node_manager_pb2_grpc
 
         context = ray.get_runtime_context()
-        worker = ray._private.worker.global_worker
-        # This process's own raylet, without ray.nodes(): that lists the whole cluster, and every
-        # rank of a large job would ask for it at each restart.
-        raylet = f"{worker.node.node_ip_address}:{worker.node.node_manager_port}"
         info = get_runtime_env_info(context.runtime_env)
-        info.serialized_runtime_env = worker.core_worker.get_current_runtime_env()
+        info.serialized_runtime_env = serialized_env
         request = node_manager_pb2.PrestartWorkersRequest(
             language=common_pb2.PYTHON,
             job_id=bytes.fromhex(context.get_job_id()),
             runtime_env_info=info,
             keep_alive_duration_secs=int(keep_alive_s),
-            num_workers=1,
+            num_workers=count,
         )
         channel = init_grpc_channel(raylet)
         try:
@@ -162,8 +186,52 @@ def _prestart_one(keep_alive_s: int) -> bool:
             channel.close()
         return True
     except Exception:  # noqa: BLE001 - a warm process is an optimisation, never a failure
-        log.warning("could not prestart a warm process for the next restart", exc_info=True)
+        log.warning("could not prestart a process for %s", why, exc_info=True)
         return False
+
+
+def actor_runtime_env(parent: str, child: dict | None) -> str:
+    """The serialized runtime environment of an actor created with `runtime_env=child` by a
+    process whose own serialized environment is `parent`: the string its raylet hashes to pick a
+    worker process for it. Ray's core worker keeps the child's string as Ray's Python wrote it
+    when the parent's is empty, the parent's when the child's is, and otherwise merges the two
+    (the child's keys win, `env_vars` merged key by key) and writes them as compact JSON with
+    sorted keys (nlohmann's dump): one space differently and no process matches."""
+    from ray.runtime_env import RuntimeEnv
+
+    own = RuntimeEnv(**child).serialize() if child else ""
+    if parent in ("", "{}"):
+        return own or "{}"
+    if not own:
+        return parent
+    merged = json.loads(parent)
+    for key, value in json.loads(own).items():
+        if key == "env_vars" and isinstance(merged.get(key), dict):
+            merged[key] = {**merged[key], **value}
+        else:
+            merged[key] = value
+    return json.dumps(merged, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def prestart_for_launch(nodes: dict[str, int], serialized_env: str) -> int:
+    """Ask each node of `nodes` ({Ray node id: ranks}) for that many idle processes with the rank
+    actors' environment `serialized_env`, for a group about to start there; returns how many
+    were asked for. Not taken within LAUNCH_KEEP_ALIVE_S (the group went elsewhere), they end
+    as any idle worker does; they end with the driver's Ray job in any case."""
+    import ray
+
+    raylets = {
+        n["NodeID"]: f"{n['NodeManagerAddress']}:{n['NodeManagerPort']}"
+        for n in ray.nodes()
+        if n.get("Alive")
+    }
+    asked = 0
+    for node, count in sorted(nodes.items()):
+        if count <= 0 or node not in raylets:
+            continue
+        if _prestart(raylets[node], serialized_env, count, LAUNCH_KEEP_ALIVE_S, "a launch"):
+            asked += count
+    return asked
 
 
 def prestart_after_first_step(trainer, count: int = 1, poll_s: float = 0.2, give_up_s: float = 3600.0) -> threading.Thread:

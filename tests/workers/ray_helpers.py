@@ -70,3 +70,33 @@ def seed_with_one_early_injection(rate: int = 4, iterations: int = 8, only: bool
         if hits and 2 < hits[0] <= 6 and (len(hits) == 1 or not only):
             return seed
     raise AssertionError("no seed found")
+
+
+def warm_rank_processes(cluster, torch_loaded: bool = True) -> dict[str, list[int]]:
+    """Per worker node, the idle processes a rank can start in: idle Ray workers (`ray::IDLE`)
+    started with the ranks' environment (our preload hook and Ray Train's propagated variables
+    in their environ), torch loaded (`torch_loaded=False`: also those still starting)."""
+    from ray._private import ray_constants
+
+    from tests.ray_cluster import worker_nodes
+    from workers.warm_processes import SETUP_HOOK
+
+    raylets = {
+        n.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid: n.node_id for n in worker_nodes(cluster)
+    }
+    found: dict[str, list[int]] = {node: [] for node in raylets.values()}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if not (entry / "cmdline").read_bytes().startswith(b"ray::IDLE"):
+                continue
+            environ = (entry / "environ").read_bytes()
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            ready = SETUP_HOOK.encode() in environ and b"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S" in environ
+            loaded = not torch_loaded or "libtorch_cpu" in (entry / "maps").read_text()
+            if ready and parent in raylets and loaded:
+                found[raylets[parent]].append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found

@@ -38,6 +38,8 @@ METHODS = [
     (WORKER_GROUP_CALLBACK, "after_worker_group_start", ["self", "worker_group"], "WarmControllerProcesses"),
     (FAILURE_POLICY, "make_decision", ["self", "training_failed_error"], "RerunExitToDriver"),
     (FAILURE_POLICY, "__init__", ["self", "failure_config"], None),  # super().__init__(failure_config)
+    # rank_actor_runtime_env: the workers' environment as Ray Train builds it (a static method)
+    (WORKER_GROUP, "_get_worker_runtime_env", ["custom_runtime_env"], None),
 ]
 
 # (Ray's class, its method, what its source must still contain): where Ray calls what we
@@ -53,6 +55,12 @@ CALL_SITES = [
     (RAY_WORKER, None, ".before_worker_shutdown("),
     # Ray Train's worker actors get RunConfig.worker_runtime_env (our preload hook rides on it).
     (WORKER_GROUP, None, "run_config.worker_runtime_env"),
+    # rank_actor_runtime_env mirrors the controller's environment and the workers' (the driver
+    # names the ranks' environment before Ray Train starts them: workers/warm_processes.py).
+    (DATA_PARALLEL_TRAINER, "_initialize_and_run_controller", "env_vars = get_env_vars_to_propagate()"),
+    (DATA_PARALLEL_TRAINER, "_initialize_and_run_controller", "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR,"),
+    (DATA_PARALLEL_TRAINER, "_initialize_and_run_controller", 'runtime_env={"env_vars": env_vars}'),
+    (WORKER_GROUP, None, "self._get_worker_runtime_env("),
 ]
 
 
@@ -154,14 +162,21 @@ def test_our_worker_callback_reaches_the_workers_and_elasticity_is_read_from_sca
 
 def test_what_warm_processes_lean_on_is_still_there():
     """workers/warm_processes.py: the raylet's PrestartWorkers RPC and its fields, Ray's
-    authenticated channel, the core worker's serialized runtime environment, and the setup-hook
-    variable Ray's own helper writes."""
+    authenticated channel, the core worker's serialized runtime environment, the setup-hook
+    variable Ray's own helper writes, and (workers/driver.py's launch prestart) the free
+    resources per node."""
     try:
+        from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR  # noqa: F401
         from ray._private import ray_constants
         from ray._private.grpc_utils import init_grpc_channel  # noqa: F401
         from ray._private.runtime_env.setup_hook import export_setup_func_module
+        from ray._private.state import available_resources_per_node  # noqa: F401
         from ray._raylet import CoreWorker
         from ray.core.generated import node_manager_pb2, node_manager_pb2_grpc
+        from ray.train.v2._internal.constants import (  # noqa: F401
+            DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+            get_env_vars_to_propagate,
+        )
     except ImportError as err:
         _fail(f"a module workers/warm_processes.py imports is gone: {err}")
     request = node_manager_pb2.DESCRIPTOR.message_types_by_name.get("PrestartWorkersRequest")

@@ -23,7 +23,7 @@ import pytest
 from tests.ray_cluster import WORKER_NODE_ARGS, worker_nodes
 from tests.waiting import wait_for
 from tests.workers.conftest import job
-from tests.workers.ray_helpers import elastron_train, run
+from tests.workers.ray_helpers import elastron_train, run, warm_rank_processes
 
 LOSS_RTOL = 1e-5
 ITERS = 16
@@ -161,36 +161,6 @@ def test_a_lost_node_resumes_from_the_replica_on_the_other_node(ray_cluster, tel
     _check_final_losses(telemetry, job_id, reference)
 
 
-def _warm_rank_processes(cluster) -> dict[str, int]:
-    """Per worker node, the idle processes a restarted rank can start in: idle Ray workers
-    (`ray::IDLE`) started with the ranks' environment (our preload hook and Ray Train's
-    propagated variables in their environ), torch loaded."""
-    from pathlib import Path
-
-    from ray._private import ray_constants
-
-    from workers.warm_processes import SETUP_HOOK
-
-    raylets = {
-        n.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid: n.node_id for n in worker_nodes(cluster)
-    }
-    count = dict.fromkeys(raylets.values(), 0)
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            if not (entry / "cmdline").read_bytes().startswith(b"ray::IDLE"):
-                continue
-            environ = (entry / "environ").read_bytes()
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            ready = SETUP_HOOK.encode() in environ and b"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S" in environ
-            if ready and parent in raylets and "libtorch_cpu" in (entry / "maps").read_text():
-                count[raylets[parent]] += 1
-        except (OSError, ValueError, IndexError):
-            continue
-    return count
-
-
 def test_a_restart_starts_its_ranks_in_warm_processes(ray_cluster, telemetry, tmp_path):
     """resilience.warm_restart (on with local_interval): once the ranks train, each node holds an
     idle process with torch and the engine imported; after a SIGKILL the new ranks start in them
@@ -210,7 +180,7 @@ def test_a_restart_starts_its_ranks_in_warm_processes(ray_cluster, telemetry, tm
         started = wait_for(lambda: telemetry.events(job_id, "ranks_started"), what="ranks started")
         victim = next(r for r in started[0]["ranks"] if r["rank"] == 1)
         wait_for(
-            lambda: all(n >= 1 for n in _warm_rank_processes(ray_cluster).values()),
+            lambda: all(len(pids) >= 1 for pids in warm_rank_processes(ray_cluster).values()),
             what="a warm process on each node",
             timeout_s=120,
             interval_s=0.5,

@@ -122,3 +122,86 @@ def test_a_prestarted_process_takes_the_next_rank_actor_with_torch_imported(ray_
     finally:
         ray.kill(first)
         ray.kill(second)
+
+
+def test_the_environment_named_for_an_actor_is_the_one_ray_gives_it(ray_cluster):
+    """workers.warm_processes.actor_runtime_env against Ray itself: an actor with an environment
+    of its own created by this process (whose environment is empty), and two created by that
+    actor, one with an environment of its own (merged) and one without (inherited). The
+    environments carry variables only: no hook, no imports, three light processes."""
+    import ray
+
+    from workers.warm_processes import actor_runtime_env
+
+    parent_env = {"env_vars": {"ELASTRON_A": "1", "ELASTRON_B": "parent"}}
+    child_env = {"env_vars": {"ELASTRON_B": "child", "ELASTRON_C": "x y"}}
+
+    class Env:
+        def env(self) -> str:
+            return ray._private.worker.global_worker.core_worker.get_current_runtime_env()
+
+    Child = ray.remote(num_cpus=0)(Env)
+
+    @ray.remote(num_cpus=0)
+    class Parent(Env):
+        def children(self) -> tuple[str, str]:
+            merged, inherited = Child.options(runtime_env=child_env).remote(), Child.remote()
+            try:
+                return ray.get([merged.env.remote(), inherited.env.remote()], timeout=120)
+            finally:
+                ray.kill(merged)
+                ray.kill(inherited)
+
+    here = ray._private.worker.global_worker.core_worker.get_current_runtime_env()
+    parent = Parent.options(runtime_env=parent_env).remote()
+    try:
+        own = ray.get(parent.env.remote(), timeout=120)
+        merged, inherited = ray.get(parent.children.remote(), timeout=120)
+    finally:
+        ray.kill(parent)
+    assert own == actor_runtime_env(here, parent_env)
+    assert merged == actor_runtime_env(own, child_env)
+    assert inherited == actor_runtime_env(own, None) == own
+    assert merged != actor_runtime_env(own, parent_env)  # the check can fail
+
+
+def test_a_first_launch_starts_its_ranks_in_processes_asked_for_ahead(ray_cluster, telemetry, tmp_path):
+    """A 2-rank job fills the shared cluster's two free CPUs, so the driver knows its nodes and
+    asks them for the ranks' processes before it starts Ray Train's controller: both ranks run
+    in processes older than the controller's (a process Ray starts for a rank starts after the
+    controller, which asks for it), and none of those asked for is left idle (the environment
+    the driver named is the ranks' own: with any other, Ray would start two more and leave the
+    two asked for idle).
+
+    Over 30 s: a 2-rank job on Ray whose start and end this test watches."""
+    import signal
+    import threading
+
+    from ray.util.state import list_actors
+
+    from tests.waiting import wait_for
+    from tests.workers.conftest import job
+    from tests.workers.ray_helpers import run, warm_rank_processes
+
+    for pids in warm_rank_processes(ray_cluster, torch_loaded=False).values():  # earlier tests' warm ones
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+    job_id = "launch-warm"
+    seen: dict = {}
+
+    def controller_start() -> None:
+        wait_for(lambda: telemetry.events(job_id, "ranks_started"), what="ranks started")
+        (controller,) = list_actors(filters=[("class_name", "=", "TrainController"), ("state", "=", "ALIVE")])
+        seen["controller"] = process_started_at(controller.pid)
+
+    watcher = threading.Thread(target=controller_start, daemon=True)
+    watcher.start()
+    spec = job(checkpoint={"path": str(tmp_path / "ckpt")}, resilience={"warm_restart": False})
+    result = run(job_id, spec, tmp_path / "runs")
+    watcher.join(timeout=60)
+    assert result.exit_code == 0, result.reason
+    (started,) = telemetry.events(job_id, "ranks_started")
+    ranks = {r["rank"]: r["process_started_at"] for r in started["ranks"]}
+    assert seen.get("controller") is not None, "the controller's process was not seen"
+    assert all(at < seen["controller"] for at in ranks.values()), (ranks, seen)
+    assert not any(warm_rank_processes(ray_cluster, torch_loaded=False).values()), "a process asked for was left idle"
