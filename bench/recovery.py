@@ -11,6 +11,8 @@ what each figure measures and against what:
 - snapshot_overhead, snapshot_overhead_interleaved, snapshot_work_ratio (snapshot_overhead.py):
   what in-memory snapshots add to a step, against the same job without them.
 - overhead (ray_overhead.py): the step on Ray over the same step under the engine's local launcher.
+- launch (launch_prestart.py): a 2-rank job's launch -> its ranks up and its first step, with the
+  ranks' processes asked for ahead by the driver against Ray Train starting them.
 - telemetry (telemetry_cost.py): one per-step `TelemetrySender.record()` call.
 - storage_fault (storage_faults.py): an S3 fault or a full disk during a save, against a clean run.
 
@@ -18,7 +20,7 @@ What they share (the jobs, the local Ray cluster and its telemetry receiver, the
 harness.py.
 
     python bench/recovery.py [--repeats 1] [--rounds 3] [--iterations 40]
-        [--skip MODE ...] [--only MODE ...]   MODE: recovery|survive|overhead|snapshot_overhead|storage_faults
+        [--skip MODE ...] [--only MODE ...]   MODE: recovery|survive|overhead|snapshot_overhead|storage_faults|launch
         [--kill-every 30] [--heartbeat-timeout-ms MS ...] [--survive-job small|medium]
         [--survive-iters N] [--compare-no-relay] [--ray-cpus 2] [--smoke]
 
@@ -40,12 +42,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-MODES = ("recovery", "survive", "overhead", "snapshot_overhead", "storage_faults")
+MODES = ("recovery", "survive", "overhead", "snapshot_overhead", "storage_faults", "launch")
 
 
 def main() -> None:
     # Imported here, once ROOT is on sys.path (run as a script, only bench/ itself is).
     from bench.recovery_modes.harness import WARMUP, local_ray
+    from bench.recovery_modes.launch_prestart import launch
     from bench.recovery_modes.ray_overhead import overhead
     from bench.recovery_modes.replica_kills import (
         SMOKE_SURVIVE,
@@ -70,7 +73,9 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=1, help="recovery measurements")
-    parser.add_argument("--rounds", type=int, default=3, help="local/Ray alternations for the overhead")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="local/Ray alternations for the overhead, launches each way for launch"
+    )
     parser.add_argument("--iterations", type=int, default=40, help="iterations per overhead run")
     parser.add_argument(
         "--local-interval", type=int, default=1, help="snapshot_overhead: an in-memory snapshot every N steps"
@@ -131,6 +136,8 @@ def main() -> None:
         return  # nothing left that needs the Ray cluster
     with local_ray(args.ray_cpus) as (receiver, tmp):
         telemetry_cost(receiver, 500 if args.smoke else 20000)
+        if "launch" not in args.skip:  # first: no other job's processes about
+            launch(receiver, tmp / "launch", args.rounds, iters=4 if args.smoke else 20)
         if "recovery" not in args.skip:
             # --smoke: the memory mode alone, which runs every line of the persistent one
             # too (the persistent resume under it, the restart's breakdown): one Ray job and

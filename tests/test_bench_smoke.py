@@ -38,8 +38,9 @@ SMOKE_PARTS = {
         # storage faults (no Ray), the SIGKILL recovery (a cold start and a restart), the survive
         # job's kill and rejoin
         "faults_recovery_survive": ("--only", "storage_faults", "--only", "recovery", "--only", "survive"),
-        # the snapshot overhead's jobs; Ray over local (its Ray side is their plain run)
-        "overheads": ("--only", "snapshot_overhead", "--only", "overhead"),
+        # the snapshot overhead's jobs; Ray over local (its Ray side is their plain run); a
+        # launch with the ranks' processes asked for ahead and one without
+        "overheads": ("--only", "snapshot_overhead", "--only", "overhead", "--only", "launch"),
     },
 }
 PART_TIMEOUT_S = 450.0

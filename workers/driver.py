@@ -92,6 +92,10 @@ class WorkerRunOptions:
     # replace_replica: the Lighthouse's liveness relay (engine/fault_tolerance/lighthouse.py); off is
     # torchft's Lighthouse alone, bench/recovery.py's same-run comparison
     replica_relay: bool = True
+    # Ask the nodes a group will start on for its ranks' processes before Ray Train's controller
+    # starts (workers/warm_processes.py); off is Ray Train starting them, bench/recovery.py's
+    # `launch` comparison
+    prestart_ranks: bool = True
 
 
 @dataclass
@@ -366,6 +370,8 @@ class JobDriver:
         """Ask the nodes this attempt's ranks will run on for their processes now, so that their
         imports run beside the controller's start (workers/warm_processes.py). Never fails the
         attempt: without them the ranks start as Ray starts them."""
+        if not self.options.prestart_ranks:
+            return
         try:
             nodes = self._launch_nodes(attempt, self.policy.blocked | self.lost_nodes)
             if not nodes:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -72,31 +73,64 @@ def seed_with_one_early_injection(rate: int = 4, iterations: int = 8, only: bool
     raise AssertionError("no seed found")
 
 
-def warm_rank_processes(cluster, torch_loaded: bool = True) -> dict[str, list[int]]:
-    """Per worker node, the idle processes a rank can start in: idle Ray workers (`ray::IDLE`)
-    started with the ranks' environment (our preload hook and Ray Train's propagated variables
-    in their environ), torch loaded (`torch_loaded=False`: also those still starting)."""
+def _raylets(cluster, head: bool) -> dict[int, str]:
+    """Raylet pid -> node id of the cluster's worker nodes (and its head with `head`)."""
     from ray._private import ray_constants
 
     from tests.ray_cluster import worker_nodes
-    from workers.warm_processes import SETUP_HOOK
 
-    raylets = {
-        n.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid: n.node_id for n in worker_nodes(cluster)
-    }
-    found: dict[str, list[int]] = {node: [] for node in raylets.values()}
+    nodes = cluster.list_all_nodes() if head else worker_nodes(cluster)
+    return {n.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process.pid: n.node_id for n in nodes}
+
+
+def _idle_children(raylets: dict[int, str]):
+    """(pid, node id, /proc entry) of each idle Ray worker (`ray::IDLE`) of `raylets`."""
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             if not (entry / "cmdline").read_bytes().startswith(b"ray::IDLE"):
                 continue
-            environ = (entry / "environ").read_bytes()
             parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            ready = SETUP_HOOK.encode() in environ and b"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S" in environ
-            loaded = not torch_loaded or "libtorch_cpu" in (entry / "maps").read_text()
-            if ready and parent in raylets and loaded:
-                found[raylets[parent]].append(int(entry.name))
         except (OSError, ValueError, IndexError):
             continue
+        if parent in raylets:
+            yield int(entry.name), raylets[parent], entry
+
+
+def end_idle_workers(cluster) -> None:
+    """SIGKILL every idle Ray worker of the cluster, head included: the shared cluster's Ray
+    tests drive their jobs from this process, one Ray job, so a process a test's job started
+    ahead (a warm one, or one asked for at a launch) could take a later test's rank or
+    controller. For a test about which processes its own job's actors start in."""
+    import signal
+    import time
+
+    raylets = _raylets(cluster, head=True)
+    for pid, _, _ in _idle_children(raylets):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while any(True for _ in _idle_children(raylets)):
+        assert time.monotonic() < deadline, "idle Ray workers did not exit on SIGKILL"
+        time.sleep(0.1)
+
+
+def warm_rank_processes(cluster, torch_loaded: bool = True) -> dict[str, list[int]]:
+    """Per worker node, the idle processes a rank can start in: idle Ray workers (`ray::IDLE`)
+    started with the ranks' environment (our preload hook and Ray Train's propagated variables
+    in their environ), torch loaded (`torch_loaded=False`: also those still starting)."""
+    from workers.warm_processes import SETUP_HOOK
+
+    raylets = _raylets(cluster, head=False)
+    found: dict[str, list[int]] = {node: [] for node in raylets.values()}
+    for pid, node, entry in _idle_children(raylets):
+        try:
+            environ = (entry / "environ").read_bytes()
+            ready = SETUP_HOOK.encode() in environ and b"RAY_TRAIN_HEALTH_CHECK_INTERVAL_S" in environ
+            loaded = not torch_loaded or "libtorch_cpu" in (entry / "maps").read_text()
+        except OSError:
+            continue
+        if ready and loaded:
+            found[node].append(pid)
     return found

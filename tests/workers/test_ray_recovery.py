@@ -23,7 +23,7 @@ import pytest
 from tests.ray_cluster import WORKER_NODE_ARGS, worker_nodes
 from tests.waiting import wait_for
 from tests.workers.conftest import job
-from tests.workers.ray_helpers import elastron_train, run, warm_rank_processes
+from tests.workers.ray_helpers import elastron_train, end_idle_workers, run, warm_rank_processes
 
 LOSS_RTOL = 1e-5
 ITERS = 16
@@ -189,6 +189,7 @@ def test_a_restart_starts_its_ranks_in_warm_processes(ray_cluster, telemetry, tm
         os.kill(victim["pid"], signal.SIGKILL)
         done["killed"] = victim["pid"]
 
+    end_idle_workers(ray_cluster)  # the warm processes waited for are this job's own
     threading.Thread(target=interfere, daemon=True).start()
     result = run(job_id, spec, tmp_path / "runs")
     assert done.get("killed"), f"rank 1 was not killed (the job ended first: {done})"

@@ -174,18 +174,15 @@ def test_a_first_launch_starts_its_ranks_in_processes_asked_for_ahead(ray_cluste
     two asked for idle).
 
     Over 30 s: a 2-rank job on Ray whose start and end this test watches."""
-    import signal
     import threading
 
     from ray.util.state import list_actors
 
     from tests.waiting import wait_for
     from tests.workers.conftest import job
-    from tests.workers.ray_helpers import run, warm_rank_processes
+    from tests.workers.ray_helpers import end_idle_workers, run, warm_rank_processes
 
-    for pids in warm_rank_processes(ray_cluster, torch_loaded=False).values():  # earlier tests' warm ones
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
+    end_idle_workers(ray_cluster)  # a cold controller, and no rank process but those asked for
     job_id = "launch-warm"
     seen: dict = {}
 
