@@ -27,8 +27,8 @@ never run anything else and was started with the same job and the same runtime e
    before Ray Train does (`prestart_for_launch`): the scheduler's placement, or a fixed-size
    group that fills every free slot of the cluster. The driver asks those raylets for the rank
    processes before it starts the controller, so the ranks' imports run beside the
-   controller's own (~3 s here) instead of after them: a 2-rank job's ranks started 2.3 s
-   sooner on this 2-core machine (10.3 -> 8.0 s from launch, the median of four runs each).
+   controller's own (~3 s here) instead of after them: a 2-rank job's ranks started 1.1-2.3 s
+   sooner on this 2-core machine (bench/recovery.py's `launch` mode; workers/README.md).
    The driver must name the exact environment string the rank actors will get, which Ray
    builds from the controller's (`actor_runtime_env`; workers.trainer.rank_actor_runtime_env
    says what Ray Train puts in it); a wrong string costs the process and nothing else
