@@ -171,9 +171,7 @@ def test_a_first_launch_starts_its_ranks_in_processes_asked_for_ahead(ray_cluste
     in processes older than the controller's (a process Ray starts for a rank starts after the
     controller, which asks for it), and none of those asked for is left idle (the environment
     the driver named is the ranks' own: with any other, Ray would start two more and leave the
-    two asked for idle).
-
-    Over 30 s: a 2-rank job on Ray whose start and end this test watches."""
+    two asked for idle)."""
     import threading
 
     from ray.util.state import list_actors
