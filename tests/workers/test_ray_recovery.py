@@ -179,9 +179,12 @@ def test_a_restart_starts_its_ranks_in_warm_processes(ray_cluster, telemetry, tm
     def interfere():
         started = wait_for(lambda: telemetry.events(job_id, "ranks_started"), what="ranks started")
         victim = next(r for r in started[0]["ranks"] if r["rank"] == 1)
+        # This job's own: its ranks ask for them after their first step, so not one idle when
+        # they started (an earlier test's, even one that started after end_idle_workers looked).
+        others = {pid for pids in warm_rank_processes(ray_cluster, torch_loaded=False).values() for pid in pids}
         wait_for(
-            lambda: all(len(pids) >= 1 for pids in warm_rank_processes(ray_cluster).values()),
-            what="a warm process on each node",
+            lambda: all(set(pids) - others for pids in warm_rank_processes(ray_cluster).values()),
+            what="a warm process of this job on each node",
             timeout_s=120,
             interval_s=0.5,
         )
@@ -189,7 +192,7 @@ def test_a_restart_starts_its_ranks_in_warm_processes(ray_cluster, telemetry, tm
         os.kill(victim["pid"], signal.SIGKILL)
         done["killed"] = victim["pid"]
 
-    end_idle_workers(ray_cluster)  # the warm processes waited for are this job's own
+    end_idle_workers(ray_cluster)  # earlier tests' idle processes: the restart should take this job's
     threading.Thread(target=interfere, daemon=True).start()
     result = run(job_id, spec, tmp_path / "runs")
     assert done.get("killed"), f"rank 1 was not killed (the job ended first: {done})"
