@@ -162,14 +162,17 @@ class JobDriver:
         """Whether live nodes outside `blocked` have room for the job's smallest size."""
         import ray
 
-        per = self._per_rank()
         fits = 0
         for node in ray.nodes():
             if not node.get("Alive") or node["NodeID"] in blocked:
                 continue
-            have = node.get("Resources", {})
-            fits += int(min(have.get(k, 0.0) // v for k, v in per.items() if v > 0))
+            fits += self._ranks_that_fit(node.get("Resources", {}))
         return fits >= self.sizes[0]
+
+    def _ranks_that_fit(self, have: dict[str, float]) -> int:
+        """How many of this job's ranks the resources `have` hold."""
+        per = {k: v for k, v in self._per_rank().items() if v > 0}
+        return int(min(have.get(k, 0.0) // v for k, v in per.items())) if per else 0
 
     def _connect(self) -> None:
         import ray
@@ -355,15 +358,12 @@ class JobDriver:
         scheduled = self.options.placement if (attempt == 0 or elastic) else None
         if scheduled:
             return {n: k for n, k in scheduled.items() if k > 0 and n in alive and n not in blocked} or None
-        per = {k: v for k, v in self._per_rank().items() if v > 0}
-        if elastic or not per:
+        if elastic:
             return None
         slots = {}
         for node, have in available_resources_per_node().items():
-            if node in alive and node not in blocked:
-                fits = int(min(have.get(k, 0.0) // v for k, v in per.items()))
-                if fits > 0:
-                    slots[node] = fits
+            if node in alive and node not in blocked and (fits := self._ranks_that_fit(have)) > 0:
+                slots[node] = fits
         return slots if sum(slots.values()) == self.sizes[0] else None
 
     def _prestart_ranks(self, attempt: int) -> None:
