@@ -31,11 +31,13 @@ class StepBatches:
         self.micro_batch_size, self.dp_size, self.dp_rank = micro_batch_size, dp_size, dp_rank
         self.pipeline, self.packing, self.device = pipeline, packing, device
 
-    def microbatch(self, source, consumed: int, m: int) -> MicroBatch:
-        """This DP rank's microbatch m of the global batch starting at sample `consumed`. Under
+    def microbatch(self, source, consumed: int, m: int, dp_rank: int | None = None) -> MicroBatch:
+        """This DP rank's microbatch m of the global batch starting at sample `consumed` (or DP rank
+        `dp_rank`'s: the share of a replica missing from the step, taken by this one). Under
         context parallelism every CP rank of a DP replica reads the same microbatch and keeps its
         two sequence chunks of tokens and labels (no packing there)."""
-        b = source.micro_batch(consumed, m, self.micro_batch_size, self.dp_size, self.dp_rank)
+        rank = self.dp_rank if dp_rank is None else dp_rank
+        b = source.micro_batch(consumed, m, self.micro_batch_size, self.dp_size, rank)
         inputs = {k: v.to(self.device) for k, v in b.inputs.items()} if b.inputs else None
         if b.position_ids is not None:
             packed = PackedSeqParams(b.position_ids, b.segment_ids).to(self.device)
@@ -43,15 +45,16 @@ class StepBatches:
         tokens, labels = (context_parallel.shard_sequence(x, 1) for x in (b.tokens, b.labels))
         return MicroBatch(tokens.to(self.device), labels.to(self.device), None, inputs)
 
-    def read(self, source, consumed: int, n: int) -> list[MicroBatch]:
-        """The step's n microbatches where this rank reads them: every rank without pipelining;
-        under it the first stage (tokens), the last (labels) and, for packed rows or a source with
-        further model inputs, every stage (each needs the rows' positions and attention mask, or
-        those inputs; reading is deterministic)."""
+    def read(self, source, consumed: int, n: int, dp_rank: int | None = None) -> list[MicroBatch]:
+        """The step's n microbatches (of DP rank `dp_rank`'s share, default this rank's) where this
+        rank reads them: every rank without pipelining; under it the first stage (tokens), the
+        last (labels) and, for packed rows or a source with further model inputs, every stage
+        (each needs the rows' positions and attention mask, or those inputs; reading is
+        deterministic)."""
         runner = self.pipeline
         every_stage = self.packing or bool(getattr(source, "model_inputs", ()))
         if runner is None or runner.has_first or runner.has_last or every_stage:
-            return [self.microbatch(source, consumed, m) for m in range(n)]
+            return [self.microbatch(source, consumed, m, dp_rank) for m in range(n)]
         return []
 
     def pipeline_inputs(self, batches: list[MicroBatch]):

@@ -301,30 +301,48 @@ class Trainer:
     def forward_backward(self, num_microbatches: int) -> torch.Tensor:
         """Accumulate grads of the step's loss (the mean over the global batch's label tokens,
         engine.objective) into the DP buffers; returns this rank's share of it times dp x cp (on
-        every pipeline stage): its mean over DP x CP is the step's loss."""
+        every pipeline stage): its mean over DP x CP is the step's loss. A replica that takes the
+        shares of replicas missing from its quorum (`ReplicaSync.step_shares`) runs their
+        microbatches too, each share weighted by its own label tokens, and scales the whole by
+        the quorum's part of the job, so the quorum's average is the uninterrupted run's."""
         scale = self.grad_scaler.scale if self.grad_scaler is not None else 1.0
+        # Shares of replicas missing from the quorum this rank takes (lost_replica_share:
+        # redistribute; engine/fault_tolerance/sync.py): more backward passes into the buffers.
+        shares = self.replica_sync.step_shares(num_microbatches, self.dp_size, self.dp_rank)
         for ddp in self.ddp_chunks:
-            ddp.start_step(num_microbatches)
+            ddp.start_step(num_microbatches + shares.extra_microbatches)
         if self.replica_sync.sits_out:
             # This replica heals in this step and gives zeros to its reduction
             # (engine/fault_tolerance/replica_quorum.py): nothing to compute.
             return torch.zeros((), device=self.device)
         with self.timers("data", 1):
             batches = self.batches.read(self.source, self.consumed_samples, num_microbatches)
-        loss_fn = self.objective.begin_step([b.labels for b in batches], scale, num_microbatches)
+            # A missing share is read whole: its loss is the mean over its own label tokens.
+            taken = [
+                (self.batches.read(self.source, self.consumed_samples, num_microbatches, rank), picked)
+                for rank, picked in shares.extra
+            ]
+        loss_fn = self.objective.begin_step([b.labels for b in batches], scale * shares.weight, num_microbatches)
         runner, with_mtp = self.pipeline, self.objective.mtp is not None
         if runner is None:
             scaled: list[torch.Tensor] = []
             model = self.ddp_chunks[0]
-            for tokens, labels, packed, inputs in batches:
-                mtp_labels = labels if with_mtp else None
-                with self.timers("forward", 1):
-                    logits = model(tokens, packed_seq_params=packed, mtp_labels=mtp_labels, **(inputs or {}))
-                    loss = loss_fn(logits, labels)
-                with self.timers("backward", 1):
-                    loss.backward()
-                scaled.append(loss.detach())
+            work = [(loss_fn, batches)]
+            for whole, picked in taken:
+                share_fn = self.objective.begin_step([b.labels for b in whole], scale * shares.weight, num_microbatches)
+                work.append((share_fn, [whole[m] for m in picked]))
+            for fn, microbatches in work:
+                for tokens, labels, packed, inputs in microbatches:
+                    mtp_labels = labels if with_mtp else None
+                    with self.timers("forward", 1):
+                        logits = model(tokens, packed_seq_params=packed, mtp_labels=mtp_labels, **(inputs or {}))
+                        loss = fn(logits, labels)
+                    with self.timers("backward", 1):
+                        loss.backward()
+                    scaled.append(loss.detach())
         else:
+            if taken:  # replace_replica has no pipeline (workers/replicas.py)
+                raise RuntimeError("a missing replica's share cannot be taken under pipeline parallelism")
             tokens, labels, packed, inputs = self.batches.pipeline_inputs(batches)
             scaled = runner.run(num_microbatches, tokens, labels, loss_fn, packed=packed, mtp=with_mtp, inputs=inputs)
         self.last_mtp_loss = self.objective.mtp_loss(num_microbatches)

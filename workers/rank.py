@@ -369,6 +369,7 @@ class RankRun:
                 heartbeat_timeout_ms=spec.resilience.replica_heartbeat_timeout_ms,
                 on_lighthouse_lost=self._on_lighthouse_lost,
                 last_progress=lambda: _last_progress(registry),
+                redistribute=spec.resilience.lost_replica_share == "redistribute",
             )
         self.watchdog = StepWatchdog(
             spec.resilience.step_timeout_s,

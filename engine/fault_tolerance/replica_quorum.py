@@ -20,11 +20,16 @@ state after it, and applies the quorum's gradients to it with its optimizer step
 do: its own forward and backward of that step, on its old state, are thrown away. The peers wait
 for the transfer only where it outlasts their forward and backward.
 
-What a step with fewer replicas means: the survivors reduce over their own samples only (AVG
-over the quorum's participants); the missing replica's share of that global batch is not
-trained on and not re-assigned, and `consumed_samples` advances by the whole global batch, so
-the data position stays the uninterrupted run's. The step record's `replicas` says how many
-replicas a step averaged over (docs/resilience.md).
+What a step with fewer replicas means (`resilience.lost_replica_share`): with `skip` the
+survivors reduce over their own samples only (AVG over the quorum's participants); the missing
+replica's share of that global batch is not trained on and not re-assigned. With
+`redistribute` the survivors wait for the step's quorum before its forward, learn which
+replicas train it (one SUM of a one-hot vector over the managed group, only in a step that
+lacks some), split the missing shares' microbatches between them (`step_shares`) and weight
+their gradients by their part of the job, so the average over the quorum is the mean over the
+whole global batch, as in the uninterrupted run. Either way `consumed_samples` advances by the
+whole global batch, so the data position stays the uninterrupted run's. The step record's
+`replicas` says how many replicas a step averaged over (docs/resilience.md).
 
 A step whose reduction failed (a peer died during it) is not committed: `should_commit()`
 says no on every survivor, the optimizer is not stepped and the step is taken again with the
@@ -44,7 +49,7 @@ import torch
 
 from engine.fault_tolerance.lighthouse import LivenessLink
 from engine.fault_tolerance.replica_group import shard_grad_views
-from engine.fault_tolerance.sync import ReplicaSync
+from engine.fault_tolerance.sync import ReplicaSync, StepShares
 from engine.jobspec.contract import (
     EVENT_RECOVERED,
     EVENT_REPLICA_LOST,
@@ -121,9 +126,13 @@ class ReplicaQuorum(ReplicaSync):
         group: ReplicaMembership | None = None,
         on_lighthouse_lost: Callable[[str], None] | None = None,
         last_progress: Callable[[], int | None] | None = None,
+        redistribute: bool = False,
     ):
         super().__init__()
         self.index, self.count = index, count
+        # lost_replica_share: redistribute (the others take a missing replica's microbatches).
+        self.redistribute = redistribute
+        self._slots: list[int] | None = None  # this step's training replicas, when some are missing
         self.group = group
         self.shard_size = group.size if group is not None else 1
         self.shard_rank = group.shard_rank if group is not None else 0
@@ -285,8 +294,49 @@ class ReplicaQuorum(ReplicaSync):
             self.sits_out = bool(self.manager._healing) or self.waits_for_peers
             if self.waits_for_peers:
                 time.sleep(PEER_WAIT_POLL_S)
+        self._slots = self._training_slots() if self.redistribute else None
         # A heal may have brought the state of a peer that has trained its last step.
         return self.trainer.iteration < train_iters
+
+    def _training_slots(self) -> list[int] | None:
+        """The replicas (slots) that train this step, when the quorum lacks some (dead, or healing
+        in it); None when every replica trains, or when the agreement failed (a peer died: the
+        step is not committed and is taken again). Waits for the quorum (the plan is needed
+        before the forward), then one small SUM over the managed group, in which every member
+        takes part (the condition, the quorum's participant count, is the same on all) and a
+        healing member gives zeros (torchft's)."""
+        from torch.distributed import ReduceOp
+
+        self.manager.wait_quorum()
+        n = self.manager.num_participants()
+        if n >= self.count:
+            return None
+        mine = torch.zeros(self.count, device=self.device)
+        mine[self.index] = 1.0
+        self.manager.allreduce(mine, reduce_op=ReduceOp.SUM).wait()
+        slots = [i for i, v in enumerate(mine.tolist()) if v > 0.5]
+        if self.manager.errored() is not None or len(slots) != n or not self.manager.is_participating():
+            return None
+        return slots
+
+    def step_shares(self, num_microbatches: int, dp_size: int, dp_rank: int) -> StepShares:
+        """Under `redistribute`, in a step that lacks replicas: the missing shares' microbatches
+        (each missing replica's in order) dealt in turn to the training replicas, in slot order,
+        so they agree without another word; this rank reads its part of a missing replica m's
+        share as its data-parallel rank of that replica (m * dp_size + dp_rank, as `data_rank`).
+        Every rank weights its gradients by trained/count: the quorum averages over the training
+        replicas, the uninterrupted run over all."""
+        slots = self._slots
+        if not slots or self.index not in slots:
+            return StepShares()
+        me, k = slots.index(self.index), len(slots)
+        work = [(m, j) for m in range(self.count) if m not in slots for j in range(num_microbatches)]
+        mine: dict[int, list[int]] = {}
+        for i, (m, j) in enumerate(work):
+            if i % k == me:
+                mine.setdefault(m, []).append(j)
+        extra = tuple((m * dp_size + dp_rank, tuple(picked)) for m, picked in mine.items())
+        return StepShares(extra=extra, weight=k / self.count)
 
     def _quorum_answered(self) -> None:
         """The quorum of this step is known: its replicas, and the events its change calls for
@@ -393,9 +443,11 @@ class ReplicaQuorum(ReplicaSync):
         return self.participating_rank == 0
 
     def step_share(self, global_batch_size: int, dp_size: int) -> tuple[int, int, int]:
-        """A step may average over fewer replicas: the missing replicas' samples are skipped,
-        not re-assigned; the devices are every replica's ranks in the quorum."""
-        return self.replicas, global_batch_size * self.replicas // self.count, self.replicas
+        """A step may average over fewer replicas: the missing replicas' samples are skipped
+        (`skip`) or taken by the others (`redistribute`: the whole global batch is trained); the
+        devices are every replica's ranks in the quorum."""
+        shares = self.replicas if self._slots is None else self.count
+        return self.replicas, global_batch_size * shares // self.count, self.replicas
 
     @torch.no_grad()
     def reduce(self, ddp_chunks: list, loss: torch.Tensor) -> torch.Tensor:

@@ -12,10 +12,28 @@ questions of every job and holds no branch for "no replicas".
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class StepShares:
+    """What one rank trains in a step besides its own share of the global batch: microbatches of
+    the shares of replicas missing from the step's quorum (`resilience.lost_replica_share:
+    redistribute`), and the weight of its gradients in the quorum's average (the replicas that
+    train the step over the job's replicas, so that the average over them is the mean over every
+    share of the global batch, as in the uninterrupted run)."""
+
+    # (the data-parallel rank the missing share is read as, the microbatches of it this rank takes)
+    extra: tuple[tuple[int, tuple[int, ...]], ...] = ()
+    weight: float = 1.0
+
+    @property
+    def extra_microbatches(self) -> int:
+        return sum(len(picked) for _, picked in self.extra)
 
 
 class ReplicaSync:
@@ -75,6 +93,11 @@ class ReplicaSync:
         flag = torch.tensor([1.0 if mine else 0.0], device=self._device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+    def step_shares(self, num_microbatches: int, dp_size: int, dp_rank: int) -> StepShares:
+        """What this rank trains this step besides its own microbatches: one replica has no
+        missing peer whose share it could take."""
+        return StepShares()
 
     def step_share(self, global_batch_size: int, dp_size: int) -> tuple[int, int, int]:
         """(the record's `replicas`, the samples the step trained, the devices that trained it

@@ -79,6 +79,12 @@ class JobSpec(_Section):
                 "model.mtp_num_layers with parallel.context > 1 or data.source sft is not supported yet "
                 "(the depths read their tokens from whole, unmasked label rows): set model.mtp_num_layers: 0"
             )
+        if m.mtp_num_layers and self.resilience.lost_replica_share == "redistribute":
+            raise ValueError(
+                "resilience.lost_replica_share: redistribute is not supported with model.mtp_num_layers yet (the "
+                "depths' loss weights are set once per step, for one share of the batch): set "
+                "resilience.lost_replica_share: skip or model.mtp_num_layers: 0"
+            )
         if m.attention == "mla" and m.attention_dropout > 0:
             raise ValueError("model.attention_dropout is not available with model.attention: mla yet: set it to 0")
         if m.arch == "bert" or self.data.source == "mlm":

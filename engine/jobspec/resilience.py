@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from engine.jobspec.common import NonNegativeInt, PositiveInt, _Section
 
@@ -59,12 +59,24 @@ class ResilienceSpec(_Section):
         description="restart_group: a failed rank restarts the whole worker group from the newest checkpoint "
         "(exact: no step differs from an uninterrupted run). replace_replica (Ray): each data-parallel replica "
         "is a fault domain; the others keep stepping while the failed one is replaced and healed from a live "
-        "peer, and the steps taken meanwhile average over fewer replicas (their missing samples are skipped; "
-        "the step record's `replicas` says how many). A replica is one rank, or with "
+        "peer, and the steps taken meanwhile average over fewer replicas (their missing samples are skipped, or "
+        "taken by the others: lost_replica_share; the step record's `replicas` says how many). A replica is one rank, or with "
         "parallel.data_parallel_shard_size (HSDP) one shard group of that many ranks, which is rebuilt as a "
         "whole when one of its ranks dies. Needs parallel.tensor, pipeline, context and expert = 1 and at "
         "least 2 replicas (resources.ranks >= 2 x data_parallel_shard_size); each replaced rank counts "
         "against max_restarts.",
+    )
+    lost_replica_share: Literal["skip", "redistribute"] = Field(
+        "skip",
+        description="replace_replica: what a step does with the share of the global batch of a replica that "
+        "is missing from its quorum (dead, or healing in that step). skip: the step averages over the replicas "
+        "it has and that share is not trained on (the data position still advances by the whole global batch); "
+        "steps keep their time and the quorum stays asynchronous. redistribute: the replicas in the quorum "
+        "split the missing share's microbatches between them (more gradient accumulation), so the step trains "
+        "on the same samples with the same math as the uninterrupted run (losses equal within fp32 rounding); "
+        "each such step takes longer by the missing share, and every step waits for its quorum before the "
+        "forward (a heal's transfer is then no longer hidden behind the survivors' forward and backward). "
+        "Not with model.mtp_num_layers.",
     )
     replica_heartbeat_timeout_ms: int = Field(
         500,
@@ -76,3 +88,12 @@ class ResilienceSpec(_Section):
         "liveness relay closes). Raise it where a loaded host or network can miss pings (a live replica dropped "
         "by mistake heals and rejoins, costing a step); lower it to notice a lost node sooner.",
     )
+
+    @model_validator(mode="after")
+    def _check_lost_share(self) -> ResilienceSpec:
+        if self.lost_replica_share != "skip" and self.on_rank_failure != "replace_replica":
+            raise ValueError(
+                "resilience.lost_replica_share: redistribute is for on_rank_failure: replace_replica (restart_group "
+                "never steps without a replica); set on_rank_failure: replace_replica or drop lost_replica_share"
+            )
+        return self

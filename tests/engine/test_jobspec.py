@@ -740,3 +740,15 @@ def test_compile_is_refused_where_a_layer_holds_collectives_or_dynamic_shapes(se
     assert parse_job(job(**sections)).training.compile is False  # the layout itself is valid
     refused(job(training={"compile": True}, **sections), r"training\.compile is not supported yet.*set training\.compile: false")
     assert parse_job(job(training={"compile": True})).training.compile
+
+
+def test_lost_replica_share_is_refused_where_it_cannot_apply():
+    """resilience.lost_replica_share: redistribute belongs to replace_replica, and not yet to
+    multi-token prediction (its depths' weights are set once per step); skip is the default."""
+    assert parse_job(job()).resilience.lost_replica_share == "skip"
+    msg = refused(job(resilience={"lost_replica_share": "redistribute"}), r"resilience\.lost_replica_share")
+    assert "on_rank_failure: replace_replica" in msg
+    ok = {"on_rank_failure": "replace_replica", "lost_replica_share": "redistribute"}
+    assert parse_job(job(resilience=ok, resources={"ranks": 2})).resilience.lost_replica_share == "redistribute"
+    refused(job(resilience=ok, resources={"ranks": 2}, model={"mtp_num_layers": 1}), r"lost_replica_share.*mtp_num_layers")
+    refused(job(resilience={"lost_replica_share": "share"}), r"lost_replica_share")

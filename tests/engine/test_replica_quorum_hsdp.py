@@ -60,14 +60,17 @@ class _Quorum(ReplicaQuorum):
     final: dict = {}
 
     def shutdown(self) -> None:
-        if self.trainer is not None and self.trainer.iteration == ITERS:
+        if self.trainer is not None and self.trainer.iteration == self.trainer.spec.training.train_iters:
             _Quorum.final["digest"] = self.state_digest()
         super().shutdown()
 
 
-def _rank(replica: int, shard: int, lighthouse: tuple[str, str], rounds_at: tuple, outdir: str) -> None:
-    """One rank of one replica: joins its replica's round, trains; writes what it saw to a file
-    of its own (a queue shared with a SIGKILLed process can stay locked)."""
+def _rank(
+    replica: int, shard: int, lighthouse: tuple[str, str], rounds_at: tuple, outdir: str, spec: dict, die_at: int | None
+) -> None:
+    """One rank of one replica: joins its replica's round, trains `spec`; writes what it saw to a
+    file of its own (a queue shared with a SIGKILLed process can stay locked). `die_at`: it
+    SIGKILLs itself once it has reported that iteration."""
     import torch
 
     from engine.fault_tolerance.replica_group import form_replica_group
@@ -94,11 +97,19 @@ def _rank(replica: int, shard: int, lighthouse: tuple[str, str], rounds_at: tupl
     )
     put("formed", replica, shard, pid, group.round)
     quorum = _Quorum(
-        replica, 2, lighthouse_addr=lighthouse[0], liveness_addr=lighthouse[1], timeout_s=5, group=group
+        replica,
+        2,
+        lighthouse_addr=lighthouse[0],
+        liveness_addr=lighthouse[1],
+        timeout_s=5,
+        group=group,
+        redistribute=spec["resilience"].get("lost_replica_share") == "redistribute",
     )
 
     def on_record(r: dict) -> None:
         put("record", replica, shard, pid, r["iteration"], r["replicas"], r["loss"], r["tokens"], time.time())
+        if r["iteration"] == die_at:
+            os.kill(pid, signal.SIGKILL)
 
     def on_event(e: dict) -> None:
         if e["kind"] in ("replica_rejoined", "replica_lost"):
@@ -106,7 +117,7 @@ def _rank(replica: int, shard: int, lighthouse: tuple[str, str], rounds_at: tupl
 
     try:
         train_rank(
-            replica_job(resolve_job(SPEC)),
+            replica_job(resolve_job(spec)),
             quiet=True,
             hooks=RankHooks(on_record=on_record, on_event=on_event, quorum=quorum),
         )
@@ -117,13 +128,13 @@ def _rank(replica: int, shard: int, lighthouse: tuple[str, str], rounds_at: tupl
     put("done", replica, shard, pid, _Quorum.final.get("digest"))
 
 
-def _reference(steps: int) -> list[float] | None:
-    """The plain HSDP 2x2 engine run (one process group of four ranks, restart_group), stopped
-    after `steps` steps: its losses."""
+def _reference(steps: int, spec: dict = SPEC) -> list[float] | None:
+    """The plain HSDP 2x2 engine run of `spec` (one process group of four ranks, restart_group),
+    stopped after `steps` steps: its losses."""
     from engine.rank_hooks import RankHooks
     from engine.train_loop import train_rank
 
-    spec = {**SPEC, "resilience": {}}
+    spec = {**spec, "resilience": {}}
     asked = [0]
 
     def stop() -> bool:
@@ -134,10 +145,13 @@ def _reference(steps: int) -> list[float] | None:
     return [r["loss"] for r in records] if records else None
 
 
-def test_hsdp_replica_loses_a_rank_the_other_replica_goes_on_and_the_rebuilt_one_heals(tmp_path):
+@contextlib.contextmanager
+def _replicas(outdir, spec: dict, die_at: dict | None = None):
+    """The rounds' server and torchft's Lighthouse in this process, and `start(replica, shard)`,
+    which starts one rank process of `spec` (`die_at[(replica, shard)]`: the iteration after
+    which it kills itself); every process and server stopped after."""
     from engine.fault_tolerance.lighthouse import Lighthouse
     from engine.fault_tolerance.replica_group import ReplicaRounds
-    from engine.launcher import spawn
 
     rounds = ReplicaRounds()
     lock = threading.Lock()
@@ -164,16 +178,32 @@ def test_hsdp_replica_loses_a_rank_the_other_replica_goes_on_and_the_rebuilt_one
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "engine.device", "engine.train_loop"])
     procs: dict[tuple[int, int], list] = {}
-    messages: list = []
+    addresses = (lighthouse.address(), lighthouse.liveness_address())
 
     def start(replica: int, shard: int):
+        dies = (die_at or {}).get((replica, shard))
         p = ctx.Process(
-            target=_rank,
-            args=(replica, shard, (lighthouse.address(), lighthouse.liveness_address()), server.address, str(tmp_path)), daemon=True
+            target=_rank, args=(replica, shard, addresses, server.address, str(outdir), spec, dies), daemon=True
         )
         p.start()
         procs.setdefault((replica, shard), []).append(p)
         return p
+
+    try:
+        yield start, procs
+    finally:
+        for ps in procs.values():
+            for p in ps:
+                if p.is_alive():
+                    p.kill()
+        lighthouse.shutdown()
+        server.stop_event.set()
+
+
+def test_hsdp_replica_loses_a_rank_the_other_replica_goes_on_and_the_rebuilt_one_heals(tmp_path):
+    from engine.launcher import spawn
+
+    messages: list = []
 
     def drain(until, timeout_s: float = 60.0, what: str = ""):
         drain_until(tmp_path, messages, until, timeout_s, what)
@@ -184,7 +214,7 @@ def test_hsdp_replica_loses_a_rank_the_other_replica_goes_on_and_the_rebuilt_one
     def reached(replica: int) -> int:
         return max((m[4] for m in records(replica)), default=0)
 
-    try:
+    with _replicas(tmp_path, SPEC) as (start, procs):
         for r in range(2):
             for s in range(S):
                 start(r, s)
@@ -207,13 +237,6 @@ def test_hsdp_replica_loses_a_rank_the_other_replica_goes_on_and_the_rebuilt_one
             timeout_s=90,
             what="every rank done",
         )
-    finally:
-        for ps in procs.values():
-            for p in ps:
-                if p.is_alive():
-                    p.kill()
-        lighthouse.shutdown()
-        server.stop_event.set()
 
     assert peer.exitcode != 0 and peer_exit_s < 10, (peer.exitcode, peer_exit_s)
     done = {(m[1], m[2]): m for m in messages if m[0] == "done"}
@@ -241,6 +264,39 @@ def test_hsdp_replica_loses_a_rank_the_other_replica_goes_on_and_the_rebuilt_one
     got = [together[i][6] for i in first]
     assert first == list(range(1, len(first) + 1))
     assert got == pytest.approx(reference[: len(got)], rel=1e-6, abs=1e-6)
+
+
+def test_a_lost_hsdp_replicas_share_is_taken_with_the_losses_of_the_plain_hsdp_run(tmp_path):
+    """resilience.lost_replica_share: redistribute with replicas of two ranks: both ranks of
+    replica 1 die after iteration 6 (a lost node) and are not replaced; replica 0 steps on alone,
+    each of its shard ranks taking the same shard rank's share of replica 1 (two microbatches
+    more, read as that data-parallel rank) at half weight. Every iteration's loss, before and
+    after the loss, equals the plain HSDP 2x2 run's (one process group of four ranks) within
+    1e-6 relative, as the steps before a kill do in the test above."""
+    from engine.launcher import spawn
+
+    iters = 16
+    spec = json.loads(json.dumps(SPEC))
+    spec["training"]["train_iters"] = iters
+    spec["resilience"]["lost_replica_share"] = "redistribute"
+    messages: list = []
+    with _replicas(tmp_path, spec, die_at={(1, 0): 6, (1, 1): 6}) as (start, procs):
+        for r in range(2):
+            for s in range(S):
+                start(r, s)
+        drain_until(
+            tmp_path,
+            messages,
+            lambda: sum(m[0] == "done" and m[1] == 0 for m in messages) == S,
+            timeout_s=90,
+            what="replica 0's ranks done",
+        )
+    got = {m[4]: m for m in messages if m[0] == "record" and m[1] == 0 and m[2] == 0}
+    assert sorted(got) == list(range(1, iters + 1)), sorted(got)
+    assert [got[i][5] for i in sorted(got)] == [2] * 6 + [1] * (iters - 6)
+    assert len({m[7] for m in got.values()}) == 1, "a step alone trained fewer tokens than the global batch"
+    reference = spawn(_reference, 2 * S, args=(iters, spec))[0]
+    assert [got[i][6] for i in sorted(got)] == pytest.approx(reference, rel=1e-6, abs=1e-6)
 
 
 def test_rounds_a_rejoining_shard_rank_starts_the_next_round_and_supersedes_the_last():
