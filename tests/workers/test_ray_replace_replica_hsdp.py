@@ -3,7 +3,8 @@ each replica) on the shared 2-node cluster (conftest.py; half a CPU per rank): S
 of replica 1; its peer exits by itself, Ray replaces both (one worker at a time: Ray 2.60's
 replica groups are single workers), the new round of replica 1 forms its process group through
 the job registry and heals rank for rank from replica 0, which kept stepping alone meanwhile;
-the job finishes.
+the job finishes, and it learned. The default `lost_replica_share: skip`: the steps alone train
+replica 0's half of each batch (tests/workers/test_ray_replace_replica.py runs `redistribute`).
 """
 
 from __future__ import annotations
@@ -86,6 +87,11 @@ def test_a_rank_of_an_hsdp_replica_dies_the_replica_is_rebuilt_and_heals(ray_clu
     assert max(records) == ITERS
     assert alone and min(alone) > seen["reached"] - 1, (alone, seen)
     assert {r["replicas"] for r in records.values()} == {1, 2}
+    together = {r["tokens"] for r in records.values() if r["replicas"] == 2}
+    assert {r["tokens"] * 2 for r in records.values() if r["replicas"] == 1} == together  # skipped: half
+    # It learned (the last 20 steps' mean well below the first loss) with half batches alone.
+    last = [records[i]["loss"] for i in range(ITERS - 19, ITERS + 1)]
+    assert sum(last) / len(last) < 0.7 * records[1]["loss"], (last, records[1]["loss"])
     # Rank for rank, the healed replica's state equals its peer's at the step it rejoined.
     rejoined = telemetry.events(job_id, "replica_rejoined")
     healed = [e for e in rejoined if "heal_s" in e]
