@@ -68,6 +68,11 @@ class RankHooks:
     - `should_stop()`: asked on every rank before each step (give it to all ranks or none):
       when any rank says yes, every rank saves a persistent checkpoint at the current step and
       `train_rank` returns early (a scheduler's preemption: at most the step in flight is lost).
+    - `should_leave()`: with replicas as fault domains, asked on every rank of a replica before
+      each step (give it to all of them or none): when any says yes, this replica leaves the
+      job's quorum at that step boundary and `train_rank` returns without a checkpoint, while
+      the others go on (a live shrink; they take its share under `lost_replica_share:
+      redistribute`). A job that is one replica never leaves.
     - `quorum`: not a hook; see its comment.
     """
 
@@ -76,6 +81,7 @@ class RankHooks:
     on_snapshot_due: Callable[[RankTrainer], None] | None = None
     on_event: Callable[[dict], None] | None = None
     should_stop: Callable[[], bool] | None = None
+    should_leave: Callable[[], bool] | None = None
     # Not a hook: with resilience.on_rank_failure replace_replica, this replica group's
     # membership in the job's quorum (engine/fault_tolerance/replica_quorum.py), built by the launcher.
     quorum: Any = None

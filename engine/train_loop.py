@@ -145,6 +145,8 @@ def _train(
             if hooks.should_stop is not None and trainer.replica_sync.stop_agreed(hooks.should_stop()):
                 _save_and_stop(trainer, saved_at, quiet=quiet or not is_logger)
                 break
+            if hooks.should_leave is not None and trainer.replica_sync.leave_agreed(hooks.should_leave()):
+                break  # released: the other replicas hold the state and go on
             m = trainer.train_step()
             if m is None:  # the rerun state machine skipped a bad batch (or no quorum step)
                 if trainer.replica_sync.job_done:

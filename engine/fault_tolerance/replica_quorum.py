@@ -52,6 +52,7 @@ from engine.fault_tolerance.replica_group import shard_grad_views
 from engine.fault_tolerance.sync import ReplicaSync, StepShares
 from engine.jobspec.contract import (
     EVENT_RECOVERED,
+    EVENT_REPLICA_LEFT,
     EVENT_REPLICA_LOST,
     EVENT_REPLICA_REJOINED,
     RECOVERED_FROM,
@@ -165,6 +166,13 @@ class ReplicaQuorum(ReplicaSync):
         self._last_commit_at: float | None = None
         self.want_stop = False
         self._stop_seen = False
+        # A release (leave_agreed): asked, then carried by a step's reduction, then out once that
+        # step is committed; the others count the replicas released in it (`_released`), so the
+        # next quorum's smaller count is a release, not a loss.
+        self._want_leave = False
+        self._leave_sent = False
+        self._leaves = False
+        self._released = 0
         self._served_heal = False  # a peer healed from this replica's state in this quorum
         self._served: Any = None  # the snapshot it healed from
         self._heal_buffer: bytearray | None = None  # what the last snapshot served was captured into
@@ -346,7 +354,8 @@ class ReplicaQuorum(ReplicaSync):
         n = self.manager.num_participants()
         healing = self.manager._healing  # torchft 0.2.0 has no public "healing" flag
         reports = not healing and self.participating_rank == 0 and self.shard_rank == 0
-        if reports and n < self.replicas and self._first_commit:
+        # Fewer replicas than those released at the last step (which said `replica_left`): lost.
+        if reports and n < self.replicas - self._released and self._first_commit:
             self._lost_at = time.time()
             # The stall: from the last committed step to now (the failed step, the quorum without
             # the dead replica, this step's forward and backward) less a normal step.
@@ -374,6 +383,7 @@ class ReplicaQuorum(ReplicaSync):
             )
             self._lost_at = None
         self._served_heal, self._served = False, None
+        self._released = 0
         self.replicas = n
 
     def _heal(self) -> None:
@@ -463,10 +473,12 @@ class ReplicaQuorum(ReplicaSync):
             works = [self.manager.allreduce(flat)]
         else:
             works = [self.manager.allreduce(buf) for buf in grads]
-        # The loss and the stop flag in one: its mean over replicas is > 0 when any asked.
-        # Built on the device: no host sync for the loss (the stop flag below is the step's one).
-        stop = torch.full((1,), 1.0 if self.want_stop else 0.0, device=grads[0].device)
-        pair = torch.cat([loss.detach().reshape(1).float(), stop])
+        # The loss, the stop flag and the leave flag in one: the mean of a flag over the replicas is
+        # > 0 when any asked, and the leave flag's times the participants is how many leave. Built
+        # on the device: no host sync for the loss (the flags below are the step's one).
+        flags = [1.0 if self.want_stop else 0.0, 1.0 if self._want_leave else 0.0]
+        pair = torch.cat([loss.detach().reshape(1).float(), torch.tensor(flags, device=grads[0].device)])
+        self._leave_sent = self._want_leave
         works.append(self.manager.allreduce(pair))
         for w in works:
             w.wait()
@@ -477,6 +489,7 @@ class ReplicaQuorum(ReplicaSync):
                 offset += g.numel()
         # Each shard rank heard its own peers' flags: the replica stops as one.
         self._stop_seen = self._stop_seen or self._agreed(bool(pair[1].item() > 0))
+        self._released = round(float(pair[2].item()) * max(1, self.manager.num_participants()))
         if self.manager._healing:
             self._heal()
         return pair[0].to(loss.dtype).reshape(())
@@ -495,6 +508,22 @@ class ReplicaQuorum(ReplicaSync):
         self.manager.allreduce(flags, reduce_op=ReduceOp.SUM).wait()
         return flags
 
+    def leave_agreed(self, mine: bool) -> bool:
+        """Released (a live shrink). Asked (agreed over this replica's ranks), the release travels
+        with the next step's reduction, as a stop does, so the others know it is one; once that
+        step is committed the replica leaves the quorum at the step boundary. No step of the
+        others fails (a replica that dies instead costs them the step it was in): its liveness
+        link closes and the next quorum is agreed without it within the relay's ~0.1 s. Its
+        first rank says so (`replica_left`), and the others send no `replica_lost` for it."""
+        if self._leaves:
+            if self.shard_rank == 0:
+                self.emit(EVENT_REPLICA_LEFT, replica=self.index, iteration=self.trainer.iteration, replicas=self.replicas)
+            self.shutdown()
+            return True
+        if not self._want_leave and self._agreed(mine):
+            self._want_leave = True
+        return False
+
     def stop_agreed(self, mine: bool) -> bool:
         """The scheduler's stop (heard by one replica) travels with the next step's reduction, so
         every replica of the quorum stops at the same step boundary, one step after it was asked."""
@@ -512,6 +541,7 @@ class ReplicaQuorum(ReplicaSync):
             self.manager._min_replica_size = 1
             self._report_checkpoint_resume()
         if ok:
+            self._leaves = self._leave_sent  # the others heard it with this step
             self._last_commit_at = time.perf_counter()
             self._step_times.append(self._last_commit_at - self._step_started)
         return ok

@@ -99,6 +99,11 @@ class ReplicaSync:
         missing peer whose share it could take."""
         return StepShares()
 
+    def leave_agreed(self, mine: bool) -> bool:
+        """Whether this replica leaves the job at this step boundary (a live shrink). The whole
+        job never leaves: it stops (`stop_agreed`), with a checkpoint."""
+        return False
+
     def step_share(self, global_batch_size: int, dp_size: int) -> tuple[int, int, int]:
         """(the record's `replicas`, the samples the step trained, the devices that trained it
         as a multiple of this process group's)."""

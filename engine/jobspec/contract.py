@@ -88,6 +88,9 @@ RECOVERY_PHASES = "phase_seconds"
 EVENT_REPLICA_STARTED = "replica_started"
 EVENT_REPLICA_LOST = "replica_lost"
 EVENT_REPLICA_REJOINED = "replica_rejoined"
+# A replica that left the quorum because it was released (a live shrink, RankHooks.should_leave),
+# with the iteration it had finished: the others went on without it.
+EVENT_REPLICA_LEFT = "replica_left"
 # A replica's rank failing itself because the job's Lighthouse is gone (no quorum can form until
 # a new one serves the replicas started again); a rank's step watchdog firing.
 EVENT_LIGHTHOUSE_LOST = "lighthouse_lost"

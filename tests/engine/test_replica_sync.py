@@ -28,6 +28,7 @@ class _Quorum(ReplicaQuorum):
     def __init__(self, index: int, count: int, replicas: int, participating_rank: int) -> None:
         ReplicaSync.__init__(self)
         self.index, self.count, self.replicas, self._at = index, count, replicas, participating_rank
+        self._slots = None  # lost_replica_share: skip, or every replica in the step
 
     @property
     def participating_rank(self) -> int:
@@ -38,5 +39,8 @@ def test_a_replica_reads_its_share_and_a_step_with_fewer_replicas_trains_fewer_s
     q = _Quorum(index=1, count=3, replicas=2, participating_rank=1)
     assert q.data_rank(2, 1) == (6, 3)  # DP rank 1 of replica 1's two ranks: rank 3 of 6
     assert q.step_share(12, 2) == (2, 8, 2)  # two of three replicas trained 8 of the 12 samples
+    q._slots = [0, 1]  # redistribute: the two took the third's share
+    assert q.step_share(12, 2) == (2, 12, 2)
+    q._slots = None
     assert not q.writes_checkpoint and not q.writes_logs
     assert _Quorum(0, 3, 3, participating_rank=0).writes_checkpoint
