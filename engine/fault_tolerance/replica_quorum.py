@@ -167,10 +167,9 @@ class ReplicaQuorum(ReplicaSync):
         self.want_stop = False
         self._stop_seen = False
         # A release (leave_agreed): asked, then carried by a step's reduction, then out once that
-        # step is committed; the others count the replicas released in it (`_released`), so the
-        # next quorum's smaller count is a release, not a loss.
+        # step is committed (`_leaves`); the others count the replicas released in it
+        # (`_released`), so the next quorum's smaller count is a release, not a loss.
         self._want_leave = False
-        self._leave_sent = False
         self._leaves = False
         self._released = 0
         self._served_heal = False  # a peer healed from this replica's state in this quorum
@@ -476,9 +475,12 @@ class ReplicaQuorum(ReplicaSync):
         # The loss, the stop flag and the leave flag in one: the mean of a flag over the replicas is
         # > 0 when any asked, and the leave flag's times the participants is how many leave. Built
         # on the device: no host sync for the loss (the flags below are the step's one).
-        flags = [1.0 if self.want_stop else 0.0, 1.0 if self._want_leave else 0.0]
-        pair = torch.cat([loss.detach().reshape(1).float(), torch.tensor(flags, device=grads[0].device)])
-        self._leave_sent = self._want_leave
+        pair = torch.zeros(3, device=grads[0].device)
+        pair[0] = loss.detach().float()
+        if self.want_stop:
+            pair[1] = 1.0
+        if self._want_leave:
+            pair[2] = 1.0
         works.append(self.manager.allreduce(pair))
         for w in works:
             w.wait()
@@ -488,8 +490,9 @@ class ReplicaQuorum(ReplicaSync):
                 g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
         # Each shard rank heard its own peers' flags: the replica stops as one.
-        self._stop_seen = self._stop_seen or self._agreed(bool(pair[1].item() > 0))
-        self._released = round(float(pair[2].item()) * max(1, self.manager.num_participants()))
+        stop, leaving = pair[1:].tolist()  # one read of both flags
+        self._stop_seen = self._stop_seen or self._agreed(stop > 0)
+        self._released = round(leaving * max(1, self.manager.num_participants()))
         if self.manager._healing:
             self._heal()
         return pair[0].to(loss.dtype).reshape(())
@@ -541,7 +544,9 @@ class ReplicaQuorum(ReplicaSync):
             self.manager._min_replica_size = 1
             self._report_checkpoint_resume()
         if ok:
-            self._leaves = self._leave_sent  # the others heard it with this step
+            # Asked before this step (leave_agreed runs at the step boundary only), so its
+            # reduction carried the release: the others heard it.
+            self._leaves = self._want_leave
             self._last_commit_at = time.perf_counter()
             self._step_times.append(self._last_commit_at - self._step_started)
         return ok
