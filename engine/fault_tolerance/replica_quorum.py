@@ -38,6 +38,7 @@ new quorum.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import time
@@ -492,7 +493,9 @@ class ReplicaQuorum(ReplicaSync):
         # Each shard rank heard its own peers' flags: the replica stops as one.
         stop, leaving = pair[1:].tolist()  # one read of both flags
         self._stop_seen = self._stop_seen or self._agreed(stop > 0)
-        self._released = round(leaving * max(1, self.manager.num_participants()))
+        # A failed reduction's values are not to be read (torchft): no release counted from it.
+        ok = self.manager.errored() is None and math.isfinite(leaving)
+        self._released = round(leaving * max(1, self.manager.num_participants())) if ok else 0
         if self.manager._healing:
             self._heal()
         return pair[0].to(loss.dtype).reshape(())
