@@ -454,3 +454,8 @@ class TelemetryAck(BaseModel):
         description="'checkpoint': the scheduler preempts this job: save a checkpoint of the current "
         "step and stop (the workers' RankHooks.should_stop).",
     )
+    replicas: int | None = Field(
+        None,
+        description="resilience.resize: live: the replica groups the scheduler is resizing this job to (its "
+        "driver releases or adds groups at a step boundary and reports `resized`); None: no resize asked.",
+    )

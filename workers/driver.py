@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from engine.jobspec import JobSpec, JobSpecError, resolve_job
-from engine.jobspec.demand import CPUS_PER_RANK, rank_resources, run_sizes
+from engine.jobspec.demand import CPUS_PER_RANK, live_resize, rank_resources, run_sizes
 from engine.jobspec.storage_roots import StorageOutsideRoots, check_spec_within
 from workers.driver_events import DriverEvents
 from workers.policy import (
@@ -239,7 +239,10 @@ class JobDriver:
         signal.signal(signal.SIGTERM, handler)
 
     # -------------------------------------------------------------- one attempt
-    def _trainer(self, attempt: int):
+    def _trainer(self, attempt: int, replica: dict[str, Any] | None = None):
+        """The attempt's TorchTrainer; `replica` (resilience.resize: live, workers/replica_fits.py):
+        one replica group's run instead, {"replica_slot", "replica_slots", "replicas_expected",
+        "lighthouse"} for its ranks, on a process group of its own ranks, never retried by Ray."""
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig
 
@@ -257,17 +260,25 @@ class JobDriver:
         # (it marks a vanished node dead only after ~15 s of missed heartbeats; placing ranks on it
         # meanwhile would cost RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S).
         blocked = self.policy.blocked | self.lost_nodes
-        elastic = r.elastic
+        elastic = r.elastic and replica is None
+        if replica is not None:
+            from workers.placement import exclusion
+            from workers.replicas import replica_size
+
+            workers, selector = replica_size(self.spec), exclusion(blocked)
+        else:
+            workers = (self.sizes[0], self.sizes[-1]) if elastic else self.sizes[0]
+            selector = self._placement(attempt, blocked, elastic)
         scaling = ScalingConfig(
-            num_workers=(self.sizes[0], self.sizes[-1]) if elastic else self.sizes[0],
+            num_workers=workers,
             use_gpu=self.use_gpu,
             resources_per_worker=self._per_rank(),
-            label_selector=self._placement(attempt, blocked, elastic),
+            label_selector=selector,
             elastic_resize_monitor_interval_s=self.options.resize_interval_s
             or float(os.environ.get("ELASTRON_RESIZE_INTERVAL_S", 60.0)),
         )
         pg_timeout = self.job.process_group_timeout_s
-        replicas = replace_replica(self.spec)
+        replicas = replace_replica(self.spec) and replica is None  # (Ray's replica groups)
         return ElastronTorchTrainer(
             rank_main,
             train_loop_config={
@@ -279,6 +290,7 @@ class JobDriver:
                 "quiet": self.options.quiet,
                 "flush_interval_s": self.options.flush_interval_s,
                 "attempt_started_at": time.time(),  # a restart's phases are timed from here
+                **(replica or {}),
             },
             # replace_replica: one process group per replica, Ray's controller replacing a failed
             # replica group within the attempt (each replacement counted against max_restarts;
@@ -293,7 +305,7 @@ class JobDriver:
             else TorchConfig(timeout_s=pg_timeout),
             scaling_config=scaling,
             run_config=RunConfig(
-                name=self.job_id,
+                name=self.job_id if replica is None else f"{self.job_id}-replica{replica['replica_slot']}",
                 storage_path=self.options.storage_path or default_storage_path(),
                 failure_config=FailureConfig(max_failures=self._replica_budget() if replicas else 0),
                 callbacks=[GracefulShutdown()]
@@ -388,6 +400,11 @@ class JobDriver:
         import ray
         from ray.train import ControllerError, WorkerGroupError
 
+        if live_resize(self.spec):  # one Ray Train run per replica group (workers/replica_fits.py)
+            from workers.replica_fits import ReplicaFits
+
+            self.lost_nodes = set()
+            return ReplicaFits(self, attempt).run()
         self._prestart_ranks(attempt)
         trainer = self._trainer(attempt)
         self.lost_nodes = set()

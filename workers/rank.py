@@ -170,6 +170,38 @@ def _replicas_ended(registry, attempt: int) -> bool:
         return False
 
 
+class ReleaseWatch:
+    """resilience.resize: live: polls the job registry for the driver's release of this replica
+    slot (workers/replica_fits.py), off the training thread; `asked` is the engine's should_leave.
+    `stepped`: this group has reported its first step (a grow is done once it steps)."""
+
+    POLL_S = 0.25
+
+    def __init__(self, registry, slot: int) -> None:
+        self.registry, self.slot = registry, slot
+        self.asked = threading.Event()
+        self.stepped = False
+        self._stop = threading.Event()
+
+    def start(self) -> ReleaseWatch:
+        threading.Thread(target=self._run, name="elastron-release-watch", daemon=True).start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        import ray
+
+        while not self._stop.wait(self.POLL_S):
+            try:
+                if ray.get(self.registry.released.remote(self.slot), timeout=5):
+                    self.asked.set()
+                    return
+            except Exception:  # noqa: BLE001 - the registry busy or gone: ask again
+                continue
+
+
 def rank_main(config: dict[str, Any]) -> dict[str, Any] | None:
     """Train this rank of the job (Ray Train's train_loop_per_worker)."""
     entered = time.time()
@@ -216,8 +248,16 @@ class RankRun:
         # `count`), which runs on a process group of its own (workers/replicas.py); the engine
         # sees a job of the replica's ranks (one, or HSDP's shard group).
         self.replicas = replace_replica(self.job.spec)
-        self.size = replica_size(self.job.spec) if self.replicas else 1
-        self.replica, self.shard, self.count = self.rank // self.size, self.rank % self.size, self.world // self.size
+        # resilience.resize: live: this run is one replica group, slot `replica_slot` of
+        # `replica_slots` (workers/replica_fits.py): its process group is Ray's, of its ranks only.
+        self.slot = config.get("replica_slot")
+        if self.slot is not None:
+            self.size = self.world
+            self.replica, self.shard, self.count = self.slot, self.rank, config["replica_slots"]
+        else:
+            self.size = replica_size(self.job.spec) if self.replicas else 1
+            self.replica, self.shard, self.count = self.rank // self.size, self.rank % self.size, self.world // self.size
+        self.job_rank = self.replica * self.size + self.shard if self.replicas else self.rank
         self.identity = RankIdentity(
             node_id=self.hardware,
             job_id=self.job_id,
@@ -249,6 +289,9 @@ class RankRun:
         self.group = None
         if self.rank == 0 and self.registry is not None:
             self.group = ray.get(self.registry.group_started.remote(self.attempt, self.everyone))
+            if self.slot is not None:  # where this replica group runs, for the driver's `resized`
+                ranks = [{**r, "rank": self.slot * self.size + r["rank"]} for r in self.everyone]
+                ray.get(self.registry.replica_placed.remote(self.slot, ranks))
 
     def _join_replica(self) -> None:
         """The engine's job and data-parallel size: under replace_replica the replica's (an HSDP
@@ -260,7 +303,7 @@ class RankRun:
         # Closed over by the replica's watchers (a peer gone: this rank exits too, its telemetry
         # delivered first where it can be).
         self.lost = SimpleNamespace(sender=None)
-        if self.replicas and self.size > 1:
+        if self.replicas and self.size > 1 and self.slot is None:
             self.membership = form_replica(self.registry, self.replica, self.shard, self.size, self.config, self.lost)
         if self.replicas and self.config["device"] == "cpu":
             # Ray's replica groups each count one local rank, so _bind_device gave this rank every
@@ -271,7 +314,7 @@ class RankRun:
             cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
             torch.set_num_threads(max(1, int(cpus)))
         if self.replicas:
-            self.job, self.dp = replica_job(self.job), self.world
+            self.job, self.dp = replica_job(self.job), self.count * self.size
         else:
             if self.job.spec.resources.ranks != self.world:  # an elastic group of another size
                 self.job = self.job.with_ranks(self.world)
@@ -302,14 +345,16 @@ class RankRun:
                 contract.EVENT_REPLICA_STARTED,
                 replica=self.replica,
                 replicas=self.count,
-                world_size=self.world,  # Ray's workers in the group, the service's placement (one rank each)
+                # the job's ranks (the service's placement counts one rank each)
+                world_size=self.count * self.size,
                 group=self.group,
                 **({"shard_rank": self.shard, "round": self.membership.round} if self.membership is not None else {}),
+                **({"slot": self.slot} if self.slot is not None else {}),
                 # How long this process existed before it ran the rank: seconds for one started
                 # ahead (a warm process) or for a cold one's own imports alike; read with the
                 # replacement's start time, which only the controller knows.
                 process_age_s=round(self.entered - (process_started_at() or self.entered), 3),
-                **{contract.RANKS: [{**self.me, "rank": self.rank}]},
+                **{contract.RANKS: [{**self.me, "rank": self.job_rank}]},
             )
         elif self.rank == 0:
             sender.event(
@@ -361,7 +406,8 @@ class RankRun:
             self.quorum = ReplicaQuorum(
                 self.replica,
                 self.count,
-                **lighthouse_addresses(),
+                # a replica group's own run gets them from the driver, Ray's from its environment
+                **(self.config.get("lighthouse") or lighthouse_addresses()),
                 group=self.membership,
                 timeout_s=job.quorum_timeout_s,
                 startup_wait_s=job.setup_timeout_s,
@@ -370,7 +416,11 @@ class RankRun:
                 on_lighthouse_lost=self._on_lighthouse_lost,
                 last_progress=lambda: _last_progress(registry),
                 redistribute=spec.resilience.lost_replica_share == "redistribute",
+                expect=self.config.get("replicas_expected"),
             )
+        self.release = None
+        if self.slot is not None and registry is not None:
+            self.release = ReleaseWatch(registry, self.slot).start()
         self.watchdog = StepWatchdog(
             spec.resilience.step_timeout_s,
             setup_timeout_s=job.setup_timeout_s,
@@ -440,6 +490,9 @@ class RankRun:
 
     def _on_record(self, record: dict) -> None:
         """One step's metrics record: to the registry (how far the job got) and the control plane."""
+        if self.release is not None and not self.release.stepped:  # a live grow is done when it steps
+            self.release.stepped = True
+            self.registry.replica_stepping.remote(self.slot)
         if self.quorum is not None and self.quorum.participating_rank != 0:
             return  # the replica that is first in the step's quorum reports it
         # How far the job got, for the steps a restart loses (no wait): every step under
@@ -508,12 +561,14 @@ class RankRun:
                     # Rank 0's sender hears the scheduler's "stop" in its batches' answers; every
                     # rank takes part in agreeing on it (the others answer False).
                     should_stop=sender.stop_requested.is_set,
+                    should_leave=self.release.asked.is_set if self.release is not None else None,
                     quorum=self.quorum,
                 ),
                 identity=self.identity,
             )
             finished = True
-            if self.replicas and self.registry is not None:  # a replacement still joining must not wait for us
+            left = self.quorum is not None and self.quorum.left  # released (a live shrink): the job goes on
+            if self.replicas and self.registry is not None and not left:  # a replacement joining must not wait for us
                 self.registry.replica_ended.remote(self.attempt)
             if self.membership is not None:  # its peers' watchers of this rank end quietly
                 self.membership.close()
@@ -527,6 +582,8 @@ class RankRun:
                 pusher.wait()
             _STATE.running.clear()
             self.watchdog.stop()
+            if self.release is not None:
+                self.release.stop()
             _STATE.trainer = None
             # A failing rank does not hold up the restart for an unreachable control plane: what
             # is not delivered within a few seconds stays in the spool.

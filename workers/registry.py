@@ -16,6 +16,10 @@ read from here:
 - `replica_join(...)` / `replica_round(...)`: `resilience.on_rank_failure: replace_replica` with
   replicas of several ranks (HSDP): the rendezvous by rounds through which a replica's ranks form
   their process group again after one of them was replaced (engine/fault_tolerance/replica_group.py).
+- `release(slot)` / `released(slot)` / `replica_placed(slot, ranks)` / `replica_stepping(slot)` /
+  `replicas()`: `resilience.resize: live` (workers/replica_fits.py): the driver releases a replica
+  group, whose ranks poll for it and leave at a step boundary; each group says where its ranks
+  run and when it first stepped, which is what the driver's `resized` reports.
 - `snapshot_holders(node_ids)`: the in-memory snapshots' holder on each node, started here when
   missing, so that the driver's side owns them (workers/snapshots.py): they outlive the ranks and
   die with the driver.
@@ -48,6 +52,11 @@ class JobRegistry:
         self._holders: list[Any] = []  # every snapshot holder handle this actor obtained
         self._replicas_ended: set[int] = set()  # replace_replica: attempts whose replicas left the loop
         self._rounds: Any = None  # replace_replica with HSDP: the replicas' rendezvous
+        # resilience.resize: live, per replica slot: released by the driver; where its ranks run
+        # (set by the group's rank 0 as it starts); whether it has stepped since it started.
+        self._released: set[int] = set()
+        self._placed: dict[int, list[dict[str, Any]]] = {}
+        self._stepping: set[int] = set()
 
     def ping(self) -> bool:
         return True
@@ -95,6 +104,31 @@ class JobRegistry:
 
     def replicas_ended(self, attempt: int) -> bool:
         return attempt in self._replicas_ended
+
+    def release(self, slot: int, released: bool = True) -> None:
+        """Ask replica slot `slot`'s ranks to leave at their next step boundary (False: a new group
+        for the slot starts, and must not leave)."""
+        (self._released.add if released else self._released.discard)(slot)
+        if not released:
+            self._stepping.discard(slot)
+
+    def released(self, slot: int) -> bool:
+        return slot in self._released
+
+    def replica_placed(self, slot: int, ranks: list[dict[str, Any]]) -> None:
+        self._placed[slot] = ranks
+        self._stepping.discard(slot)
+
+    def replica_stepping(self, slot: int) -> None:
+        self._stepping.add(slot)
+
+    def replicas(self) -> dict[str, Any]:
+        """Where each slot's ranks run ({slot: ranks}) and the slots that stepped since they started."""
+        return {"placed": dict(self._placed), "stepping": sorted(self._stepping)}
+
+    def replica_gone(self, slot: int) -> None:
+        self._placed.pop(slot, None)
+        self._stepping.discard(slot)
 
     def replica_join(self, replica: int, shard_rank: int, size: int, address: tuple[str, int] | None) -> int:
         from engine.fault_tolerance.replica_group import ReplicaRounds

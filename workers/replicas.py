@@ -26,15 +26,11 @@ from functools import partial
 from typing import Any
 
 from engine.jobspec import JobSpec, ResolvedJob, derive_job, resolve_job
+from engine.jobspec.demand import replica_size
 
 
 def replace_replica(spec: JobSpec) -> bool:
     return spec.resilience.on_rank_failure == "replace_replica"
-
-
-def replica_size(spec: JobSpec) -> int:
-    """The ranks of one replica: HSDP's shard group, else one."""
-    return spec.parallel.data_parallel_shard_size or 1
 
 
 def check_replace_replica(spec: JobSpec) -> str | None:
@@ -55,7 +51,8 @@ def check_replace_replica(spec: JobSpec) -> str | None:
     # The job as asked needs two replicas. An elastic job may shrink to one (resources.min_ranks):
     # Ray restarts the group at each new size from the checkpoint, and a failure while one
     # replica runs restarts it (restart_group's way), as a failure of the last replica does.
-    if r.ranks < 2 * size:
+    # resilience.resize: live: the job's data slots (max_ranks) are what it is grown back to.
+    if ((r.max_ranks or r.ranks) if spec.resilience.resize == "live" else r.ranks) < 2 * size:
         need = "resources.ranks >= 2" if size == 1 else f"resources.ranks >= 2 x parallel.data_parallel_shard_size = {2 * size}"
         return f"{field} needs at least 2 data-parallel replicas ({need}); use restart_group"
     return None

@@ -144,6 +144,9 @@ class TelemetrySender:
         # Set when the control plane's answer to a batch says "stop": the scheduler preempts
         # this job and wants a checkpoint of the current step first (RankHooks.should_stop).
         self.stop_requested = threading.Event()
+        # resilience.resize: live: the replica groups the scheduler wants this job to run, from
+        # the control plane's answers (None: no resize asked); the driver reads it.
+        self.wanted_replicas: int | None = None
         self.spool_path = Path(spool_dir or default_spool_dir()) / job_id / f"{source}.jsonl"
         self._incarnation = uuid.uuid4().hex[:12]
         self._batches_made = 0
@@ -369,8 +372,12 @@ class TelemetrySender:
             ack = json.loads(body or b"{}")
         except ValueError:
             return
-        if isinstance(ack, dict) and ack.get("stop") == "checkpoint":
+        if not isinstance(ack, dict):
+            return
+        if ack.get("stop") == "checkpoint":
             self.stop_requested.set()
+        wanted = ack.get("replicas")
+        self.wanted_replicas = wanted if isinstance(wanted, int) and not isinstance(wanted, bool) else None
 
     def _post(self, batch: dict) -> str:
         body = json.dumps({**batch, "sent_at": time.time()}, default=str).encode()

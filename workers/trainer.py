@@ -151,6 +151,11 @@ class ElastronTorchTrainer(TorchTrainer):
     # abort(), or configurable stop signals) would let the driver install its own handlers; the
     # `controller.abort` below is the internal TrainController actor's method.
     def _register_sigint_handler(self, controller) -> None:
+        self._controller = controller
+        if threading.current_thread() is not threading.main_thread():
+            # A replica group's run in a thread of the driver (workers/replica_fits.py): the
+            # driver owns the signals and aborts every run with `abort`.
+            return
         stopping = threading.Event()
 
         def handler(signum, frame):
@@ -167,6 +172,18 @@ class ElastronTorchTrainer(TorchTrainer):
 
         signal.signal(signal.SIGINT, handler)
         signal.signal(signal.SIGTERM, handler)
+
+    def abort(self) -> bool:
+        """Abort this run through its controller (Ray Train's graceful path), from any thread;
+        False when its controller is not up yet or already gone."""
+        controller = getattr(self, "_controller", None)
+        if controller is None:
+            return False
+        try:
+            ray.get(controller.abort.remote(), timeout=30)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            pass  # the controller exits as it aborts
+        return True
 
 
 def rank_actor_runtime_env(worker_runtime_env: dict) -> str:

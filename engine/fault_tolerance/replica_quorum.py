@@ -129,9 +129,14 @@ class ReplicaQuorum(ReplicaSync):
         on_lighthouse_lost: Callable[[str], None] | None = None,
         last_progress: Callable[[], int | None] | None = None,
         redistribute: bool = False,
+        expect: int | None = None,
     ):
         super().__init__()
         self.index, self.count = index, count
+        # How many replicas this one waits for before its first step (default: every slot). A
+        # replica group started into a running job that was resized live runs beside fewer than
+        # `count` (workers/replica_fits.py): it waits for those, not for slots nobody fills.
+        self.expect = max(1, min(count, expect or count))
         # lost_replica_share: redistribute (the others take a missing replica's microbatches).
         self.redistribute = redistribute
         self._slots: list[int] | None = None  # this step's training replicas, when some are missing
@@ -250,7 +255,7 @@ class ReplicaQuorum(ReplicaSync):
         # waits for all of them, not for the first one built); after that, or once
         # `startup_wait_s` passed (the others finished or are gone), one is enough.
         # Private: torchft 0.2.0 has no public setter for the per-step minimum.
-        self.manager._min_replica_size = self.count
+        self.manager._min_replica_size = self.expect
         self._first_commit = False
 
     def _state(self) -> dict[str, Any]:
@@ -286,7 +291,7 @@ class ReplicaQuorum(ReplicaSync):
         if not self._first_commit:
             self.manager.wait_quorum()
             waited = self._agreed(time.time() - self.joined_at > self.startup_wait_s)
-            self.manager._min_replica_size = 1 if waited or self._members() >= self.count else self.count
+            self.manager._min_replica_size = 1 if waited or self._members() >= self.expect else self.expect
             # A replica alone in its quorum that must wait for the others (a job's start: the
             # first built waits for the rest) cannot commit this step (`should_commit`), and has
             # nobody to reduce with: it sits the step out rather than train it. Training it
@@ -297,7 +302,7 @@ class ReplicaQuorum(ReplicaSync):
             # peer in any of them its zeros would count in that peer's reduction, and the peer
             # may commit (its own wait may have run out). Alone and not waited, each rank's
             # minimum is every replica, so its vote is no.
-            alone = self._members() == 1 and not waited and self.count > 1
+            alone = self._members() == 1 and not waited and self.expect > 1
             self.waits_for_peers = not self._agreed(not alone)
             self.sits_out = bool(self.manager._healing) or self.waits_for_peers
             if self.waits_for_peers:
@@ -513,6 +518,11 @@ class ReplicaQuorum(ReplicaSync):
 
         self.manager.allreduce(flags, reduce_op=ReduceOp.SUM).wait()
         return flags
+
+    @property
+    def left(self) -> bool:
+        """This replica was released and left the quorum (leave_agreed): the job goes on without it."""
+        return self._leaves
 
     def leave_agreed(self, mine: bool) -> bool:
         """Released (a live shrink). Asked (agreed over this replica's ranks), the release travels

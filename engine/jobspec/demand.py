@@ -25,6 +25,27 @@ def rank_resources(use_gpu: bool, cpus_per_rank: float = CPUS_PER_RANK) -> dict[
     return {"GPU": 1.0, "CPU": cpus_per_rank} if use_gpu else {"CPU": cpus_per_rank}
 
 
+def replica_size(spec: JobSpec) -> int:
+    """The ranks of one replica group under resilience.on_rank_failure: replace_replica: HSDP's
+    shard group, else one."""
+    return spec.parallel.data_parallel_shard_size or 1
+
+
+def live_resize(spec: JobSpec) -> bool:
+    """Whether the scheduler resizes this job by releasing and adding replica groups inside its
+    running attempt (resilience.resize: live on an elastic replace_replica job) rather than by a
+    save, a stop and a relaunch."""
+    return spec.resilience.resize == "live" and spec.resources.elastic
+
+
+def replica_slots(spec: JobSpec) -> int:
+    """How many replica groups a live-resized job may run at most: its data shards (each global
+    batch is split over this many replicas whatever runs, lost_replica_share deciding who trains
+    a missing one's share)."""
+    r = spec.resources
+    return (r.max_ranks if r.max_ranks is not None else r.ranks) // replica_size(spec)
+
+
 def run_sizes(spec: JobSpec, *, upto: int | None = None, most: int | None = None) -> list[int]:
     """Rank counts the job can run on, ascending: `resources.ranks` for a fixed job; for an elastic
     one the multiples of tensor x pipeline x context in [min_ranks, max_ranks] that validate (only

@@ -78,6 +78,17 @@ class ResilienceSpec(_Section):
         "forward (a heal's transfer is then no longer hidden behind the survivors' forward and backward). "
         "Not with model.mtp_num_layers.",
     )
+    resize: Literal["restart", "live"] = Field(
+        "restart",
+        description="How the scheduler resizes or preempts part of this elastic job (resources.min_ranks). "
+        "restart: save the current step, stop and launch again at the new size (no step lost; every rank "
+        "starts again). live (needs on_rank_failure: replace_replica): each replica group runs as its own Ray "
+        "Train run, so a shrink releases whole replica groups at a step boundary (their Ray workers and "
+        "resources freed, the others train on) and a grow starts new ones that heal from a live peer, with no "
+        "checkpoint, stop or restart of the survivors. With lost_replica_share: redistribute a step after a "
+        "resize trains the same samples with the same math as the uninterrupted run. A job of one size (no "
+        "resources.min_ranks) is never resized: live changes nothing there.",
+    )
     replica_heartbeat_timeout_ms: int = Field(
         500,
         ge=20,
@@ -95,5 +106,10 @@ class ResilienceSpec(_Section):
             raise ValueError(
                 "resilience.lost_replica_share: redistribute is for on_rank_failure: replace_replica (restart_group "
                 "never steps without a replica); set on_rank_failure: replace_replica or drop lost_replica_share"
+            )
+        if self.resize == "live" and self.on_rank_failure != "replace_replica":
+            raise ValueError(
+                "resilience.resize: live releases and adds replica groups, which needs on_rank_failure: "
+                "replace_replica; set it, or resize: restart"
             )
         return self

@@ -39,6 +39,9 @@ def record_preemption(s: Session, p: Preemption, now: float) -> None:
     job.preempt_requested_at = now
     job.preempt_reason = p.reason
     job.yields_to = p.for_job if p.reclaimed else None
+    # A live resize in flight (resize_to alone) is superseded: the job stops and is requeued, not
+    # relaunched at that size.
+    job.resize_to = job.resize_placement = None
     scheduler_stats.count(s, "preemptions", job.tenant, job.priority or 0)
     add_event(
         s,

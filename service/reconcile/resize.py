@@ -8,6 +8,13 @@ preemption's (`preempt_requested_at`, with `resize_to` and `resize_placement` be
 is a preemption's (service/reconcile/preemption.py, `stopped_as_asked`), and the relaunch comes
 with the next scheduling pass, ahead of every queued job (service/reconcile/scheduling_pass.py).
 
+A job with `resilience.resize: live` (its demand's `live_group`) is resized inside its running
+attempt instead: the request is `resize_to` alone (no preemption), which its driver hears in the
+answers to its telemetry (`TelemetryAck.replicas`, service/store/telemetry.py `live_target`); it releases replica groups at a
+step boundary or starts new ones that heal from a live peer, and reports `resized` with the
+seconds it took and where its ranks now run, which ends the resize (`live_resized` there). Until then
+the job holds the larger of both rooms, as a restart-based resize does.
+
 Store writes only, inside the caller's transaction: it chooses no size and never calls the
 launcher.
 """
@@ -24,6 +31,7 @@ from service.states import FINAL
 from service.store import scheduler_stats
 from service.store.jobs import add_event, get_job
 from service.store.models import Job
+from service.store.telemetry import live_group
 
 
 def may_resize(z: Resize, inputs: SchedulerInputs, now: float, grow_after_s: float) -> bool:
@@ -43,10 +51,31 @@ def record_resize(s: Session, z: Resize, now: float) -> None:
     job = get_job(s, z.job_id)
     if job is None or job.state in FINAL or job.submission_id is None or job.preempt_requested_at:
         return
+    if job.resize_to is not None:  # a live resize in flight: one at a time
+        return
     old = dict(job.placement or {})
     scheduler_stats.count(
         s, "resizes", job.tenant, job.priority or 0, "grow" if z.ranks > sum(old.values()) else "shrink"
     )
+    group = live_group(job)
+    if group:
+        job.resize_to, job.resize_placement = z.ranks, dict(z.placement)
+        add_event(
+            s,
+            job,
+            "resizing",
+            f"{z.reason}: asking {job.submission_id} to go on with {z.ranks // group} replica groups instead "
+            f"of {sum(old.values()) // group}, without a restart",
+            data={
+                "from_ranks": sum(old.values()),
+                "to_ranks": z.ranks,
+                "from_replicas": sum(old.values()) // group,
+                "to_replicas": z.ranks // group,
+                "placement": z.placement,
+                "live": True,
+            },
+        )
+        return
     job.preempt_requested_at = now
     job.preempt_reason = z.reason
     job.resize_to, job.resize_placement = z.ranks, dict(z.placement)
@@ -72,3 +101,4 @@ def stopped_for_resize(s: Session, job: Job, sid: str, status: LaunchStatus, now
     what = f"{job.preempt_reason}; relaunching on {job.resize_to} ranks"
     stopped_as_asked(s, job, sid, status, "resized", "resizes", what, data, now)
     job.queue_position, job.waiting_reason = None, f"resizing: relaunching on {job.resize_to} ranks"
+

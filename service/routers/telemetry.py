@@ -29,7 +29,7 @@ from service.schemas import Problem, TelemetryAck, TelemetryIn
 from service.states import JobState
 from service.store.db import in_transaction
 from service.store.jobs import get_job
-from service.store.telemetry import ingest
+from service.store.telemetry import ingest, live_target
 from service.store.tokens import JOB_PREFIX, hash_secret
 
 router = APIRouter(tags=["internal"])
@@ -94,7 +94,12 @@ def post_telemetry(
             )
         result = ingest(session, job, records, events)
         preempting = job.preempt_requested_at is not None and job.cancel_requested_at is None
-        return TelemetryAck(**vars(result), state=JobState(job.state), stop="checkpoint" if preempting else None)
+        return TelemetryAck(
+            **vars(result),
+            state=JobState(job.state),
+            stop="checkpoint" if preempting else None,
+            replicas=live_target(job),
+        )
 
     return in_transaction(ctx.sessions, apply)
 

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.jobspec import JobSpec
-from engine.jobspec.demand import CPUS_PER_RANK, run_sizes, uses_gpu
+from engine.jobspec.demand import CPUS_PER_RANK, live_resize, replica_size, run_sizes, uses_gpu
 from engine.jobspec.layout import model_parallel_size
 from service.scheduling.model import Job, Node, Shape
 
@@ -27,6 +27,9 @@ class Demand:
     step: int  # tensor x pipeline x context: an elastic job's sizes are multiples of it
     device: str  # resources.device: auto, cpu or cuda
     cpus: float = CPUS_PER_RANK  # per rank
+    # resilience.resize: live: the ranks of one replica group, which the job releases or adds
+    # inside its running attempt (service/reconcile/resize.py); 0: resized by a stop and relaunch
+    live_group: int = 0
 
     @property
     def elastic(self) -> bool:
@@ -48,6 +51,7 @@ class Demand:
             step=int(data["step"]),
             device=str(data["device"]),
             cpus=float(data.get("cpus", CPUS_PER_RANK)),
+            live_group=int(data.get("live_group", 0)),
         )
 
 
@@ -59,12 +63,19 @@ def demand_of(spec: JobSpec) -> Demand:
     """The sizes the scheduler may admit the job at: from `resources.ranks` down to `min_ranks`
     (the largest MAX_SIZES candidates). Not above `ranks`: the service starts a job at most
     there and does not grow it (yet)."""
-    sizes = tuple(run_sizes(spec, upto=spec.resources.ranks, most=MAX_SIZES)) or (spec.resources.ranks,)
+    live = live_resize(spec)
+    if live:  # every count of whole replica groups: each global batch is split over all slots
+        group, r = replica_size(spec), spec.resources
+        lo = -(-(r.min_ranks or group) // group)
+        sizes = tuple(k * group for k in range(max(1, lo), r.ranks // group + 1))[-MAX_SIZES:]
+    else:
+        sizes = tuple(run_sizes(spec, upto=spec.resources.ranks, most=MAX_SIZES)) or (spec.resources.ranks,)
     return Demand(
         ranks=spec.resources.ranks,
         sizes=sizes,
-        step=model_parallel_size(spec.parallel),
+        step=replica_size(spec) if live else model_parallel_size(spec.parallel),
         device=spec.resources.device,
+        live_group=replica_size(spec) if live else 0,
     )
 
 
@@ -138,12 +149,15 @@ def trim_placement(placement: dict[str, int], ranks: int) -> dict[str, int]:
 def sized_spec(spec: dict[str, Any], demand: Demand, size: int) -> dict[str, Any]:
     """The spec an elastic job is launched with at its admitted size: `ranks` and `max_ranks`
     pinned to it, so Ray Train never grows it into room the scheduler gave to another job (it
-    may still shrink, on a lost node). A fixed job's spec is unchanged."""
+    may still shrink, on a lost node). A fixed job's spec is unchanged. A live-resized job keeps
+    its max_ranks (its data slots: the replica groups it may be grown back to) and starts `size`
+    ranks' groups; its driver adds groups only when the scheduler says (service/reconcile/resize.py)."""
     if not demand.elastic:
         return spec
     out = copy.deepcopy(spec)
-    out["resources"]["ranks"] = size
-    out["resources"]["max_ranks"] = size
+    r = out["resources"]
+    r["max_ranks"] = (r.get("max_ranks") or r["ranks"]) if demand.live_group else size
+    r["ranks"] = size
     return out
 
 

@@ -156,6 +156,32 @@ def _apply_events(session: Session, job: Job, events: list[dict], stats: dict, r
                 job.placement = placed
         elif kind == contract.EVENT_REPLICA_STARTED and job.state not in FINAL:
             _place_replica(job, event, stats)
+        elif kind == contract.EVENT_RESIZED and event.get("live") and job.state not in FINAL:
+            live_resized(job, event)
+
+
+def live_group(job: Job) -> int:
+    """The ranks of one replica group of a job resized live (resilience.resize: live, from its
+    stored demand: service/scheduling/demand.py), or 0 for a job resized by a stop and relaunch."""
+    return int((job.demand or {}).get("live_group") or 0)
+
+
+def live_target(job: Job) -> int | None:
+    """The replica groups a live-resized job is asked to run (TelemetryAck.replicas), or None when
+    no live resize is in flight (a restart-based one sets a preemption beside resize_to; a
+    preemption asked during a live one cleared it: service/reconcile/preemption.py)."""
+    group = live_group(job)
+    if not group or job.resize_to is None or job.preempt_requested_at is not None or job.submission_id is None:
+        return None
+    return job.resize_to // group
+
+
+def live_resized(job: Job, event: dict) -> None:
+    """The driver's `resized` (live): the resize is over; the scheduler counts where the job's
+    ranks now run (the event's `ranks`, else the placement it was resized to)."""
+    placed = ranks_per_node(event.get(contract.RANKS))
+    job.placement = placed or dict(job.resize_placement or {}) or job.placement
+    job.resize_to = job.resize_placement = None
 
 
 def _place_replica(job: Job, event: dict, stats: dict) -> None:

@@ -419,3 +419,55 @@ def test_the_scheduler_counts_where_ray_put_the_ranks(start_env, fake):
     b = submit(env, spec("b", ranks=2))
     env.wait_state(b, "starting")
     assert events(env, b, "admitted")[0]["data"]["placement"] == {meant: 2}  # the room Ray left
+
+
+def test_a_live_job_is_resized_through_its_telemetry_answers_without_a_stop(start_env, fake):
+    """resilience.resize: live: the scheduler's shrink is asked in the job's telemetry answers
+    (`replicas`), not as a stop; the room stays held until the driver reports `resized`, and only
+    then is the urgent job admitted into it; the grow back goes the same way. One launch
+    throughout. A preemption asked during a live resize supersedes it (the job is requeued, not
+    relaunched at the resize's size)."""
+    env = start_env(fake, scheduler_grow_after_s=0.0)
+    scheduled(env)
+    body = spec("flex", ranks=4)
+    body["resources"]["min_ranks"] = 2
+    body["resilience"] = {"on_rank_failure": "replace_replica", "resize": "live", "lost_replica_share": "redistribute"}
+    flex = submit(env, body)
+    env.wait_state(flex, "starting")
+    first = sid_of(env, flex)
+    assert json.loads(fake.env_of(flex)["ELASTRON_JOB_SPEC"])["resources"]["max_ranks"] == 4  # its slots
+
+    def ack(events_: list[dict] | None = None) -> dict:
+        with env.client("admin") as c:
+            r = c.post(f"/v1/internal/jobs/{flex}/telemetry", json={"events": events_ or []})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    assert ack()["replicas"] is None  # no resize asked
+    urgent = submit(env, spec("urgent", ranks=2, priority=10))
+    wait_for(lambda: ack()["replicas"] == 2, what="the shrink asked in the telemetry answer")
+    assert first not in fake.stopped and ack()["stop"] is None  # no stop, no preemption
+    (resizing,) = events(env, flex, "resizing")
+    assert resizing["data"]["live"] and (resizing["data"]["from_replicas"], resizing["data"]["to_replicas"]) == (4, 2)
+    assert env.job(urgent, "admin")["state"] == "queued"  # its room is not free until the driver says so
+    placement = events(env, flex, "admitted")[0]["data"]["placement"]
+    node = sorted(placement)[0]
+    ranks = [{"rank": i, "node_id": node, "pid": 100 + i} for i in range(2)]
+    ack([{"kind": "resized", "id": "z1", "live": True, "from_replicas": 4, "to_replicas": 2, "seconds": 1.5, "ranks": ranks}])
+    env.wait_state(urgent, "starting")
+    assert ack()["replicas"] is None
+    with env.server.ctx.sessions() as s:
+        assert s.scalars(select(Job.placement).where(Job.id == flex)).one() == {node: 2}
+    assert env.job(flex, "admin")["attempt"] == 1 and sid_of(env, flex) == first
+
+    fake.set_status(sid_of(env, urgent), LaunchStatus.SUCCEEDED)
+    env.wait_state(urgent, "succeeded")
+    wait_for(lambda: ack()["replicas"] == 4, what="the grow asked")
+    assert [e["data"]["to_replicas"] for e in events(env, flex, "resizing")] == [2, 4]
+    # A preemption now (a more urgent job than it) supersedes the grow in flight.
+    big = submit(env, spec("big", ranks=4, priority=20))
+    wait_for(lambda: ack()["stop"] == "checkpoint", what="the preemption asked")
+    assert ack()["replicas"] is None
+    fake.set_status(first, LaunchStatus.SUCCEEDED)  # the job saved its step and stopped
+    env.wait_state(big, "starting")
+    assert env.job(flex, "admin")["state"] == "queued" and events(env, flex, "preempted")
