@@ -445,7 +445,7 @@ def test_a_live_job_is_resized_through_its_telemetry_answers_without_a_stop(star
 
     assert ack()["replicas"] is None  # no resize asked
     urgent = submit(env, spec("urgent", ranks=2, priority=10))
-    wait_for(lambda: ack()["replicas"] == 2, what="the shrink asked in the telemetry answer")
+    wait_for(lambda: ack()["replicas"] == 2, 120, "the shrink asked in the telemetry answer")
     assert first not in fake.stopped and ack()["stop"] is None  # no stop, no preemption
     (resizing,) = events(env, flex, "resizing")
     assert resizing["data"]["live"] and (resizing["data"]["from_replicas"], resizing["data"]["to_replicas"]) == (4, 2)
@@ -462,11 +462,11 @@ def test_a_live_job_is_resized_through_its_telemetry_answers_without_a_stop(star
 
     fake.set_status(sid_of(env, urgent), LaunchStatus.SUCCEEDED)
     env.wait_state(urgent, "succeeded")
-    wait_for(lambda: ack()["replicas"] == 4, what="the grow asked")
+    wait_for(lambda: ack()["replicas"] == 4, 120, "the grow asked")
     assert [e["data"]["to_replicas"] for e in events(env, flex, "resizing")] == [2, 4]
     # A preemption now (a more urgent job than it) supersedes the grow in flight.
     big = submit(env, spec("big", ranks=4, priority=20))
-    wait_for(lambda: ack()["stop"] == "checkpoint", what="the preemption asked")
+    wait_for(lambda: ack()["stop"] == "checkpoint", 120, "the preemption asked")
     assert ack()["replicas"] is None
     fake.set_status(first, LaunchStatus.SUCCEEDED)  # the job saved its step and stopped
     env.wait_state(big, "starting")
