@@ -361,7 +361,6 @@ class JobDriver:
         fixed-size group that needs every free slot of the usable nodes. None when Ray picks, and
         after a restart of a job whose ranks started their own warm processes."""
         import ray
-        from ray._private.state import available_resources_per_node  # private: per-node room
 
         elastic = self.spec.resources.elastic
         if attempt > 0 and self.job.warm_restart:
@@ -372,11 +371,20 @@ class JobDriver:
             return {n: k for n, k in scheduled.items() if k > 0 and n in alive and n not in blocked} or None
         if elastic:
             return None
+        slots = self.free_ranks(blocked)
+        return slots if sum(slots.values()) == self.sizes[0] else None
+
+    def free_ranks(self, blocked: set[str]) -> dict[str, int]:
+        """{node: this job's ranks its free resources hold now}, over live nodes outside `blocked`."""
+        import ray
+        from ray._private.state import available_resources_per_node  # private: per-node room
+
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
         slots = {}
         for node, have in available_resources_per_node().items():
             if node in alive and node not in blocked and (fits := self._ranks_that_fit(have)) > 0:
                 slots[node] = fits
-        return slots if sum(slots.values()) == self.sizes[0] else None
+        return slots
 
     def _prestart_ranks(self, attempt: int) -> None:
         """Ask the nodes this attempt's ranks will run on for their processes now, so that their

@@ -109,13 +109,12 @@ class JobRegistry:
         """Ask replica slot `slot`'s ranks to leave at their next step boundary (False: a new group
         for the slot starts, and must not leave)."""
         (self._released.add if released else self._released.discard)(slot)
-        if not released:
-            self._stepping.discard(slot)
 
     def released(self, slot: int) -> bool:
         return slot in self._released
 
     def replica_placed(self, slot: int, ranks: list[dict[str, Any]]) -> None:
+        """A new group for `slot` started (it has not stepped yet)."""
         self._placed[slot] = ranks
         self._stepping.discard(slot)
 

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from engine.jobspec import contract
-from engine.jobspec.demand import replica_size, replica_slots
+from engine.jobspec.demand import fewest_replicas, replica_size, replica_slots
 from workers.policy import Outcome, classify
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,7 @@ class ReplicaFits:
         self.driver, self.attempt = driver, attempt
         self.size = replica_size(spec)
         self.count = replica_slots(spec)
-        self.fewest = max(1, -(-(spec.resources.min_ranks or self.size) // self.size))
+        self.fewest = fewest_replicas(spec)
         self.slots = [Slot(i) for i in range(self.count)]
         self.target = max(self.fewest, min(self.count, spec.resources.ranks // self.size))
         self.lock = threading.Lock()
@@ -98,9 +98,8 @@ class ReplicaFits:
     def _ensure_lighthouse(self) -> None:
         """The job's Lighthouse, started (again, if it died) on the driver's node."""
         import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from workers.trainer import _LighthouseActor
+        from workers.trainer import start_lighthouse
 
         if self.lighthouse is not None:
             try:
@@ -109,19 +108,8 @@ class ReplicaFits:
             except Exception:  # noqa: BLE001 - gone: a new one (its replicas failed on its close)
                 self.lighthouse = None
         spec = self.driver.spec
-        self.lighthouse = (
-            ray.remote(num_cpus=0, max_restarts=0)(_LighthouseActor)
-            .options(
-                scheduling_strategy=NodeAffinitySchedulingStrategy(
-                    node_id=ray.get_runtime_context().get_node_id(), soft=False
-                )
-            )
-            .remote(
-                {
-                    "silent_timeout_ms": spec.resilience.replica_heartbeat_timeout_ms,
-                    "relay": self.driver.options.replica_relay,
-                }
-            )
+        self.lighthouse = start_lighthouse(
+            {"silent_timeout_ms": spec.resilience.replica_heartbeat_timeout_ms, "relay": self.driver.options.replica_relay}
         )
         self.addresses = {
             "lighthouse_addr": ray.get(self.lighthouse.address.remote(), timeout=60),
@@ -222,7 +210,7 @@ class ReplicaFits:
             done = all(i in stepping for i in z.slots)
             if not done and elapsed < GROW_DEADLINE_S:
                 return
-        elif any(self.slots[i].state in ("running",) for i in z.slots):
+        elif any(self.slots[i].running for i in z.slots):
             return
         self.resizing = None
         placed = ray.get(self.driver.registry.replicas.remote(), timeout=10)["placed"]
@@ -262,17 +250,7 @@ class ReplicaFits:
 
     def _room_for_one(self) -> bool:
         """Whether live, usable nodes have free room for one replica group now."""
-        import ray
-        from ray._private.state import available_resources_per_node  # private: per-node room
-
-        blocked = self.driver.policy.blocked | self.driver.lost_nodes
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        fits = sum(
-            self.driver._ranks_that_fit(have)
-            for node, have in available_resources_per_node().items()
-            if node in alive and node not in blocked
-        )
-        return fits >= self.size
+        return sum(self.driver.free_ranks(self.driver.policy.blocked | self.driver.lost_nodes).values()) >= self.size
 
     def _on_failure(self, slot: Slot) -> Outcome | None:
         """A replica group's run failed: start it again in its slot (None), or end the attempt

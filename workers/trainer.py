@@ -278,6 +278,20 @@ class _LighthouseActor:
         return self.lighthouse.liveness_address()
 
 
+def start_lighthouse(lighthouse_kwargs: dict):
+    """The job's Lighthouse actor on this (the driver's or the controller's) node, asking for no
+    CPU, so that it fits on a head node without CPUs."""
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return (
+        ray.remote(num_cpus=0, max_restarts=0)(_LighthouseActor)
+        .options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        )
+        .remote(lighthouse_kwargs)
+    )
+
+
 def torchft_config(timeout_s: int, heartbeat_timeout_ms: int = 500, relay: bool = True):
     """Ray Train's TorchftConfig for `resilience.on_rank_failure: replace_replica`: one torch
     process group per replica group (Ray 2.60: one worker each), the controller replacing only a
@@ -299,8 +313,6 @@ def torchft_config(timeout_s: int, heartbeat_timeout_ms: int = 500, relay: bool 
 
     class _Backend(_TorchftBackend):
         def _maybe_create_lighthouse_actor(self, backend_config) -> str:
-            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
             if self.lighthouse_actor is not None:
                 try:
                     return ray.get(self.lighthouse_actor.address.remote())
@@ -311,15 +323,7 @@ def torchft_config(timeout_s: int, heartbeat_timeout_ms: int = 500, relay: bool 
                     # the replicas linked to the old one have failed on its close
                     # (replica_quorum.py), or at their quorum timeout without the relay.
                     pass
-            self.lighthouse_actor = (
-                ray.remote(num_cpus=0, max_restarts=0)(_LighthouseActor)
-                .options(
-                    scheduling_strategy=NodeAffinitySchedulingStrategy(
-                        node_id=ray.get_runtime_context().get_node_id(), soft=False
-                    ),
-                )
-                .remote(backend_config.lighthouse_kwargs)
-            )
+            self.lighthouse_actor = start_lighthouse(backend_config.lighthouse_kwargs)
             return ray.get(self.lighthouse_actor.address.remote())
 
         def on_start(self, worker_group, backend_config):

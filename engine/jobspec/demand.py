@@ -46,6 +46,12 @@ def replica_slots(spec: JobSpec) -> int:
     return (r.max_ranks if r.max_ranks is not None else r.ranks) // replica_size(spec)
 
 
+def fewest_replicas(spec: JobSpec) -> int:
+    """The fewest replica groups a live-resized job may shrink to (resources.min_ranks, in groups)."""
+    group = replica_size(spec)
+    return max(1, -(-(spec.resources.min_ranks or group) // group))
+
+
 def run_sizes(spec: JobSpec, *, upto: int | None = None, most: int | None = None) -> list[int]:
     """Rank counts the job can run on, ascending: `resources.ranks` for a fixed job; for an elastic
     one the multiples of tensor x pipeline x context in [min_ranks, max_ranks] that validate (only

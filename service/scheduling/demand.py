@@ -15,7 +15,14 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from engine.jobspec import JobSpec
-from engine.jobspec.demand import CPUS_PER_RANK, live_resize, replica_size, run_sizes, uses_gpu
+from engine.jobspec.demand import (
+    CPUS_PER_RANK,
+    fewest_replicas,
+    live_resize,
+    replica_size,
+    run_sizes,
+    uses_gpu,
+)
 from engine.jobspec.layout import model_parallel_size
 from service.scheduling.model import Job, Node, Shape
 
@@ -65,9 +72,8 @@ def demand_of(spec: JobSpec) -> Demand:
     there and does not grow it (yet)."""
     live = live_resize(spec)
     if live:  # every count of whole replica groups: each global batch is split over all slots
-        group, r = replica_size(spec), spec.resources
-        lo = -(-(r.min_ranks or group) // group)
-        sizes = tuple(k * group for k in range(max(1, lo), r.ranks // group + 1))[-MAX_SIZES:]
+        group = replica_size(spec)
+        sizes = tuple(k * group for k in range(fewest_replicas(spec), spec.resources.ranks // group + 1))[-MAX_SIZES:]
     else:
         sizes = tuple(run_sizes(spec, upto=spec.resources.ranks, most=MAX_SIZES)) or (spec.resources.ranks,)
     return Demand(
