@@ -91,9 +91,8 @@ EVENT_REPLICA_REJOINED = "replica_rejoined"
 # A replica that left the quorum because it was released (a live shrink, RankHooks.should_leave),
 # with the iteration it had finished: the others went on without it.
 EVENT_REPLICA_LEFT = "replica_left"
-# resilience.resize: live: the driver asked its replica groups to go from/to (`resizing`) and they
-# did (`resized`, with `seconds`, `live: true` and the ranks where they run)
-EVENT_RESIZING = "resizing"
+# resilience.resize: live: the driver's replica groups went from/to the count the scheduler asked
+# for (`resized`, with `seconds`, `live: true` and the ranks where they run)
 EVENT_RESIZED = "resized"
 # A replica's rank failing itself because the job's Lighthouse is gone (no quorum can form until
 # a new one serves the replicas started again); a rank's step watchdog firing.
