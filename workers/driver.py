@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from engine.jobspec import JobSpec, JobSpecError, resolve_job
-from engine.jobspec.demand import CPUS_PER_RANK, live_resize, rank_resources, run_sizes
+from engine.jobspec.demand import CPUS_PER_RANK, rank_resources, run_sizes
 from engine.jobspec.storage_roots import StorageOutsideRoots, check_spec_within
 from workers.driver_events import DriverEvents
 from workers.policy import (
@@ -248,6 +248,7 @@ class JobDriver:
 
         from workers.rank import rank_main
         from workers.trainer import (
+            AnnounceController,
             ElastronTorchTrainer,
             GracefulShutdown,
             WarmControllerProcesses,
@@ -309,7 +310,10 @@ class JobDriver:
                 storage_path=self.options.storage_path or default_storage_path(),
                 failure_config=FailureConfig(max_failures=self._replica_budget() if replicas else 0),
                 callbacks=[GracefulShutdown()]
-                + ([WarmControllerProcesses()] if self.job.warm_restart else []),
+                # (a replica group's run: ReplicaFits keeps the job's warm processes instead, and
+                # aborts the run through the controller it announces)
+                + ([WarmControllerProcesses()] if self.job.warm_restart and replica is None else [])
+                + ([AnnounceController(self.job_id, replica["replica_slot"])] if replica is not None else []),
                 # Rank processes import torch and the engine at their start, which lets a warm
                 # process started ahead take a restarted rank (workers/warm_processes.py).
                 worker_runtime_env=rank_runtime_env(),
@@ -408,7 +412,7 @@ class JobDriver:
         import ray
         from ray.train import ControllerError, WorkerGroupError
 
-        if live_resize(self.spec):  # one Ray Train run per replica group (workers/replica_fits.py)
+        if self.spec.live_resize:  # one Ray Train run per replica group (workers/replica_fits.py)
             from workers.replica_fits import ReplicaFits
 
             self.lost_nodes = set()

@@ -56,6 +56,7 @@ class JobRegistry:
         # (set by the group's rank 0 as it starts); whether it has stepped since it started.
         self._released: set[int] = set()
         self._placed: dict[int, list[dict[str, Any]]] = {}
+        self._controllers: dict[int, Any] = {}  # resilience.resize: live: each slot's run's controller
         self._stepping: set[int] = set()
 
     def ping(self) -> bool:
@@ -128,6 +129,13 @@ class JobRegistry:
     def replica_gone(self, slot: int) -> None:
         self._placed.pop(slot, None)
         self._stepping.discard(slot)
+
+    def controller_started(self, slot: int, controller: Any) -> None:
+        """The handle of the controller of `slot`'s run (workers/trainer.py AnnounceController)."""
+        self._controllers[slot] = controller
+
+    def controllers(self) -> dict[int, Any]:
+        return {slot: c for slot, c in self._controllers.items() if c is not None}
 
     def replica_join(self, replica: int, shard_rank: int, size: int, address: tuple[str, int] | None) -> int:
         from engine.fault_tolerance.replica_group import ReplicaRounds

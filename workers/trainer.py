@@ -20,6 +20,9 @@ or changes its signature, rather than a job failing (or quietly losing a stop si
   process per worker group start, each replica replacement included).
 - `ElasticScalingPolicy._count_possible_workers(reserved)`: how many workers the cluster has
   room for; ours drops dead and excluded nodes and rounds down to a valid size.
+- `ControllerCallback.after_controller_start(context)`: `AnnounceController` hands the job
+  registry the controller of a replica group's run (resilience.resize: live), whose `abort` the
+  driver calls (Ray's own abort handler is registered only from the main thread).
 - `FailurePolicy.make_decision(error)` / `FailureDecision`: the controller's retry decision
   (`RerunExitToDriver` raises a rank's RerunExit to the driver).
 - `ElasticScalingPolicy` and `WorkerCallback` themselves are imported from
@@ -41,7 +44,9 @@ from ray.train.torch import TorchTrainer
 # Internal: Ray's public callback (`ray.train.UserCallback`) runs on the controller only; a public
 # worker-side callback with a shutdown hook would replace this import. WorkerGroupCallback: a
 # public "the worker group has started" hook on UserCallback would replace that one.
-from ray.train.v2._internal.execution.callback import WorkerCallback, WorkerGroupCallback
+# ControllerCallback: a public handle on a running fit() (one that can abort it from any thread)
+# would replace it.
+from ray.train.v2._internal.execution.callback import ControllerCallback, WorkerCallback, WorkerGroupCallback
 
 # Internal: a public failure-policy interface (or FailureConfig naming errors never to retry)
 # would replace this import.
@@ -151,11 +156,6 @@ class ElastronTorchTrainer(TorchTrainer):
     # abort(), or configurable stop signals) would let the driver install its own handlers; the
     # `controller.abort` below is the internal TrainController actor's method.
     def _register_sigint_handler(self, controller) -> None:
-        self._controller = controller
-        if threading.current_thread() is not threading.main_thread():
-            # A replica group's run in a thread of the driver (workers/replica_fits.py): the
-            # driver owns the signals and aborts every run with `abort`.
-            return
         stopping = threading.Event()
 
         def handler(signum, frame):
@@ -173,39 +173,36 @@ class ElastronTorchTrainer(TorchTrainer):
         signal.signal(signal.SIGINT, handler)
         signal.signal(signal.SIGTERM, handler)
 
-    def abort(self) -> bool:
-        """Abort this run through its controller (Ray Train's graceful path), from any thread;
-        False when its controller is not up yet or already gone."""
-        controller = getattr(self, "_controller", None)
-        if controller is None:
-            return False
-        try:
-            ray.get(controller.abort.remote(), timeout=30)
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            pass  # the controller exits as it aborts
-        return True
+
+class AnnounceController(ControllerCallback):
+    """Runs in the controller of a replica group's run (resilience.resize: live,
+    workers/replica_fits.py): hands the job registry this controller's handle for the slot, so
+    that the driver can abort the run. Ray Train registers its own abort (the SIGINT handler)
+    only when fit() runs in the main thread, and each of these runs in a thread of the driver."""
+
+    def __init__(self, job_id: str, slot: int):
+        self.job_id, self.slot = job_id, slot
+
+    def after_controller_start(self, train_run_context) -> None:
+        from workers.registry import NAMESPACE, registry_name
+
+        registry = ray.get_actor(registry_name(self.job_id), namespace=NAMESPACE)
+        registry.controller_started.remote(self.slot, ray.get_runtime_context().current_actor)
 
 
-def rank_actor_runtime_env(worker_runtime_env: dict) -> str:
-    """The serialized runtime environment Ray Train's worker actors will get from a controller
-    this process starts now with `RunConfig(worker_runtime_env=...)`: what the driver names when
-    it asks for the ranks' processes ahead (workers/warm_processes.py, `prestart_for_launch`).
-
-    Ray Train builds it in two steps, mirrored here: the controller actor gets
+def controller_actor_runtime_env() -> str:
+    """The serialized runtime environment of the controller actor a TorchTrainer.fit() in this
+    process starts now (and of the helper actors it starts, which inherit it): Ray Train gives it
     `{"env_vars": <Ray Train's variables set in this process>}` with the blocking-get warning's
     default (DataParallelTrainer._initialize_and_run_controller), merged into this process's job
-    environment; each worker actor then gets the worker environment with the same variables
-    (WorkerGroup._get_worker_runtime_env, a private static method), merged into the
-    controller's. tests/workers/test_warm_processes.py runs a job on the result."""
-    # Internal: Ray Train's list of variables it passes on, the controller's default and the
-    # worker's environment builder; a public "the workers' runtime environment" would replace
-    # all three.
+    environment."""
+    # Internal: Ray Train's list of variables it passes on and the controller's default; a public
+    # "the controller's runtime environment" would replace both.
     from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
     from ray.train.v2._internal.constants import (
         DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
         get_env_vars_to_propagate,
     )
-    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
 
     from workers.warm_processes import actor_runtime_env
 
@@ -214,8 +211,24 @@ def rank_actor_runtime_env(worker_runtime_env: dict) -> str:
         RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR, DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE
     )
     job_env = ray._private.worker.global_worker.core_worker.get_current_runtime_env()
-    controller = actor_runtime_env(job_env, {"env_vars": controller_vars})
-    return actor_runtime_env(controller, WorkerGroup._get_worker_runtime_env(worker_runtime_env))
+    return actor_runtime_env(job_env, {"env_vars": controller_vars})
+
+
+def rank_actor_runtime_env(worker_runtime_env: dict) -> str:
+    """The serialized runtime environment Ray Train's worker actors will get from a controller
+    this process starts now with `RunConfig(worker_runtime_env=...)`: what the driver names when
+    it asks for the ranks' processes ahead (workers/warm_processes.py, `prestart_for_launch`).
+
+    Ray Train builds it in two steps, mirrored here: the controller's (controller_actor_runtime_env),
+    then each worker actor's, the worker environment with the same variables
+    (WorkerGroup._get_worker_runtime_env, a private static method) merged into the controller's.
+    tests/workers/test_warm_processes.py runs a job on the result."""
+    # Internal: Ray Train's worker environment builder.
+    from ray.train.v2._internal.execution.worker_group.worker_group import WorkerGroup
+
+    from workers.warm_processes import actor_runtime_env
+
+    return actor_runtime_env(controller_actor_runtime_env(), WorkerGroup._get_worker_runtime_env(worker_runtime_env))
 
 
 class GracefulShutdown(WorkerCallback):

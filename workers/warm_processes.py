@@ -213,25 +213,46 @@ def actor_runtime_env(parent: str, child: dict | None) -> str:
     return json.dumps(merged, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def raylets() -> dict[str, str]:
+    """{Ray node id: its raylet's host:port} over the live nodes."""
+    import ray
+
+    return {n["NodeID"]: f"{n['NodeManagerAddress']}:{n['NodeManagerPort']}" for n in ray.nodes() if n.get("Alive")}
+
+
 def prestart_for_launch(nodes: dict[str, int], serialized_env: str) -> int:
     """Ask each node of `nodes` ({Ray node id: ranks}) for that many idle processes with the rank
     actors' environment `serialized_env`, for a group about to start there; returns how many
     were asked for. Not taken within LAUNCH_KEEP_ALIVE_S (the group went elsewhere), they end
     as any idle worker does; they end with the driver's Ray job in any case."""
-    import ray
-
-    raylets = {
-        n["NodeID"]: f"{n['NodeManagerAddress']}:{n['NodeManagerPort']}"
-        for n in ray.nodes()
-        if n.get("Alive")
-    }
+    where = raylets()
     asked = 0
     for node, count in sorted(nodes.items()):
-        if count <= 0 or node not in raylets:
+        if count <= 0 or node not in where:
             continue
-        if _prestart(raylets[node], serialized_env, count, LAUNCH_KEEP_ALIVE_S, "a launch"):
+        if _prestart(where[node], serialized_env, count, LAUNCH_KEEP_ALIVE_S, "a launch"):
             asked += count
     return asked
+
+
+def prestart_on(nodes: dict[str, int], serialized_env: str, why: str, spacing_s: float = 1.0) -> threading.Thread:
+    """In the background, ask each node of `nodes` ({Ray node id: processes}) for idle processes
+    with `serialized_env` that stay until taken (KEEP_ALIVE_S), one request every `spacing_s`
+    (see prestart_here): for a start that may come much later (a live resize's grow)."""
+
+    def ask() -> None:
+        where = raylets()
+        first = True
+        for node, count in sorted(nodes.items()):
+            for _ in range(count if node in where else 0):
+                if not first:
+                    time.sleep(spacing_s)
+                first = False
+                _prestart(where[node], serialized_env, 1, KEEP_ALIVE_S, why)
+
+    thread = threading.Thread(target=ask, name="elastron-warm-prestart", daemon=True)
+    thread.start()
+    return thread
 
 
 def prestart_after_first_step(trainer, count: int = 1, poll_s: float = 0.2, give_up_s: float = 3600.0) -> threading.Thread:

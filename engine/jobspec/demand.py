@@ -31,13 +31,6 @@ def replica_size(spec: JobSpec) -> int:
     return spec.parallel.data_parallel_shard_size or 1
 
 
-def live_resize(spec: JobSpec) -> bool:
-    """Whether the scheduler resizes this job by releasing and adding replica groups inside its
-    running attempt (resilience.resize: live on an elastic replace_replica job) rather than by a
-    save, a stop and a relaunch."""
-    return spec.resilience.resize == "live" and spec.resources.elastic
-
-
 def replica_slots(spec: JobSpec) -> int:
     """How many replica groups a live-resized job may run at most: its data shards (each global
     batch is split over this many replicas whatever runs, lost_replica_share deciding who trains

@@ -41,6 +41,13 @@ class JobSpec(_Section):
     def data_parallel_size(self) -> int:
         return layout.data_parallel_size(self.resources.ranks, self.parallel)
 
+    @property
+    def live_resize(self) -> bool:
+        """Whether the scheduler resizes this job by releasing and adding replica groups inside its
+        running attempt (resilience.resize: live on an elastic replace_replica job) rather than by a
+        save, a stop and a relaunch."""
+        return self.resilience.resize == "live" and self.resources.elastic
+
     @model_validator(mode="after")
     def _check_moe(self) -> JobSpec:
         m, p = self.model.moe, self.parallel

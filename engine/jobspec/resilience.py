@@ -52,7 +52,8 @@ class ResilienceSpec(_Section):
         None,
         description="On Ray: once a rank has trained a step, start one process per rank ahead on its node, "
         "with torch and the engine imported, for the ranks of the next restart (seconds less downtime; "
-        "about 0.3 GB of host memory each, no GPU). Default: on with checkpoint.local_interval, off otherwise.",
+        "about 0.3 GB of host memory each, no GPU). Default: on with checkpoint.local_interval or resize: live, "
+        "off otherwise.",
     )
     on_rank_failure: Literal["restart_group", "replace_replica"] = Field(
         "restart_group",

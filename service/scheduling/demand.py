@@ -18,7 +18,6 @@ from engine.jobspec import JobSpec
 from engine.jobspec.demand import (
     CPUS_PER_RANK,
     fewest_replicas,
-    live_resize,
     replica_size,
     run_sizes,
     uses_gpu,
@@ -70,7 +69,7 @@ def demand_of(spec: JobSpec) -> Demand:
     """The sizes the scheduler may admit the job at: from `resources.ranks` down to `min_ranks`
     (the largest MAX_SIZES candidates). Not above `ranks`: the service starts a job at most
     there and does not grow it (yet)."""
-    live = live_resize(spec)
+    live = spec.live_resize
     if live:  # every count of whole replica groups: each global batch is split over all slots
         group = replica_size(spec)
         sizes = tuple(k * group for k in range(fewest_replicas(spec), spec.resources.ranks // group + 1))[-MAX_SIZES:]

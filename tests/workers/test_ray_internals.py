@@ -25,6 +25,7 @@ RAY_WORKER = ("ray.train.v2._internal.execution.worker_group.worker", "RayTrainW
 WORKER_GROUP_CALLBACK = ("ray.train.v2._internal.execution.callback", "WorkerGroupCallback")
 WORKER_GROUP = ("ray.train.v2._internal.execution.worker_group.worker_group", "WorkerGroup")
 FAILURE_POLICY = ("ray.train.v2._internal.execution.failure_handling", "FailurePolicy")
+CONTROLLER_CALLBACK = ("ray.train.v2._internal.execution.callback", "ControllerCallback")
 
 # (Ray's class, its method, the parameters workers/trainer.py overrides or calls it with, our
 # class that overrides it). "**" is any **kwargs: its name does not matter to a caller.
@@ -36,6 +37,7 @@ METHODS = [
     (ELASTIC_POLICY, "__init__", ["self", "scaling_config"], None),  # super().__init__(scaling_config)
     (WORKER_CALLBACK, "before_worker_shutdown", ["self"], "GracefulShutdown"),
     (WORKER_GROUP_CALLBACK, "after_worker_group_start", ["self", "worker_group"], "WarmControllerProcesses"),
+    (CONTROLLER_CALLBACK, "after_controller_start", ["self", "train_run_context"], "AnnounceController"),
     (FAILURE_POLICY, "make_decision", ["self", "training_failed_error"], "RerunExitToDriver"),
     (FAILURE_POLICY, "__init__", ["self", "failure_config"], None),  # super().__init__(failure_config)
     # rank_actor_runtime_env: the workers' environment as Ray Train builds it (a static method)
@@ -52,6 +54,9 @@ CALL_SITES = [
     (DATA_PARALLEL_TRAINER, "fit", "self._create_default_callbacks("),
     (DATA_PARALLEL_TRAINER, "_create_default_callbacks", "DatasetsCallback("),
     (ELASTIC_POLICY, None, "self._count_possible_workers("),
+    # AnnounceController: the controller calls it as it starts; its abort is what the driver calls.
+    (TRAIN_CONTROLLER, None, '"after_controller_start"'),
+    (TRAIN_CONTROLLER, None, "async def abort(self)"),
     (RAY_WORKER, None, ".before_worker_shutdown("),
     # Ray Train's worker actors get RunConfig.worker_runtime_env (our preload hook rides on it).
     (WORKER_GROUP, None, "run_config.worker_runtime_env"),

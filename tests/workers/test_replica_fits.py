@@ -6,6 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from engine.jobspec import parse_job
+from engine.jobspec.resolved import resolve_job
 from tests.workers.conftest import job
 from workers.replica_fits import ReplicaFits
 
@@ -33,7 +34,7 @@ def _fits(**resources) -> ReplicaFits:
             resilience={"on_rank_failure": "replace_replica", "resize": "live"},
         )
     )
-    driver = SimpleNamespace(spec=spec, events=_Events(), registry=_Registry())
+    driver = SimpleNamespace(spec=spec, job=resolve_job(spec), events=_Events(), registry=_Registry())
     return ReplicaFits(driver, 0)
 
 
