@@ -15,12 +15,15 @@ what each figure measures and against what:
   ranks' processes asked for ahead by the driver against Ray Train starting them.
 - telemetry (telemetry_cost.py): one per-step `TelemetrySender.record()` call.
 - storage_fault (storage_faults.py): an S3 fault or a full disk during a save, against a clean run.
+- resize (live_resize.py): `resize_s`, a shrink 2 -> 1 replica groups and the grow back, from the
+  control plane's request to the first step at the new size, with `resilience.resize: live`
+  against the restart-based resize of the same job.
 
 What they share (the jobs, the local Ray cluster and its telemetry receiver, the JSON lines):
 harness.py.
 
     python bench/recovery.py [--repeats 1] [--rounds 3] [--iterations 40]
-        [--skip MODE ...] [--only MODE ...]   MODE: recovery|survive|overhead|snapshot_overhead|storage_faults|launch
+        [--skip MODE ...] [--only MODE ...]   MODE: recovery|survive|overhead|snapshot_overhead|storage_faults|launch|resize
         [--kill-every 30] [--heartbeat-timeout-ms MS ...] [--survive-job small|medium]
         [--survive-iters N] [--compare-no-relay] [--ray-cpus 2] [--smoke]
 
@@ -42,13 +45,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-MODES = ("recovery", "survive", "overhead", "snapshot_overhead", "storage_faults", "launch")
+MODES = ("recovery", "survive", "overhead", "snapshot_overhead", "storage_faults", "launch", "resize")
 
 
 def main() -> None:
     # Imported here, once ROOT is on sys.path (run as a script, only bench/ itself is).
     from bench.recovery_modes.harness import WARMUP, local_ray
     from bench.recovery_modes.launch_prestart import launch
+    from bench.recovery_modes.live_resize import live_resize
     from bench.recovery_modes.ray_overhead import overhead
     from bench.recovery_modes.replica_kills import (
         SMOKE_SURVIVE,
@@ -138,6 +142,8 @@ def main() -> None:
         telemetry_cost(receiver, 500 if args.smoke else 20000)
         if "launch" not in args.skip:  # first: no other job's processes about
             launch(receiver, tmp / "launch", args.rounds, iters=4 if args.smoke else 20)
+        if "resize" not in args.skip:
+            live_resize(receiver, tmp / "resize", smoke=args.smoke)
         if "recovery" not in args.skip:
             # --smoke: the memory mode alone, which runs every line of the persistent one
             # too (the persistent resume under it, the restart's breakdown): one Ray job and

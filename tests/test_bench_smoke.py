@@ -41,6 +41,8 @@ SMOKE_PARTS = {
         # the snapshot overhead's jobs; Ray over local (its Ray side is their plain run); a
         # launch with the ranks' processes asked for ahead and one without
         "overheads": ("--only", "snapshot_overhead", "--only", "overhead", "--only", "launch"),
+        # a live resize's shrink and grow, and the restart-based resize's stop and relaunches
+        "resize": ("--only", "resize"),
     },
 }
 PART_TIMEOUT_S = 450.0

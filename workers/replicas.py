@@ -51,8 +51,11 @@ def check_replace_replica(spec: JobSpec) -> str | None:
     # The job as asked needs two replicas. An elastic job may shrink to one (resources.min_ranks):
     # Ray restarts the group at each new size from the checkpoint, and a failure while one
     # replica runs restarts it (restart_group's way), as a failure of the last replica does.
-    # resilience.resize: live: the job's data slots (max_ranks) are what it is grown back to.
-    if ((r.max_ranks or r.ranks) if spec.resilience.resize == "live" else r.ranks) < 2 * size:
+    # resilience.resize: live: the job's data slots (max_ranks) are what it is grown back to. A
+    # job the scheduler relaunched smaller (its restart-based resize) keeps its min_ranks and
+    # runs at ranks = max_ranks = its new size, which may be one replica.
+    asked = (r.max_ranks or r.ranks) if spec.resilience.resize == "live" else r.ranks
+    if asked < 2 * size and (r.min_ranks is None or r.ranks < r.min_ranks):
         need = "resources.ranks >= 2" if size == 1 else f"resources.ranks >= 2 x parallel.data_parallel_shard_size = {2 * size}"
         return f"{field} needs at least 2 data-parallel replicas ({need}); use restart_group"
     return None

@@ -73,11 +73,13 @@ def job_spec(base: dict, train_iters: int) -> dict:
 
 
 class Receiver:
-    """The control plane's telemetry endpoint, reduced to collecting what arrives."""
+    """The control plane's telemetry endpoint, reduced to collecting what arrives and giving
+    every batch the same `answer` (the TelemetryAck fields a mode sets: `stop`, `replicas`)."""
 
     def __init__(self):
         self.records: list[dict] = []
         self.events: list[dict] = []
+        self.answer: dict = {}
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -88,9 +90,12 @@ class Receiver:
                 batch = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 outer.records.extend(batch["records"])
                 outer.events.extend(batch["events"])
+                body = json.dumps(outer.answer).encode()
                 self.send_response(200)
-                self.send_header("Content-Length", "0")
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
+                self.wfile.write(body)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
