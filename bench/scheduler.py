@@ -10,7 +10,11 @@ GPUs per job 1 (70 %), 2 (7 %), 4 (8 %), 8 (8 %), 16-512 (7 %, halving per doubl
 log-normal, median 30 min, sigma 1.5, clipped to [1 min, 3 days]; Poisson arrivals at 1.2x the
 cluster's capacity over 24 h; priorities 0 / 5 / 10 (75 / 20 / 5 %); 10 tenants (Zipf); 90 %
 preemptible; 30 % of the jobs of >= 4 GPUs elastic down to half. A preemption or shrink costs a
-checkpoint (120 s, the job holding its room) and a restart (120 s without progress).
+checkpoint (120 s, the job holding its room) and a restart (120 s without progress). The same
+trace is replayed once more with the elastic jobs resized as `resilience.resize: live` does
+(`elastron_live_resize`: a shrink or grow costs only the released or added ranks LIVE_RESIZE_S,
+bench/recovery.py's measured resize_s; the others train on); the summary says how many fewer
+GPU-hours it loses (target >= 5x) and its priority-10 p99 wait (target <= 120 s).
 
 Prints one JSON line per policy and a summary line: GPU utilisation while the queue is not
 empty, p50/p99 wait per priority, preemptions, GPU-hours lost to them, and the time of one
@@ -40,6 +44,9 @@ RANK = Shape(cpus=8, gpus=1)
 SIZES = [(1, 0.70), (2, 0.07), (4, 0.08), (8, 0.08)] + [(16 << i, 0.07 * 0.5 ** (i + 1) / (1 - 0.5**6)) for i in range(6)]
 PRIORITIES = [(0, 0.75), (5, 0.20), (10, 0.05)]
 CHECKPOINT_S = RESTART_S = 120.0
+# resilience.resize: live: a shrink or grow of an elastic job, request to stepping at the new size,
+# measured by bench/recovery.py's resize mode (1.05 s and 1.90 s on a 2-core machine), rounded up.
+LIVE_RESIZE_S = 2.0
 POLICIES = {
     "elastron": Policy(),
     "fifo": Policy(order="fifo", backfill=False, preemption=False, grow=False),
@@ -96,16 +103,23 @@ def _pct(xs: list[float], q: float) -> float | None:
     return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
-def replay(name: str, nodes: list[Node], trace: list[TraceJob]) -> dict:
+def replay(name: str, nodes: list[Node], trace: list[TraceJob], live: bool = False) -> dict:
+    """One policy over the trace; `live`: its elastic jobs resize as `resilience.resize: live` does."""
     start = time.perf_counter()
-    result = Simulation(nodes, policy=POLICIES[name], checkpoint_s=CHECKPOINT_S, restart_s=RESTART_S).run(trace)
+    result = Simulation(
+        nodes,
+        policy=POLICIES[name],
+        checkpoint_s=CHECKPOINT_S,
+        restart_s=RESTART_S,
+        live_resize_s=LIVE_RESIZE_S if live else None,
+    ).run(trace)
     waits: dict[int, list[float]] = {}
     for o in result.outcomes.values():
         if o.admitted_at is not None:
             waits.setdefault(o.job.priority, []).append(o.admitted_at - o.job.submitted_at)
     unfinished = sum(1 for o in result.outcomes.values() if o.finished_at is None and not o.refused)
     return {
-        "policy": name,
+        "policy": name + ("_live_resize" if live else ""),
         "jobs": len(trace),
         "unfinished": unfinished,
         "utilisation_while_queued": round(result.utilisation, 4),
@@ -115,6 +129,7 @@ def replay(name: str, nodes: list[Node], trace: list[TraceJob]) -> dict:
         "preemptions": sum(o.preemptions for o in result.outcomes.values()),
         "resizes": sum(o.resizes for o in result.outcomes.values()),
         "gpu_hours_lost": round(result.lost_gpu_s / 3600, 1),
+        "gpu_hours_lost_to_resizes": round(result.lost_resize_gpu_s / 3600, 1),
         "decisions": result.decisions,
         "simulated_hours": round(result.end / 3600, 1),
         "replay_s": round(time.perf_counter() - start, 1),
@@ -155,11 +170,12 @@ def main() -> None:
     nodes = [Node(f"node{i}", CPUS_PER_NODE, GPUS_PER_NODE) for i in range(args.gpus // GPUS_PER_NODE)]
     trace = make_trace(args.gpus, args.hours, args.load, args.seed)
     results = {name: replay(name, nodes, trace) for name in POLICIES}
+    results["elastron_live_resize"] = replay("elastron", nodes, trace, live=True)
     for r in results.values():
         if r["unfinished"]:
             raise SystemExit(f"{r['policy']}: {r['unfinished']} jobs never finished: the simulation is wrong")
         print(json.dumps({"bench": "scheduler", "smoke": args.smoke, **r}), flush=True)
-    ours, fifo = results["elastron"], results["fifo"]
+    ours, fifo, live = results["elastron"], results["fifo"], results["elastron_live_resize"]
 
     def p99(r, p):
         return (r["wait_s"].get(str(p)) or {}).get("p99")
@@ -181,6 +197,11 @@ def main() -> None:
         ),
         "checkpoint_s": CHECKPOINT_S,
         "gpu_hours_lost_to_preemption": ours["gpu_hours_lost"],
+        # the same trace with the elastic jobs resized live (resilience.resize: live)
+        "live_resize_s": LIVE_RESIZE_S,
+        "gpu_hours_lost_with_live_resize": live["gpu_hours_lost"],
+        "gpu_hours_lost_restart_over_live": round(ours["gpu_hours_lost"] / max(live["gpu_hours_lost"], 1e-9), 2),
+        "p99_wait_priority10_s_with_live_resize": p99(live, 10),
         "decision_ms_at_queued": {str(args.queued): round(1000 * decision_time(nodes, args.queued, args.seed), 2)},
     }
     print(json.dumps(summary), flush=True)

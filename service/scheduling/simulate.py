@@ -7,6 +7,11 @@ preemptions and shrinks taking `checkpoint_s` (the job saves at its current step
 holding its room until then), a preempted job requeued with the work it had left. Work is
 measured in seconds at the job's nominal size (`Job.ranks`); an elastic job on n ranks makes
 progress at n / ranks of that rate (data parallelism).
+
+With `live_resize_s` set, elastic jobs resize as `resilience.resize: live` does
+(workers/replica_fits.py): a shrink releases its ranks after `live_resize_s` and a grow's new
+ranks train after it, while the others train on (no checkpoint, no restart); only the released
+or added ranks' GPU-time for those seconds is lost. A preemption is still a stop.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ class SimResult:
     busy_gpu_s: float = 0.0  # allocated GPU-seconds while the queue was non-empty
     capacity_gpu_s: float = 0.0  # the cluster's GPU-seconds while the queue was non-empty
     lost_gpu_s: float = 0.0  # GPU-seconds spent stopping and restarting for preemptions and shrinks
+    lost_resize_gpu_s: float = 0.0  # of which for resizes (the rest: preemptions)
     decisions: int = 0
     end: float = 0.0
 
@@ -72,6 +78,7 @@ class Simulation:
     policy: Policy = Policy()
     checkpoint_s: float = 60.0  # a save at the current step and a stop (preemption, shrink)
     restart_s: float = 60.0  # a resumed job's start-up before it makes progress again
+    live_resize_s: float | None = None  # an elastic job's live shrink or grow (None: stop and restart)
     # Called after every decision with (now, decision, running before it, queued): the property
     # tests check their invariants here.
     observe: Callable[[float, Decision, Sequence[Running], Sequence[Job]], None] | None = None
@@ -128,9 +135,18 @@ class Simulation:
             elif kind == "stopped":
                 what, size, placement = stopping.pop(job_id)  # placement: a shrink's; a stop's yields_to
                 r = runs[job_id]
-                lost = r.running.ranks * r.running.job.shape.gpus * (self.checkpoint_s + self.restart_s)
+                if what == "live":  # the released ranks' seconds; the others trained on
+                    lost = (r.running.ranks - size) * r.running.job.shape.gpus * self.live_resize_s
+                else:
+                    lost = r.running.ranks * r.running.job.shape.gpus * (self.checkpoint_s + self.restart_s)
                 result.lost_gpu_s += lost
-                if what == "stop":
+                if what != "stop":
+                    result.lost_resize_gpu_s += lost
+                if what == "live":
+                    r.running = Running(r.running.job, placement, r.running.backfilled_for)
+                    outcomes[job_id].resizes += 1
+                    schedule_finish(job_id)
+                elif what == "stop":
                     del runs[job_id]
                     # Requeued with the credit its waits earned; the new wait counts from now.
                     queued[job_id] = replace(r.running.job, waiting_since=now, yields_to=placement)
@@ -171,14 +187,23 @@ class Simulation:
                 heapq.heappush(events, (now + self.checkpoint_s, next(seq), "stopped", p.job_id))
             for z in decision.resize:
                 r = runs[z.job_id]
+                live = self.live_resize_s is not None and r.running.job.lo < r.running.job.hi
                 if z.ranks < r.running.ranks:
-                    stopping[z.job_id] = ("shrink", z.ranks, z.placement)
-                    heapq.heappush(events, (now + self.checkpoint_s, next(seq), "stopped", z.job_id))
-                else:  # grow: the room is taken now, progress resumes after a restart
-                    r.running = Running(r.running.job, z.placement, r.running.backfilled_for)
+                    stopping[z.job_id] = ("live" if live else "shrink", z.ranks, z.placement)
+                    wait = self.live_resize_s if live else self.checkpoint_s
+                    heapq.heappush(events, (now + wait, next(seq), "stopped", z.job_id))
+                    continue
+                # a grow: the room is taken now; progress resumes after a restart, or (live) the
+                # added ranks train after live_resize_s, the others never stopped
+                if live:
+                    lost = (z.ranks - r.running.ranks) * r.running.job.shape.gpus * self.live_resize_s
+                else:
+                    lost = z.ranks * r.running.job.shape.gpus * self.restart_s
                     r.paused_until = now + self.restart_s
-                    result.lost_gpu_s += r.running.ranks * r.running.job.shape.gpus * self.restart_s
-                    outcomes[z.job_id].resizes += 1
-                    schedule_finish(z.job_id)
+                r.running = Running(r.running.job, z.placement, r.running.backfilled_for)
+                result.lost_gpu_s += lost
+                result.lost_resize_gpu_s += lost
+                outcomes[z.job_id].resizes += 1
+                schedule_finish(z.job_id)
         result.end = now
         return result

@@ -187,8 +187,12 @@ def scenarios(draw):
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios(), st.sampled_from([Policy(aging_s=300), Policy(aging_s=300, backfill=False), Policy(grow=False)]))
-def test_random_traces_never_over_admit_never_breach_a_quota_and_finish_every_job(scenario, policy):
+@given(
+    scenarios(),
+    st.sampled_from([Policy(aging_s=300), Policy(aging_s=300, backfill=False), Policy(grow=False)]),
+    st.sampled_from([None, 2.0]),  # elastic jobs resized by a restart, or live
+)
+def test_random_traces_never_over_admit_never_breach_a_quota_and_finish_every_job(scenario, policy, live_s):
     nodes, quotas, trace = scenario
     capacity = {n.id: (n.cpus, n.gpus) for n in nodes}
 
@@ -221,7 +225,7 @@ def test_random_traces_never_over_admit_never_breach_a_quota_and_finish_every_jo
             )
             assert limit is None or not grew or gpus <= limit + 1e-9, (t, gpus, limit)
 
-    sim = Simulation(nodes, quotas, policy, checkpoint_s=5, restart_s=5, observe=observe)
+    sim = Simulation(nodes, quotas, policy, checkpoint_s=5, restart_s=5, live_resize_s=live_s, observe=observe)
     result = sim.run(trace, horizon_s=10_000_000)
     for o in result.outcomes.values():
         if o.refused:
@@ -229,6 +233,26 @@ def test_random_traces_never_over_admit_never_breach_a_quota_and_finish_every_jo
             continue
         assert o.admitted_at is not None and o.finished_at is not None, (o, result.end)
     assert result.decisions < 20 * len(trace) + 50  # no preemption ping-pong
+
+
+def test_a_live_resize_costs_only_the_released_and_added_ranks_seconds():
+    """An elastic 4-rank job (min 2) gives 2 ranks to an urgent job and takes them back: by a
+    restart, each resize costs every rank of the job its checkpoint and/or restart; live, only the
+    2 ranks released or added lose `live_resize_s` each way, and the others never stop."""
+    nodes = [Node("a", cpus=4, gpus=4)]
+    trace = [
+        TraceJob(job("flex", 4, min_ranks=2), work_s=1000),
+        TraceJob(job("urgent", 2, priority=10, at=100.0), work_s=50),
+    ]
+    restart = Simulation(nodes, checkpoint_s=10, restart_s=10).run(trace)
+    live = Simulation(nodes, checkpoint_s=10, restart_s=10, live_resize_s=2).run(trace)
+    for result in (restart, live):
+        assert result.outcomes["flex"].resizes == 2 and result.outcomes["flex"].preemptions == 0
+    assert restart.lost_gpu_s == restart.lost_resize_gpu_s == 4 * (10 + 10) + 4 * 10  # shrink, grow
+    assert live.lost_gpu_s == live.lost_resize_gpu_s == 2 * 2 + 2 * 2
+    assert live.outcomes["urgent"].admitted_at == 102.0 and restart.outcomes["urgent"].admitted_at == 110.0
+    # Live, flex trained on 2 ranks while the urgent job ran and never paused: it ends sooner.
+    assert live.outcomes["flex"].finished_at < restart.outcomes["flex"].finished_at
 
 
 @pytest.mark.parametrize("arrives", [0.0, 1.0, 30.0])
