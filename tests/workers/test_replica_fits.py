@@ -34,7 +34,8 @@ def _fits(**resources) -> ReplicaFits:
             resilience={"on_rank_failure": "replace_replica", "resize": "live"},
         )
     )
-    driver = SimpleNamespace(spec=spec, job=resolve_job(spec), events=_Events(), registry=_Registry())
+    policy = SimpleNamespace(max_restarts=2, restarts_used=0)
+    driver = SimpleNamespace(spec=spec, job=resolve_job(spec), events=_Events(), registry=_Registry(), policy=policy)
     return ReplicaFits(driver, 0)
 
 
@@ -62,3 +63,37 @@ def test_a_shrink_releases_the_highest_running_slots_and_one_resize_at_a_time():
     why = fits.resize(2)
     assert why == "asked for 2 replica groups while a resize to 1 is in flight"
     assert fits.target == 1
+
+
+def test_a_group_that_fails_before_a_shrink_stays_down_and_the_shrink_releases_nothing_else():
+    """A resize racing a failure, failure first: replica 1's run failed (waiting for room to be
+    started again) when the scheduler asks for one group. One consistent state: replica 0 runs,
+    slot 1 is free (not restarted into room the scheduler gave away), nothing released."""
+    fits = _fits()
+    for slot in fits.slots:
+        slot.state = "running"
+    fits.slots[1].state, fits.slots[1].error = "failed", RuntimeError("rank died")
+    assert fits._on_failure(fits.slots[1]) is None  # one of max_restarts: started again when room returns
+    assert fits.slots[1].state == "waiting" and [k for k, _ in fits.driver.events.sent] == ["replica_restarting"]
+    assert fits.resize(1) is None
+    fits._restart_waiting()
+    assert [s.state for s in fits.slots] == ["running", "idle"] and fits.target == 1
+    assert fits.driver.registry.released == []  # replica 0 was not asked to leave
+    assert fits.resizing.slots == [] and not fits.resizing.grow
+
+
+def test_a_group_that_fails_while_it_is_released_counts_as_released_not_as_a_failure():
+    """The other order: replica 1 is released and its run raises as it leaves (its ranks killed
+    mid-exit): the shrink completes, no restart is spent on it."""
+    fits = _fits()
+    for slot in fits.slots:
+        slot.state = "running"
+    assert fits.resize(1) is None
+
+    class Dying:
+        def fit(self):
+            raise RuntimeError("worker died while leaving")
+
+    fits._fit(fits.slots[1], Dying())
+    assert fits.slots[1].state == "released" and fits.restarts == 0
+    assert not [s for s in fits.slots if s.state == "failed"]
