@@ -82,36 +82,28 @@ def _iterations(receiver: Receiver) -> tuple[int, int]:
     return max(seen) - len(set(seen)), len(seen) - len(set(seen))
 
 
-def _live(receiver: Receiver, workdir: Path, steps: int, settle_s: float) -> dict[str, float]:
+def _resize_twice(receiver: Receiver, workdir: Path, way: str, steps: int, settle_s: float) -> dict[str, float]:
+    """The job (`way`: its resilience.resize) shrunk 2 -> 1 and grown back: the seconds of each."""
     got: dict[str, float] = {}
-    run = _Run("resize-live", _spec("live", 2, workdir), workdir)
+    run = _Run(f"resize-{way}", _spec(way, 2, workdir), workdir)
     _stepping_at(receiver, run, 2, 0.0, steps)
     for name, replicas in (("shrink", 1), ("grow", 2)):
         time.sleep(settle_s)
         asked = time.time()
-        receiver.answer = {"replicas": replicas}
+        if way == "live":
+            receiver.answer = {"replicas": replicas}
+        else:
+            receiver.answer = {"stop": "checkpoint"}  # the service's request: save this step and stop
+            run.join()
+            receiver.answer = {}
+            run = _Run(f"resize-{way}", _spec(way, replicas, workdir, most=replicas), workdir)  # its relaunch
         got[f"{name}_s"] = _stepping_at(receiver, run, replicas, asked, steps) - asked
-        resized = wait_for(
-            lambda n=replicas: [e for e in list(receiver.events) if e["kind"] == "resized" and e["to_replicas"] == n], 120
-        )  # a shrink steps at its new size before the released run has ended
-        got[f"{name}_driver_s"] = resized[-1]["seconds"]
-    receiver.answer = {"stop": "checkpoint"}
-    run.join()
-    return got
-
-
-def _restart(receiver: Receiver, workdir: Path, steps: int, settle_s: float) -> dict[str, float]:
-    got: dict[str, float] = {}
-    run = _Run("resize-restart", _spec("restart", 2, workdir), workdir)
-    _stepping_at(receiver, run, 2, 0.0, steps)
-    for name, replicas in (("shrink", 1), ("grow", 2)):
-        time.sleep(settle_s)
-        asked = time.time()
-        receiver.answer = {"stop": "checkpoint"}  # the service's request: save this step and stop
-        run.join()
-        receiver.answer = {}
-        run = _Run("resize-restart", _spec("restart", replicas, workdir, most=replicas), workdir)  # its relaunch
-        got[f"{name}_s"] = _stepping_at(receiver, run, replicas, asked, steps) - asked
+        if way == "live":  # (a shrink steps at its new size before the released run has ended)
+            resized = wait_for(
+                lambda n=replicas: [e for e in list(receiver.events) if e["kind"] == "resized" and e["to_replicas"] == n],
+                120,
+            )
+            got[f"{name}_driver_s"] = resized[-1]["seconds"]
     receiver.answer = {"stop": "checkpoint"}
     run.join()
     return got
@@ -120,11 +112,11 @@ def _restart(receiver: Receiver, workdir: Path, steps: int, settle_s: float) -> 
 def live_resize(receiver: Receiver, workdir: Path, smoke: bool = False) -> None:
     steps, settle_s = (5, 2.0) if smoke else (STEPS_BETWEEN, SETTLE_S)
     ways = {}
-    for way, measure in (("restart", _restart), ("live", _live)):
+    for way in ("restart", "live"):
         receiver.records.clear()
         receiver.events.clear()
         receiver.answer = {}
-        ways[way] = measure(receiver, workdir / way, steps, settle_s)
+        ways[way] = _resize_twice(receiver, workdir / way, way, steps, settle_s)
         missing, twice = _iterations(receiver)
         ways[way]["steps_lost"] = missing + twice
         emit(figure="resize", way=way, **{k: round(v, 3) for k, v in ways[way].items()})
