@@ -90,7 +90,8 @@ class Settings(BaseSettings):
         300.0,
         ge=0,
         description="An elastic job admitted below its size grows into free room only after running this long "
-        "since its last launch: each resize is a save of its current step and a restart.",
+        "since its last launch: each resize is a save of its current step and a restart (a job with "
+        "resilience.resize: live grows at once: its grow restarts nothing).",
     )
     max_launch_attempts: int = Field(5, ge=1, description="Failed submissions before a job is failed.")
     lost_job_requeues: int = Field(

@@ -37,8 +37,12 @@ from service.store.telemetry import live_group
 def may_resize(z: Resize, inputs: SchedulerInputs, now: float, grow_after_s: float) -> bool:
     """Shrinks always go ahead (a job waits for their room); a grow costs the job a stop and a
     restart, so it waits until the job has run `grow_after_s` (scheduler_grow_after_s) at its
-    size."""
+    size. A live-resized job's grow costs its new replica groups a start (~2 s) and the others
+    nothing: it takes free room back at once (only when nothing waits for it: growth.py)."""
     if z.ranks < sum(inputs.placements.get(z.job_id, {}).values()):
+        return True
+    demand = inputs.demands.get(z.job_id)
+    if demand is not None and demand.live_group:
         return True
     return now - inputs.launched_at.get(z.job_id, now) >= grow_after_s
 

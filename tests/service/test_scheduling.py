@@ -425,9 +425,10 @@ def test_a_live_job_is_resized_through_its_telemetry_answers_without_a_stop(star
     """resilience.resize: live: the scheduler's shrink is asked in the job's telemetry answers
     (`replicas`), not as a stop; the room stays held until the driver reports `resized`, and only
     then is the urgent job admitted into it; the grow back goes the same way. One launch
-    throughout. A preemption asked during a live resize supersedes it (the job is requeued, not
-    relaunched at the resize's size)."""
-    env = start_env(fake, scheduler_grow_after_s=0.0)
+    throughout; the grow comes at once (scheduler_grow_after_s, 300 s by default, holds only the
+    grows that restart a job). A preemption asked during a live resize supersedes it (the job is
+    requeued, not relaunched at the resize's size)."""
+    env = start_env(fake)
     scheduled(env)
     body = spec("flex", ranks=4)
     body["resources"]["min_ranks"] = 2
