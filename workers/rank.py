@@ -183,8 +183,12 @@ class ReleaseWatch:
         self.stepped = False
         self._stop = threading.Event()
 
-    def start(self) -> ReleaseWatch:
-        threading.Thread(target=self._run, name="elastron-release-watch", daemon=True).start()
+    def start(self, poll: bool = True) -> ReleaseWatch:
+        """`poll`: this rank asks the registry (a replica's first rank only: the engine agrees the
+        release over the replica's ranks, engine/fault_tolerance/replica_quorum.py `leave_agreed`,
+        so one asker per group keeps the registry's load at one call per group per POLL_S)."""
+        if poll:
+            threading.Thread(target=self._run, name="elastron-release-watch", daemon=True).start()
         return self
 
     def stop(self) -> None:
@@ -420,7 +424,7 @@ class RankRun:
             )
         self.release = None
         if self.slot is not None and registry is not None:
-            self.release = ReleaseWatch(registry, self.slot).start()
+            self.release = ReleaseWatch(registry, self.slot).start(poll=self.shard == 0)
         self.watchdog = StepWatchdog(
             spec.resilience.step_timeout_s,
             setup_timeout_s=job.setup_timeout_s,
