@@ -242,7 +242,8 @@ class JobDriver:
     def _trainer(self, attempt: int, replica: dict[str, Any] | None = None):
         """The attempt's TorchTrainer; `replica` (resilience.resize: live, workers/replica_fits.py):
         one replica group's run instead, {"replica_slot", "replica_slots", "replicas_expected",
-        "lighthouse"} for its ranks, on a process group of its own ranks, never retried by Ray."""
+        "lighthouse", "replica_run"} for its ranks, on a process group of its own ranks, never retried
+        by Ray."""
         from ray.train import FailureConfig, RunConfig, ScalingConfig
         from ray.train.torch import TorchConfig
 

@@ -43,6 +43,7 @@ import socket
 import sys
 import threading
 import time
+from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
@@ -302,13 +303,16 @@ class RankRun:
         replica first forms its own process group), else the job at this group's size."""
         import ray
 
-        from workers.replicas import form_replica, replica_job
+        from workers.replicas import form_replica, replica_job, slot_membership
 
         # Closed over by the replica's watchers (a peer gone: this rank exits too, its telemetry
         # delivered first where it can be).
         self.lost = SimpleNamespace(sender=None)
         if self.replicas and self.size > 1 and self.slot is None:
             self.membership = form_replica(self.registry, self.replica, self.shard, self.size, self.config, self.lost)
+        elif self.replicas and self.size > 1:  # a live job's replica group: Ray's group is the replica's
+            timeout = timedelta(seconds=self.job.process_group_timeout_s)
+            self.membership = slot_membership(self.slot, self.shard, self.size, self.config["replica_run"], timeout)
         if self.replicas and self.config["device"] == "cpu":
             # Ray's replica groups each count one local rank, so _bind_device gave this rank every
             # core of the node, which the node's other replicas (and a replica's other ranks)

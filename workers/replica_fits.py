@@ -67,6 +67,7 @@ class Slot:
     released: bool = False
     result: dict | None = None
     error: BaseException | None = None
+    runs: int = 0  # runs started in this slot (each one's replica id is new to torchft)
 
     @property
     def running(self) -> bool:
@@ -144,8 +145,10 @@ class ReplicaFits:
                 "replica_slots": self.count,
                 "replicas_expected": expected,
                 "lighthouse": dict(self.addresses),
+                "replica_run": slot.runs,
             },
         )
+        slot.runs += 1
         slot.state, slot.released, slot.result, slot.error = "running", False, None, None
         self._controllers_taken = True
         slot.thread = threading.Thread(target=self._fit, args=(slot, slot.trainer), name=f"replica-{slot.index}", daemon=True)

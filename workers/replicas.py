@@ -90,6 +90,30 @@ def replica_job(job: ResolvedJob) -> ResolvedJob:
     )
 
 
+def slot_membership(slot: int, rank: int, size: int, run: int, timeout: timedelta) -> Any:
+    """resilience.resize: live, a replica group of several ranks (HSDP's shard group) in its own
+    Ray Train run (workers/replica_fits.py): Ray's process group is already the replica's, so
+    no rendezvous is formed; what the quorum needs besides is the store its ranks' torchft
+    Managers share (hosted by its first rank, its address broadcast over the group) and a
+    replica id new to each run of the slot (`run`). No watchers: a dead rank fails the run, Ray
+    Train ends its other ranks, and the driver starts the slot again."""
+    import ray
+    import torch.distributed as dist
+
+    from engine.fault_tolerance.replica_group import ReplicaMembership
+
+    store, address = None, [None]
+    if rank == 0:
+        host = ray.util.get_node_ip_address()
+        store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False, timeout=timeout)
+        address = [(host, store.port)]
+    dist.broadcast_object_list(address, src=0)
+    host, port = address[0]
+    if store is None:
+        store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
+    return ReplicaMembership(slot, rank, size, run, host, port, store)
+
+
 class _RegistryRounds:
     """The job registry's rendezvous methods, called synchronously (replica_group.RoundsClient)."""
 
