@@ -321,8 +321,9 @@ class RankRun:
 
             cpus = ray.get_runtime_context().get_assigned_resources().get("CPU", 1.0)
             torch.set_num_threads(max(1, int(cpus)))
-        if self.replicas:
-            self.job, self.dp = replica_job(self.job), self.count * self.size
+        if self.replicas:  # the job's DP: its replica groups' (tensor-parallel ranks read one share)
+            self.job = replica_job(self.job)
+            self.dp = self.count * self.job.data_parallel_size
         else:
             if self.job.spec.resources.ranks != self.world:  # an elastic group of another size
                 self.job = self.job.with_ranks(self.world)

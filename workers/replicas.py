@@ -40,12 +40,20 @@ def check_replace_replica(spec: JobSpec) -> str | None:
         return None
     p, r = spec.parallel, spec.resources
     field = "resilience.on_rank_failure: replace_replica"
-    for name in ("tensor", "pipeline", "context", "expert"):
+    # A replica group of tensor-parallel ranks runs as a Ray Train run of its own, which only
+    # resize: live does (workers/replica_fits.py); Ray's own replica groups are single workers.
+    if p.tensor != 1 and not spec.live_resize:
+        return (
+            f"{field} with parallel.tensor = {p.tensor} needs resilience.resize: live on an elastic job "
+            "(resources.min_ranks set: each replica group, tensor-parallel ranks included, is then a run "
+            "of its own); or set parallel.tensor: 1, or resilience.on_rank_failure: restart_group"
+        )
+    for name in ("pipeline", "context", "expert"):
         if getattr(p, name) != 1:
             return (
-                f"{field} needs parallel.{name} = 1 (a replica is data-parallel ranks only: one, or "
-                f"HSDP's parallel.data_parallel_shard_size); set parallel.{name}: 1 or "
-                "resilience.on_rank_failure: restart_group"
+                f"{field} needs parallel.{name} = 1 (a replica is one rank, HSDP's "
+                f"parallel.data_parallel_shard_size ranks, or with resize: live tensor-parallel ranks); "
+                f"set parallel.{name}: 1 or resilience.on_rank_failure: restart_group"
             )
     size = replica_size(spec)
     # The job as asked needs two replicas. An elastic job may shrink to one (resources.min_ranks):
@@ -56,7 +64,7 @@ def check_replace_replica(spec: JobSpec) -> str | None:
     # runs at ranks = max_ranks = its new size, which may be one replica.
     asked = (r.max_ranks or r.ranks) if spec.resilience.resize == "live" else r.ranks
     if asked < 2 * size and (r.min_ranks is None or r.ranks < r.min_ranks):
-        need = "resources.ranks >= 2" if size == 1 else f"resources.ranks >= 2 x parallel.data_parallel_shard_size = {2 * size}"
+        need = "resources.ranks >= 2" if size == 1 else f"resources.ranks >= 2 x {size} (the ranks of a replica group)"
         return f"{field} needs at least 2 data-parallel replicas ({need}); use restart_group"
     return None
 
@@ -80,7 +88,8 @@ def lighthouse_addresses() -> dict[str, str | None]:
 
 def replica_job(job: ResolvedJob) -> ResolvedJob:
     """The engine job one replica runs: the job on the replica's ranks (its own process group),
-    sharded over all of them (HSDP's shard group is the replica's whole DP group)."""
+    its tensor parallelism kept and sharded over the rest (HSDP's shard group is the replica's
+    whole DP group)."""
     return resolve_job(
         derive_job(
             job.spec,

@@ -26,9 +26,10 @@ def rank_resources(use_gpu: bool, cpus_per_rank: float = CPUS_PER_RANK) -> dict[
 
 
 def replica_size(spec: JobSpec) -> int:
-    """The ranks of one replica group under resilience.on_rank_failure: replace_replica: HSDP's
+    """The ranks of one replica group under resilience.on_rank_failure: replace_replica: its
+    model-parallel group (tensor parallelism; resize: live only, workers/replicas.py) times HSDP's
     shard group, else one."""
-    return spec.parallel.data_parallel_shard_size or 1
+    return model_parallel_size(spec.parallel) * (spec.parallel.data_parallel_shard_size or 1)
 
 
 def replica_slots(spec: JobSpec) -> int:

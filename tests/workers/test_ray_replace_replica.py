@@ -168,7 +168,7 @@ def test_jobs_replace_replica_cannot_run_are_refused_naming_the_field():
     # HSDP: a replica is one shard group (tests/workers/test_ray_replace_replica_hsdp.py); two of them at least.
     hsdp = {"data_parallel_shard_size": 2, "data_parallel_sharding": "optim_grads_params"}
     assert why(parallel=hsdp, resources={"ranks": 4}, training={"global_batch_size": 8}) is None
-    assert "resources.ranks >= 2 x parallel.data_parallel_shard_size = 4" in why(parallel=hsdp, resources={"ranks": 2})
+    assert "resources.ranks >= 2 x 2 (the ranks of a replica group)" in why(parallel=hsdp, resources={"ranks": 2})
     assert "parallel.tensor" in why(parallel={**hsdp, "tensor": 2}, resources={"ranks": 8}, training={"global_batch_size": 8})
     assert "resources.ranks >= 2" in why(resources={"ranks": 1})
     one = replica_job(resolve_job(job(resilience={"on_rank_failure": "replace_replica"})))
@@ -177,6 +177,14 @@ def test_jobs_replace_replica_cannot_run_are_refused_naming_the_field():
                                       resilience={"on_rank_failure": "replace_replica"})))
     assert two.spec.resources.ranks == 2 and two.data_parallel_size == 2
     assert two.spec.parallel.data_parallel_shard_size is None  # sharded over the whole replica
+    # Tensor-parallel replica groups: only as runs of their own (resilience.resize: live).
+    assert "needs resilience.resize: live" in why(parallel={"tensor": 2}, resources={"ranks": 4, "min_ranks": 2})
+    live = {"on_rank_failure": "replace_replica", "resize": "live"}
+    tp = job(parallel={"tensor": 2}, resources={"ranks": 4, "min_ranks": 2}, resilience=live)
+    assert check_replace_replica(parse_job(tp)) is None
+    group = replica_job(resolve_job(tp))
+    assert (group.spec.resources.ranks, group.spec.parallel.tensor, group.data_parallel_size) == (2, 2, 1)
+    assert "parallel.pipeline" in why(parallel={"pipeline": 2}, resources={"ranks": 4, "min_ranks": 2})
 
 
 def test_the_ray_internals_the_torchft_config_overrides_exist():

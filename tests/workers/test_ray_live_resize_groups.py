@@ -1,14 +1,16 @@
-"""`resilience.resize: live` with replica groups of two ranks (HSDP: FSDP inside each group, 2
-groups of 2, half a CPU per rank on the shared 2-node cluster), driven as the scheduler drives
-it: the telemetry answers ask for 1 replica group, then 2 again, then the job's stop. Each group
+"""`resilience.resize: live` with replica groups of two ranks, 2 groups of 2 (half a CPU per rank
+on the shared 2-node cluster): HSDP (FSDP inside each group) and tensor parallelism (TP=2 with
+sequence parallelism inside each group, TP x DP), driven as the scheduler drives it: the telemetry answers ask for 1 replica group, then 2 again, then the job's stop. Each group
 is its own Ray Train run whose process group is Ray's (workers/replicas.py `slot_membership`
 gives its ranks their torchft store and a replica id per run); the released group leaves at a
 step boundary, the new one heals rank for rank from the survivor.
 
 Losses against the uninterrupted HSDP run of as many steps (`elastron train`, 4 local ranks, the
 same data and seed): with `lost_replica_share: redistribute` each step trains the same samples
-with the same math, up to the order of the fp32 sums. That order differs more than with one-rank
-groups: alone, the survivor accumulates the released group's microbatches into its own shards
+with the same math, up to the order of the fp32 sums (TP=2 x DP=2 against the uninterrupted
+TP=2 x DP=2 run: the tensor-parallel ranks of a group reduce with the same position of the other
+group, as the reference's data-parallel group does). With HSDP that order differs more than with
+one-rank groups: alone, the survivor accumulates the released group's microbatches into its own shards
 before its reduce-scatter, where the reference sums them across the groups after it; the
 rounding stays in the weights and grows over the steps (7.2e-6 relative measured over 160 steps,
 109 of them alone). LOSS_BOUND = 3e-5 leaves room for a slower machine's longer phases alone.
@@ -18,6 +20,8 @@ from __future__ import annotations
 
 import itertools
 import threading
+
+import pytest
 
 from engine.jobspec import parse_job
 from tests.waiting import wait_for
@@ -30,10 +34,16 @@ STEPS_AT_EACH = 20
 LOSS_BOUND = 3e-5  # relative, every step (see the module docstring)
 
 
-def _spec(tmp_path, **resources) -> dict:
+LAYOUTS = {
+    "hsdp": {"data_parallel_sharding": "optim_grads_params", "data_parallel_shard_size": 2},
+    "tp2": {"tensor": 2, "sequence_parallel": True},
+}
+
+
+def _spec(tmp_path, layout: str, **resources) -> dict:
     return job(
-        name="hsdplive",
-        parallel={"data_parallel_sharding": "optim_grads_params", "data_parallel_shard_size": 2},
+        name="grouplive",
+        parallel=LAYOUTS[layout],
         training={"train_iters": ITERS, "log_interval": 50, "global_batch_size": 8, "micro_batch_size": 1},
         optimizer={"lr_decay_iters": ITERS},
         checkpoint={"path": str(tmp_path / "ckpt"), "interval": 1000},
@@ -47,9 +57,10 @@ def _spec(tmp_path, **resources) -> dict:
     )
 
 
-def test_a_live_job_of_two_rank_replica_groups_shrinks_and_grows_back(ray_cluster, telemetry, tmp_path):
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_a_live_job_of_two_rank_replica_groups_shrinks_and_grows_back(ray_cluster, telemetry, tmp_path, layout):
     """Over 30 s: two replica groups' starts, a release, a grow's start and heal, the reference."""
-    job_id = "hsdplive-1"
+    job_id = f"grouplive-{layout}"
     telemetry.ack = {}
     done: dict = {}
 
@@ -58,7 +69,7 @@ def test_a_live_job_of_two_rank_replica_groups_shrinks_and_grows_back(ray_cluste
 
     def drive() -> None:
         options = WorkerRunOptions(storage_path=str(tmp_path / "runs"), flush_interval_s=0.1, quiet=True, cpus_per_rank=0.5)
-        done["result"] = run_job(job_id, parse_job(_spec(tmp_path, min_ranks=2)), options)
+        done["result"] = run_job(job_id, parse_job(_spec(tmp_path, layout, min_ranks=2)), options)
 
     runner = threading.Thread(target=drive, daemon=True)
     runner.start()
@@ -86,7 +97,7 @@ def test_a_live_job_of_two_rank_replica_groups_shrinks_and_grows_back(ray_cluste
     started = telemetry.events(job_id, "replica_started")
     assert sorted((e["replica"], e.get("shard_rank")) for e in started if e["replica"] == 0) == [(0, 0), (0, 1)]
     reference = elastron_train(
-        {**_spec(tmp_path), "training": {**_spec(tmp_path)["training"], "train_iters": last},
+        {**_spec(tmp_path, layout), "training": {**_spec(tmp_path, layout)["training"], "train_iters": last},
          "resilience": {}, "checkpoint": {"interval": 1000, "path": str(tmp_path / "ref" / "ckpt")}},
         tmp_path / "ref",
     )  # fmt: skip
@@ -94,5 +105,5 @@ def test_a_live_job_of_two_rank_replica_groups_shrinks_and_grows_back(ray_cluste
     worst = max(abs(records[i]["loss"] - want[i]["loss"]) / want[i]["loss"] for i in records)
     assert worst <= LOSS_BOUND, worst
     assert sum(r["tokens"] for r in records.values()) == sum(r["tokens"] for r in reference)
-    print(f"HSDP live 2->1 in {shrink['seconds']} s, 1->2 in {grow['seconds']} s; {at(1)} of {last} steps alone; "
+    print(f"{layout} live 2->1 in {shrink['seconds']} s, 1->2 in {grow['seconds']} s; {at(1)} of {last} steps alone; "
           f"max rel |loss - uninterrupted| {worst:.2e}")  # fmt: skip
