@@ -60,10 +60,12 @@ def check_replace_replica(spec: JobSpec) -> str | None:
     # Ray restarts the group at each new size from the checkpoint, and a failure while one
     # replica runs restarts it (restart_group's way), as a failure of the last replica does.
     # resilience.resize: live: the job's data slots (max_ranks) are what it is grown back to. A
-    # job the scheduler relaunched smaller (its restart-based resize) keeps its min_ranks and
-    # runs at ranks = max_ranks = its new size, which may be one replica.
+    # job the scheduler relaunched smaller (its restart-based resize: service/scheduling/demand.py
+    # sized_spec) keeps its min_ranks and runs pinned at ranks = max_ranks = its new size, which
+    # may be one replica; a job asked for with one replica is refused.
     asked = (r.max_ranks or r.ranks) if spec.resilience.resize == "live" else r.ranks
-    if asked < 2 * size and (r.min_ranks is None or r.ranks < r.min_ranks):
+    relaunched = r.min_ranks is not None and r.max_ranks == r.ranks
+    if asked < 2 * size and not relaunched:
         need = "resources.ranks >= 2" if size == 1 else f"resources.ranks >= 2 x {size} (the ranks of a replica group)"
         return f"{field} needs at least 2 data-parallel replicas ({need}); use restart_group"
     return None
