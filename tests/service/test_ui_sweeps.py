@@ -39,7 +39,12 @@ def test_a_sweeps_trials_curves_and_best_trial_are_shown(env, browser):  # noqa:
 
     sign_in(browser, env.server.url, env.tokens["alice"])
     ready_after(browser, "#/sweeps")
-    assert [r.get_attribute("data-id") for r in browser.find_elements(By.CSS_SELECTOR, "tr.sweep-row")] == [sid]
+    # Waited for: on a loaded machine the list's rows came after the page's ready mark (CI, stop 74).
+    wait_for(
+        lambda: [r.get_attribute("data-id") for r in browser.find_elements(By.CSS_SELECTOR, "tr.sweep-row")] == [sid],
+        15,
+        "the sweep listed",
+    )
 
     ready_after(browser, f"#/sweeps/{sid}")
     rows = browser.find_elements(By.CSS_SELECTOR, "tr.trial-row")
