@@ -37,6 +37,35 @@ def summed_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     return (loss * (labels != IGNORE_INDEX)).sum()
 
 
+class ShareLosses:
+    """The loss of each share a step trains (`TrainingObjective.begin_shares`): `of(i)` for the
+    forward passes of share i, `tagged` for a pipeline schedule that runs every share's
+    microbatches in one pass and calls one loss function for all of them: its targets carry
+    their share's index as a last column (`tag`), so the weight is picked on the device, without
+    a sync and without counting calls (torch's schedule calls the loss once more on its first
+    step to infer shapes)."""
+
+    def __init__(self, weights: torch.Tensor | None) -> None:
+        self.weights = weights  # [shares] (None on pipeline stages that read no labels)
+
+    def of(self, share: int) -> LossFn:
+        weight = self.weights[share] if self.weights is not None else None
+
+        def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return summed_token_loss(logits, labels) * weight
+
+        return loss_fn
+
+    @staticmethod
+    def tag(labels: torch.Tensor, share: int) -> torch.Tensor:
+        """`labels` [b, s] with a last column holding `share`: a target of `tagged`."""
+        return torch.cat([labels, torch.full_like(labels[:, :1], share)], dim=1)
+
+    def tagged(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The loss of a microbatch whose target is `tag(labels, share)` (one share per microbatch)."""
+        return summed_token_loss(logits, target[:, :-1]) * self.weights[target[0, -1]]
+
+
 class TrainingObjective:
     """The step's loss of one rank's model chunks. `replicas` is dp x cp (the ranks whose
     gradients the data-parallel reduction averages); `reads_labels` is False on pipeline stages
@@ -78,19 +107,26 @@ class TrainingObjective:
         between fine-tuning samples). A global batch without any label token (conversations
         whose assistant turns were all truncated away) has loss 0 and zero gradients, never
         NaN. A collective over dp_cp on the ranks that read labels."""
+        return self.begin_shares([labels], scale, num_microbatches).of(0)
+
+    def begin_shares(
+        self, shares: Sequence[Sequence[torch.Tensor]], scale: float, num_microbatches: int
+    ) -> ShareLosses:
+        """begin_step for a step that trains several shares of the global batch: this rank's own
+        (share 0) and those of replicas missing from the quorum that it takes
+        (`resilience.lost_replica_share: redistribute`). Each share's tokens are weighted by its
+        own count of label tokens, as begin_step weights a step's (one collective for all of
+        them). The MTP depths are weighted by the own share's labels (the job spec refuses MTP
+        with redistribute)."""
         for layer in self.moe_layers:  # balancing losses, scaled like the loss
             layer.aux_loss_scale = scale / num_microbatches
-        weight = None
+        weights = None
         if self.reads_labels:
-            count = label_tokens(labels).reshape(1)
-            self._all_reduce_replicas(count)
-            weight = (self.replicas * scale) / count.clamp(min=1.0).reshape(())
-        self._set_mtp_weights(labels, scale)
-
-        def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-            return summed_token_loss(logits, labels) * weight
-
-        return loss_fn
+            counts = torch.stack([label_tokens(labels) for labels in shares])
+            self._all_reduce_replicas(counts)
+            weights = (self.replicas * scale) / counts.clamp(min=1.0)
+        self._set_mtp_weights(shares[0], scale)
+        return ShareLosses(weights)
 
     def _set_mtp_weights(self, labels: Sequence[torch.Tensor], scale: float) -> None:
         """Multi-token prediction (last stage): each depth's loss weight for this step, so that

@@ -322,16 +322,19 @@ class Trainer:
                 (self.batches.read(self.source, self.consumed_samples, num_microbatches, rank), picked)
                 for rank, picked in shares.extra
             ]
-        loss_fn = self.objective.begin_step([b.labels for b in batches], scale * shares.weight, num_microbatches)
+        # Share 0 is this rank's own, then each missing replica's it takes (its microbatches `picked`).
+        work = [batches, *([whole[m] for m in picked] for whole, picked in taken)]
+        losses = self.objective.begin_shares(
+            [[b.labels for b in batches], *([b.labels for b in whole] for whole, _ in taken)],
+            scale * shares.weight,
+            num_microbatches,
+        )
         runner, with_mtp = self.pipeline, self.objective.mtp is not None
         if runner is None:
             scaled: list[torch.Tensor] = []
             model = self.ddp_chunks[0]
-            work = [(loss_fn, batches)]
-            for whole, picked in taken:
-                share_fn = self.objective.begin_step([b.labels for b in whole], scale * shares.weight, num_microbatches)
-                work.append((share_fn, [whole[m] for m in picked]))
-            for fn, microbatches in work:
+            for share, microbatches in enumerate(work):
+                fn = losses.of(share)
                 for tokens, labels, packed, inputs in microbatches:
                     mtp_labels = labels if with_mtp else None
                     with self.timers("forward", 1):
@@ -340,11 +343,18 @@ class Trainer:
                     with self.timers("backward", 1):
                         loss.backward()
                     scaled.append(loss.detach())
-        else:
-            if taken:  # replace_replica has no pipeline (workers/replicas.py)
-                raise RuntimeError("a missing replica's share cannot be taken under pipeline parallelism")
+        elif not taken:
             tokens, labels, packed, inputs = self.batches.pipeline_inputs(batches)
-            scaled = runner.run(num_microbatches, tokens, labels, loss_fn, packed=packed, mtp=with_mtp, inputs=inputs)
+            scaled = runner.run(num_microbatches, tokens, labels, losses.of(0), packed=packed, mtp=with_mtp, inputs=inputs)
+        else:
+            # Every share's microbatches in one schedule (torch's 1F1B needs at least as many as
+            # stages, which one taken share may not have); each target names its share.
+            microbatches = [b for share in work for b in share]
+            tokens, _, packed, inputs = self.batches.pipeline_inputs(microbatches)
+            targets = None
+            if runner.has_last:
+                targets = torch.cat([losses.tag(b.labels, i) for i, share in enumerate(work) for b in share])
+            scaled = runner.run(len(microbatches), tokens, targets, losses.tagged, packed=packed, inputs=inputs)
         self.last_mtp_loss = self.objective.mtp_loss(num_microbatches)
         total = torch.stack(scaled).sum() if scaled else torch.zeros((), device=self.device)
         if self.pipeline is not None:  # only the last stage computed the loss

@@ -2,9 +2,10 @@
 data-parallel replicas to be fault domains, the engine job one replica runs, and how a replica
 of several ranks forms its process group.
 
-A replica is data-parallel ranks only: one rank, or with HSDP (`parallel.data_parallel_shard_size`
-S) one shard group of S ranks, so the job must have no tensor, pipeline, context or expert
-parallelism. Replica r is Ray world ranks r*S .. r*S+S-1 (shard rank = world rank % S) and runs
+A replica is one rank, or with HSDP (`parallel.data_parallel_shard_size` S) one shard group of
+S ranks; with `resilience.resize: live` (each replica group a Ray Train run of its own,
+workers/replica_fits.py) its tensor- and pipeline-parallel ranks times that: the job must have no
+context or expert parallelism. Replica r is Ray world ranks r*S .. r*S+S-1 (shard rank = world rank % S) and runs
 the engine as a job of S ranks (its DP=S sharding) on a process group of its own; its ranks read
 their share of every global batch as data-parallel ranks r*S + shard rank of replicas*S
 (engine/fault_tolerance/replica_quorum.py).
@@ -40,21 +41,30 @@ def check_replace_replica(spec: JobSpec) -> str | None:
         return None
     p, r = spec.parallel, spec.resources
     field = "resilience.on_rank_failure: replace_replica"
-    # A replica group of tensor-parallel ranks runs as a Ray Train run of its own, which only
-    # resize: live does (workers/replica_fits.py); Ray's own replica groups are single workers.
-    if p.tensor != 1 and not spec.live_resize:
-        return (
-            f"{field} with parallel.tensor = {p.tensor} needs resilience.resize: live on an elastic job "
-            "(resources.min_ranks set: each replica group, tensor-parallel ranks included, is then a run "
-            "of its own); or set parallel.tensor: 1, or resilience.on_rank_failure: restart_group"
-        )
-    for name in ("pipeline", "context", "expert"):
+    # A replica group of tensor- or pipeline-parallel ranks runs as a Ray Train run of its own,
+    # which only resize: live does (workers/replica_fits.py); Ray's own replica groups are single
+    # workers.
+    for name in ("tensor", "pipeline"):
+        if getattr(p, name) != 1 and not spec.live_resize:
+            return (
+                f"{field} with parallel.{name} = {getattr(p, name)} needs resilience.resize: live on an elastic "
+                "job (resources.min_ranks set: each replica group, its model-parallel ranks included, is then a "
+                f"run of its own); or set parallel.{name}: 1, or resilience.on_rank_failure: restart_group"
+            )
+    for name in ("context", "expert"):
         if getattr(p, name) != 1:
             return (
                 f"{field} needs parallel.{name} = 1 (a replica is one rank, HSDP's "
-                f"parallel.data_parallel_shard_size ranks, or with resize: live tensor-parallel ranks); "
-                f"set parallel.{name}: 1 or resilience.on_rank_failure: restart_group"
+                f"parallel.data_parallel_shard_size ranks, or with resize: live tensor- and pipeline-parallel "
+                f"ranks); set parallel.{name}: 1 or resilience.on_rank_failure: restart_group"
             )
+    if p.virtual_pipeline is not None and spec.resilience.lost_replica_share == "redistribute":
+        # The survivors run a missing share's microbatches in their step's schedule, and torch's
+        # interleaved 1F1B takes only counts that are a multiple of its rounds.
+        return (
+            f"{field} with resilience.lost_replica_share: redistribute cannot take parallel.virtual_pipeline "
+            f"({p.virtual_pipeline}): remove virtual_pipeline, or set lost_replica_share: skip"
+        )
     size = replica_size(spec)
     # The job as asked needs two replicas. An elastic job may shrink to one (resources.min_ranks):
     # Ray restarts the group at each new size from the checkpoint, and a failure while one

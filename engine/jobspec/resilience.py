@@ -63,8 +63,9 @@ class ResilienceSpec(_Section):
         "peer, and the steps taken meanwhile average over fewer replicas (their missing samples are skipped, or "
         "taken by the others: lost_replica_share; the step record's `replicas` says how many). A replica is one rank, or with "
         "parallel.data_parallel_shard_size (HSDP) one shard group of that many ranks, which is rebuilt as a "
-        "whole when one of its ranks dies. Needs parallel.tensor, pipeline, context and expert = 1 and at "
-        "least 2 replicas (resources.ranks >= 2 x data_parallel_shard_size); each replaced rank counts "
+        "whole when one of its ranks dies; with resize: live also its tensor- and pipeline-parallel ranks "
+        "(parallel.tensor and pipeline > 1 need resize: live). Needs parallel.context and expert = 1 and at "
+        "least 2 replicas (resources.ranks >= 2 x the ranks of a replica group); each replaced rank counts "
         "against max_restarts.",
     )
     lost_replica_share: Literal["skip", "redistribute"] = Field(

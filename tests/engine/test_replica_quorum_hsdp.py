@@ -266,19 +266,28 @@ def test_hsdp_replica_loses_a_rank_the_other_replica_goes_on_and_the_rebuilt_one
     assert got == pytest.approx(reference[: len(got)], rel=1e-6, abs=1e-6)
 
 
-def test_a_lost_hsdp_replicas_share_is_taken_with_the_losses_of_the_plain_hsdp_run(tmp_path):
+# Replicas of two ranks: an HSDP shard group (ZeRO-1), or two pipeline stages (with a resize:
+# live job's replica groups on Ray, workers/replicas.py; here torchft's replicas directly).
+REPLICA_LAYOUTS = {"hsdp": SPEC["parallel"], "pp2": {"pipeline": 2}}
+
+
+@pytest.mark.parametrize("layout", sorted(REPLICA_LAYOUTS))
+def test_a_lost_replicas_share_is_taken_with_the_losses_of_the_uninterrupted_run(tmp_path, layout):
     """resilience.lost_replica_share: redistribute with replicas of two ranks: both ranks of
     replica 1 die after iteration 6 (a lost node) and are not replaced; replica 0 steps on alone,
-    each of its shard ranks taking the same shard rank's share of replica 1 (two microbatches
-    more, read as that data-parallel rank) at half weight. Every iteration's loss, before and
-    after the loss, equals the plain HSDP 2x2 run's (one process group of four ranks) within
-    1e-6 relative, as the steps before a kill do in the test above."""
+    each of its ranks taking the same rank's share of replica 1 (its microbatches, read as
+    that data-parallel rank) at half weight: with HSDP two shard ranks each read half of it, with
+    pipeline parallelism both stages run its microbatches after their own in one 1F1B schedule
+    (engine/training.py, each target tagged with its share). Every iteration's loss, before and
+    after the loss, equals the plain run's (one process group of four ranks: HSDP 2x2, or PP=2 x
+    DP=2) within 1e-6 relative, as the steps before a kill do in the test above."""
     from engine.launcher import spawn
 
     iters = 16
     spec = json.loads(json.dumps(SPEC))
     spec["training"]["train_iters"] = iters
     spec["resilience"]["lost_replica_share"] = "redistribute"
+    spec["parallel"] = REPLICA_LAYOUTS[layout]
     messages: list = []
     with _replicas(tmp_path, spec, die_at={(1, 0): 6, (1, 1): 6}) as (start, procs):
         for r in range(2):

@@ -4,6 +4,7 @@ of replicas answers them from torchft's agreement (tests/engine/test_replica_quo
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.fault_tolerance.replica_quorum import ReplicaQuorum
@@ -44,3 +45,31 @@ def test_a_replica_reads_its_share_and_a_step_with_fewer_replicas_trains_fewer_s
     q._slots = None
     assert not q.writes_checkpoint and not q.writes_logs
     assert _Quorum(0, 3, 3, participating_rank=0).writes_checkpoint
+
+
+def test_each_share_a_step_takes_is_weighted_by_its_own_label_tokens_tagged_or_not():
+    """A replica that takes a missing share (lost_replica_share: redistribute) weights every share
+    by its own count of label tokens; under pipeline parallelism one schedule runs them all and
+    its loss picks the weight from the share index each target carries (engine/objective.py)."""
+    from torch import nn
+
+    from engine.data.sft import IGNORE_INDEX
+    from engine.objective import ShareLosses, TrainingObjective, summed_token_loss
+
+    chunk = nn.Linear(2, 2)
+    chunk.mtp = None  # a model chunk without multi-token prediction
+    objective = TrainingObjective(
+        [chunk], 0, 0.0, replicas=1, reads_labels=True, pipelined=True, device=torch.device("cpu")
+    )
+    g = torch.Generator().manual_seed(0)
+    own, taken = torch.randint(0, 11, (2, 6), generator=g), torch.randint(0, 11, (2, 6), generator=g)
+    taken[:, 3:] = IGNORE_INDEX  # the taken share has half the label tokens
+    losses = objective.begin_shares([[own], [taken]], scale=0.5, num_microbatches=1)
+    assert losses.weights.tolist() == pytest.approx([0.5 / 12, 0.5 / 6], rel=1e-7)
+    logits = torch.randn(2, 6, 11, generator=g)
+    for share, labels in enumerate((own, taken)):
+        want = summed_token_loss(logits, labels) * losses.weights[share]
+        assert torch.equal(losses.of(share)(logits, labels), want)
+        assert torch.equal(losses.tagged(logits, ShareLosses.tag(labels, share)), want)
+    # begin_step is the one-share case
+    assert torch.equal(objective.begin_step([own], 0.5, 1)(logits, own), losses.of(0)(logits, own))

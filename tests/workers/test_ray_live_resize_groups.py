@@ -37,6 +37,7 @@ LOSS_BOUND = 3e-5  # relative, every step (see the module docstring)
 LAYOUTS = {
     "hsdp": {"data_parallel_sharding": "optim_grads_params", "data_parallel_shard_size": 2},
     "tp2": {"tensor": 2, "sequence_parallel": True},
+    "pp2": {"pipeline": 2},
 }
 
 

@@ -184,7 +184,20 @@ def test_jobs_replace_replica_cannot_run_are_refused_naming_the_field():
     assert check_replace_replica(parse_job(tp)) is None
     group = replica_job(resolve_job(tp))
     assert (group.spec.resources.ranks, group.spec.parallel.tensor, group.data_parallel_size) == (2, 2, 1)
-    assert "parallel.pipeline" in why(parallel={"pipeline": 2}, resources={"ranks": 4, "min_ranks": 2})
+    # Pipeline-parallel replica groups likewise (tests/engine/test_replica_quorum_hsdp.py, tests/workers/test_ray_live_resize_groups.py).
+    assert "parallel.pipeline = 2 needs resilience.resize: live" in why(parallel={"pipeline": 2}, resources={"ranks": 4, "min_ranks": 2})
+    pp = job(parallel={"pipeline": 2}, resources={"ranks": 4, "min_ranks": 2}, resilience=live)
+    assert check_replace_replica(parse_job(pp)) is None
+    group = replica_job(resolve_job(pp))
+    assert (group.spec.resources.ranks, group.spec.parallel.pipeline, group.data_parallel_size) == (2, 2, 1)
+    # torch's interleaved 1F1B cannot take a missing share's microbatches on top of a step's.
+    vp = {**pp, "parallel": {"pipeline": 2, "virtual_pipeline": 2}, "model": {**pp["model"], "num_layers": 4},
+          "training": {**pp["training"], "global_batch_size": 8, "micro_batch_size": 1}}
+    vp_redistribute = {**vp, "resilience": {**live, "lost_replica_share": "redistribute"}}
+    assert check_replace_replica(parse_job(vp)) is None
+    assert "cannot take parallel.virtual_pipeline (2)" in check_replace_replica(parse_job(vp_redistribute))
+    cp = job(parallel={"context": 2}, resources={"ranks": 4, "min_ranks": 2}, resilience=live)
+    assert "parallel.context = 1" in check_replace_replica(parse_job(cp))
 
 
 def test_the_ray_internals_the_torchft_config_overrides_exist():
