@@ -421,17 +421,22 @@ def test_the_scheduler_counts_where_ray_put_the_ranks(start_env, fake):
     assert events(env, b, "admitted")[0]["data"]["placement"] == {meant: 2}  # the room Ray left
 
 
-def test_a_live_job_is_resized_through_its_telemetry_answers_without_a_stop(start_env, fake):
+@pytest.mark.parametrize("group", [1, 2], ids=["one-rank-groups", "tp2-groups"])
+def test_a_live_job_is_resized_through_its_telemetry_answers_without_a_stop(start_env, fake, group):
     """resilience.resize: live: the scheduler's shrink is asked in the job's telemetry answers
-    (`replicas`), not as a stop; the room stays held until the driver reports `resized`, and only
-    then is the urgent job admitted into it; the grow back goes the same way. One launch
-    throughout; the grow comes at once (scheduler_grow_after_s, 300 s by default, holds only the
-    grows that restart a job). A preemption asked during a live resize supersedes it (the job is
-    requeued, not relaunched at the resize's size)."""
+    (`replicas`, in replica groups: one rank each, or with parallel.tensor = 2 two), not as a
+    stop; the room stays held until the driver reports `resized`, and only then is the urgent job
+    admitted into it; the grow back goes the same way. One launch throughout; the grow comes at
+    once (scheduler_grow_after_s, 300 s by default, holds only the grows that restart a job). A
+    preemption asked during a live resize supersedes it (the job is requeued, not relaunched at
+    the resize's size). The driver's side of each layout: tests/workers/test_ray_live_resize*.py."""
     env = start_env(fake)
     scheduled(env)
     body = spec("flex", ranks=4)
     body["resources"]["min_ranks"] = 2
+    if group == 2:
+        body["parallel"] = {"tensor": 2}
+    full, half = 4 // group, 2 // group  # the job's replica groups, and those of 2 ranks
     body["resilience"] = {"on_rank_failure": "replace_replica", "resize": "live", "lost_replica_share": "redistribute"}
     flex = submit(env, body)
     env.wait_state(flex, "starting")
@@ -448,15 +453,15 @@ def test_a_live_job_is_resized_through_its_telemetry_answers_without_a_stop(star
 
     assert ack()["replicas"] is None  # no resize asked
     urgent = submit(env, spec("urgent", ranks=2, priority=10))
-    wait_for(lambda: ack()["replicas"] == 2, 120, "the shrink asked in the telemetry answer", interval_s=0.5)
+    wait_for(lambda: ack()["replicas"] == half, 120, "the shrink asked in the telemetry answer", interval_s=0.5)
     assert first not in fake.stopped and ack()["stop"] is None  # no stop, no preemption
     (resizing,) = events(env, flex, "resizing")
-    assert resizing["data"]["live"] and (resizing["data"]["from_replicas"], resizing["data"]["to_replicas"]) == (4, 2)
+    assert resizing["data"]["live"] and (resizing["data"]["from_replicas"], resizing["data"]["to_replicas"]) == (full, half)
     assert env.job(urgent, "admin")["state"] == "queued"  # its room is not free until the driver says so
     placement = events(env, flex, "admitted")[0]["data"]["placement"]
     node = sorted(placement)[0]
     ranks = [{"rank": i, "node_id": node, "pid": 100 + i} for i in range(2)]
-    ack([{"kind": "resized", "id": "z1", "live": True, "from_replicas": 4, "to_replicas": 2, "seconds": 1.5, "ranks": ranks}])
+    ack([{"kind": "resized", "id": "z1", "live": True, "from_replicas": full, "to_replicas": half, "seconds": 1.5, "ranks": ranks}])
     env.wait_state(urgent, "starting")
     assert ack()["replicas"] is None
     with env.server.ctx.sessions() as s:
@@ -465,8 +470,8 @@ def test_a_live_job_is_resized_through_its_telemetry_answers_without_a_stop(star
 
     fake.set_status(sid_of(env, urgent), LaunchStatus.SUCCEEDED)
     env.wait_state(urgent, "succeeded")
-    wait_for(lambda: ack()["replicas"] == 4, 120, "the grow asked", interval_s=0.5)
-    assert [e["data"]["to_replicas"] for e in events(env, flex, "resizing")] == [2, 4]
+    wait_for(lambda: ack()["replicas"] == full, 120, "the grow asked", interval_s=0.5)
+    assert [e["data"]["to_replicas"] for e in events(env, flex, "resizing")] == [half, full]
     # A preemption now (a more urgent job than it) supersedes the grow in flight.
     big = submit(env, spec("big", ranks=4, priority=20))
     wait_for(lambda: ack()["stop"] == "checkpoint", 120, "the preemption asked", interval_s=0.5)
