@@ -343,18 +343,17 @@ class Trainer:
                     with self.timers("backward", 1):
                         loss.backward()
                     scaled.append(loss.detach())
-        elif not taken:
-            tokens, labels, packed, inputs = self.batches.pipeline_inputs(batches)
-            scaled = runner.run(num_microbatches, tokens, labels, losses.of(0), packed=packed, mtp=with_mtp, inputs=inputs)
         else:
             # Every share's microbatches in one schedule (torch's 1F1B needs at least as many as
-            # stages, which one taken share may not have); each target names its share.
+            # stages, which one taken share may not have); with taken shares each target names
+            # its share (MTP is refused with redistribute: engine/jobspec/job.py).
             microbatches = [b for share in work for b in share]
-            tokens, _, packed, inputs = self.batches.pipeline_inputs(microbatches)
-            targets = None
-            if runner.has_last:
-                targets = torch.cat([losses.tag(b.labels, i) for i, share in enumerate(work) for b in share])
-            scaled = runner.run(len(microbatches), tokens, targets, losses.tagged, packed=packed, inputs=inputs)
+            tokens, labels, packed, inputs = self.batches.pipeline_inputs(microbatches)
+            loss_fn = losses.of(0)
+            if taken:
+                loss_fn = losses.tagged
+                labels = torch.cat([losses.tag(b.labels, i) for i, share in enumerate(work) for b in share]) if runner.has_last else None
+            scaled = runner.run(len(microbatches), tokens, labels, loss_fn, packed=packed, mtp=with_mtp, inputs=inputs)
         self.last_mtp_loss = self.objective.mtp_loss(num_microbatches)
         total = torch.stack(scaled).sum() if scaled else torch.zeros((), device=self.device)
         if self.pipeline is not None:  # only the last stage computed the loss
