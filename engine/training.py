@@ -322,8 +322,9 @@ class Trainer:
                 (self.batches.read(self.source, self.consumed_samples, num_microbatches, rank), picked)
                 for rank, picked in shares.extra
             ]
-        # Share 0 is this rank's own, then each missing replica's it takes (its microbatches `picked`).
-        work = [batches, *([whole[m] for m in picked] for whole, picked in taken)]
+        # Share 0 is this rank's own, then each missing replica's it takes (its microbatches
+        # `picked`); a middle pipeline stage reads none (step_batches.StepBatches.read).
+        work = [batches, *([whole[m] for m in picked] if whole else [] for whole, picked in taken)]
         losses = self.objective.begin_shares(
             [[b.labels for b in batches], *([b.labels for b in whole] for whole, _ in taken)],
             scale * shares.weight,
@@ -353,7 +354,8 @@ class Trainer:
             if taken:
                 loss_fn = losses.tagged
                 labels = torch.cat([losses.tag(b.labels, i) for i, share in enumerate(work) for b in share]) if runner.has_last else None
-            scaled = runner.run(len(microbatches), tokens, labels, loss_fn, packed=packed, mtp=with_mtp, inputs=inputs)
+            count = num_microbatches + shares.extra_microbatches  # a middle stage holds no batches
+            scaled = runner.run(count, tokens, labels, loss_fn, packed=packed, mtp=with_mtp, inputs=inputs)
         self.last_mtp_loss = self.objective.mtp_loss(num_microbatches)
         total = torch.stack(scaled).sum() if scaled else torch.zeros((), device=self.device)
         if self.pipeline is not None:  # only the last stage computed the loss

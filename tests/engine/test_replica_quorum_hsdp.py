@@ -92,7 +92,7 @@ def _rank(
     manager = _Rounds(address=tuple(rounds_at), authkey=AUTHKEY)
     manager.connect()
     group = form_replica_group(
-        manager.rounds(), replica, shard, S, backend="gloo", host="127.0.0.1", timeout=timedelta(seconds=20),
+        manager.rounds(), replica, shard, spec["resources"]["ranks"] // 2, backend="gloo", host="127.0.0.1", timeout=timedelta(seconds=20),
         setup_timeout_s=60,
     )
     put("formed", replica, shard, pid, group.round)
@@ -268,35 +268,43 @@ def test_hsdp_replica_loses_a_rank_the_other_replica_goes_on_and_the_rebuilt_one
 
 # Replicas of two ranks: an HSDP shard group (ZeRO-1), or two pipeline stages (with a resize:
 # live job's replica groups on Ray, workers/replicas.py; here torchft's replicas directly).
-REPLICA_LAYOUTS = {"hsdp": SPEC["parallel"], "pp2": {"pipeline": 2}}
+# layout: (parallel, model overrides, ranks per replica); pp3's middle stage reads no batches.
+REPLICA_LAYOUTS = {
+    "hsdp": (SPEC["parallel"], {}, S),
+    "pp2": ({"pipeline": 2}, {}, 2),
+    "pp3": ({"pipeline": 3}, {"num_layers": 3}, 3),
+}
 
 
 @pytest.mark.parametrize("layout", sorted(REPLICA_LAYOUTS))
 def test_a_lost_replicas_share_is_taken_with_the_losses_of_the_uninterrupted_run(tmp_path, layout):
-    """resilience.lost_replica_share: redistribute with replicas of two ranks: both ranks of
-    replica 1 die after iteration 6 (a lost node) and are not replaced; replica 0 steps on alone,
+    """resilience.lost_replica_share: redistribute with replicas of several ranks: every rank of
+    replica 1 dies after iteration 6 (a lost node) and is not replaced; replica 0 steps on alone,
     each of its ranks taking the same rank's share of replica 1 (its microbatches, read as
     that data-parallel rank) at half weight: with HSDP two shard ranks each read half of it, with
-    pipeline parallelism both stages run its microbatches after their own in one 1F1B schedule
-    (engine/training.py, each target tagged with its share). Every iteration's loss, before and
-    after the loss, equals the plain run's (one process group of four ranks: HSDP 2x2, or PP=2 x
-    DP=2) within 1e-6 relative, as the steps before a kill do in the test above."""
+    pipeline parallelism every stage runs its microbatches after their own in one 1F1B schedule
+    (engine/training.py, each target tagged with its share; with three stages the middle one
+    reads no batches and counts them). Every iteration's loss, before and after the loss, equals
+    the plain run's (one process group of both replicas' ranks: HSDP 2x2, PP=2 x DP=2 or
+    PP=3 x DP=2) within 1e-6 relative, as the steps before a kill do in the test above."""
     from engine.launcher import spawn
 
     iters = 16
     spec = json.loads(json.dumps(SPEC))
     spec["training"]["train_iters"] = iters
     spec["resilience"]["lost_replica_share"] = "redistribute"
-    spec["parallel"] = REPLICA_LAYOUTS[layout]
+    spec["parallel"], model, size = REPLICA_LAYOUTS[layout]
+    spec["model"].update(model)
+    spec["resources"]["ranks"] = 2 * size
     messages: list = []
-    with _replicas(tmp_path, spec, die_at={(1, 0): 6, (1, 1): 6}) as (start, procs):
+    with _replicas(tmp_path, spec, die_at={(1, s): 6 for s in range(size)}) as (start, procs):
         for r in range(2):
-            for s in range(S):
+            for s in range(size):
                 start(r, s)
         drain_until(
             tmp_path,
             messages,
-            lambda: sum(m[0] == "done" and m[1] == 0 for m in messages) == S,
+            lambda: sum(m[0] == "done" and m[1] == 0 for m in messages) == size,
             timeout_s=90,
             what="replica 0's ranks done",
         )
@@ -304,7 +312,7 @@ def test_a_lost_replicas_share_is_taken_with_the_losses_of_the_uninterrupted_run
     assert sorted(got) == list(range(1, iters + 1)), sorted(got)
     assert [got[i][5] for i in sorted(got)] == [2] * 6 + [1] * (iters - 6)
     assert len({m[7] for m in got.values()}) == 1, "a step alone trained fewer tokens than the global batch"
-    reference = spawn(_reference, 2 * S, args=(iters, spec))[0]
+    reference = spawn(_reference, 2 * size, args=(iters, spec))[0]
     assert [got[i][6] for i in sorted(got)] == pytest.approx(reference, rel=1e-6, abs=1e-6)
 
 
