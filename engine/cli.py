@@ -1,7 +1,7 @@
 """The engine's own commands: `train` (the torchrun of this project: a job on N local processes,
 no Ray, no service: the quickest way to debug a job), `schema` (the job specification's JSON
-Schema), `preprocess` (text files -> the indexed dataset `data.source: indexed` reads), `export`
-and the operator's `checkpoint convert` (old pickled checkpoints -> data, engine/checkpointing/convert.py).
+Schema), `preprocess` (text files -> the indexed dataset `data.source: indexed` reads), `export`,
+`eval` (lm-evaluation-harness tasks on a checkpoint, engine/harness/) and the operator's `checkpoint convert` (old pickled checkpoints -> data, engine/checkpointing/convert.py).
 
 torch is imported only inside the commands that need it, so `elastron --help` and the service's
 commands start without it. The `elastron` entry point (elastron/cli.py) composes this app with
@@ -144,6 +144,74 @@ def export(
         f"exported iteration {report.iteration} of {checkpoint} to {output}: {report.tensors} tensors, "
         f"{report.bytes_written / 2**20:.1f} MiB {dtype}, {report.seconds:.1f} s"
     )
+
+
+@app.command("eval")
+def eval_checkpoint(
+    checkpoint: Annotated[
+        str, typer.Argument(help="A job's checkpoint root (its newest committed checkpoint) or an iter_NNNNNNN folder; local or s3://.")
+    ],
+    tasks: Annotated[
+        str, typer.Option(help="Comma-separated lm-eval tasks: shipped ones (elastron_mc, elastron_ppl, elastron_gen), yours, or the registry's over local files.")
+    ],
+    ranks: Annotated[int, typer.Option(min=1, help="Local ranks; those --tensor x --pipeline leave are data-parallel replicas.")] = 1,
+    tensor: Annotated[int, typer.Option(min=1, help="Tensor-parallel size.")] = 1,
+    pipeline: Annotated[int, typer.Option(min=1, help="Pipeline-parallel size.")] = 1,
+    sequence_parallel: Annotated[bool, typer.Option("--sequence-parallel", help="Sequence parallelism with --tensor > 1.")] = False,
+    limit: Annotated[float | None, typer.Option(help="At most this many documents per task (a fraction below 1).")] = None,
+    num_fewshot: Annotated[int | None, typer.Option(help="Few-shot examples per prompt (default: the task's).")] = None,
+    include_path: Annotated[
+        list[str] | None, typer.Option("--include-path", help="A folder of your own task YAMLs; repeat for more.")
+    ] = None,
+    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write the results here as JSON.")] = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="Rows per forward pass.")] = 8,
+    device: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "auto",
+    endpoint_url: Annotated[str | None, typer.Option(help="S3 endpoint (default: the boto3 chain).")] = None,
+    timeout_s: Annotated[float, typer.Option(min=1.0, help="Stop (exit 1) after this many seconds.")] = 3600.0,
+) -> None:
+    """Score a committed checkpoint with lm-evaluation-harness tasks where it is: no export, on
+    the layout asked for (whatever layout saved it). Prints one line per task and metric.
+    Exit 2 on bad input (an unknown task, one that would need a hub download, a model that is
+    not a decoder), 1 when a rank fails."""
+    if limit is not None and limit <= 0:
+        fail("--limit must be above 0 (a count, or a fraction below 1)")
+    if sequence_parallel and tensor == 1:
+        fail("--sequence-parallel needs --tensor > 1")
+    from engine.checkpointing.commit import CheckpointCorruptError
+    from engine.device import resolve_device_type
+    from engine.harness.checkpoint_eval import EvalError, Layout, evaluate_checkpoint
+    from engine.harness.tasks import TaskError, resolve_tasks
+    from engine.launcher import RankFailure
+
+    try:
+        device_type = resolve_device_type(device)
+    except RuntimeError as err:  # no CUDA here
+        fail(f"--device {device}: {err}")
+    try:
+        resolved = resolve_tasks([t.strip() for t in tasks.split(",") if t.strip()], include_path)
+        layout = Layout(ranks, tensor, pipeline, sequence_parallel)
+        result = evaluate_checkpoint(
+            checkpoint,
+            resolved,
+            layout,
+            device=device_type,
+            limit=int(limit) if limit is not None and limit >= 1 else limit,
+            num_fewshot=num_fewshot,
+            rows_per_pass=batch_size,
+            endpoint_url=endpoint_url,
+            timeout_s=timeout_s,
+        )
+    except (TaskError, EvalError, JobSpecError, FileNotFoundError, CheckpointCorruptError) as err:
+        fail(str(err))
+    except RankFailure as err:
+        fail(str(err), code=1)
+    for task, metrics in result["results"].items():
+        for name, value in metrics.items():
+            if isinstance(value, float) and "_stderr" not in name:
+                typer.echo(f"{task}  {name.split(',')[0]}  {value:.6g}")
+    typer.echo(f"evaluated iteration {result['iteration']} of {checkpoint} on {ranks} rank(s)")
+    if output is not None:
+        output.write_text(json.dumps(result, indent=2, default=str) + "\n")
 
 
 @app.command()

@@ -1,0 +1,109 @@
+"""Forward-only passes of a Trainer's model on its layout, for scoring.
+
+Every rank of the job calls `map_rows` with the same rows (lm-eval runs the same requests on
+every rank: backend.py reports a world of one to it). Inside:
+- data-parallel replicas split the rows (longest first, dealt round-robin) and trade their
+  results at the end, so DP=2 scores twice the rows per pass;
+- a replica's tensor-parallel ranks gather the vocabulary shards of a row's logits (the engine's
+  head is column-parallel over the padded vocabulary; the padding is cut off here);
+- under pipeline parallelism the rows go through the Trainer's own schedule, forward only, one
+  row per microbatch, each row's logits reduced on the last stage as they come out, and the
+  reductions sent to every stage.
+Rows are right-padded: causal attention leaves a row's logits untouched by what follows it (the
+way lm-eval's Hugging Face backend pads, without a mask). Without pipelining a pass is padded to
+its longest row (rounded up to a multiple of TP for sequence parallelism); with it every pass is
+[rows_per_pass, seq_length], the one shape torch's pipeline stages infer. Context parallelism
+would need every row cut into CP chunks: refused here (the caller's error names the field).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from engine import parallel_state as ps
+
+# reduce(row index, that row's logits [row length, vocab] in fp32) -> a small picklable result
+RowReduce = Callable[[int, torch.Tensor], Any]
+
+
+class LayoutForward:
+    """Scores rows of token ids with a Trainer's model, on the layout the Trainer was built on."""
+
+    def __init__(self, trainer, rows_per_pass: int = 8, pad_id: int = 0):
+        if ps.get_size_of("cp") > 1:
+            raise ValueError("parallel.context_parallel: evaluation runs without context parallelism; set it to 1")
+        self.chunks = trainer.model_chunks
+        for chunk in self.chunks:
+            chunk.eval()  # no dropout
+        self.pipeline = trainer.pipeline
+        self.seq_length = trainer.config.seq_length
+        self.vocab = trainer.config.true_vocab_size
+        self.device = trainer.device
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+        # torch's 1F1B runs at least one microbatch per stage
+        self.rows_per_pass = max(rows_per_pass, ps.get_pipeline_model_parallel_world_size())
+        self.pad_id = pad_id
+
+    @torch.no_grad()
+    def map_rows(self, rows: Sequence[Sequence[int]], reduce: RowReduce) -> list:
+        """`reduce(i, logits)` of every row i, in row order, on every rank (a collective)."""
+        for i, row in enumerate(rows):
+            if not 0 < len(row) <= self.seq_length:
+                raise ValueError(f"row {i} holds {len(row)} tokens: the model reads 1 to {self.seq_length}")
+        order = sorted(range(len(rows)), key=lambda i: -len(rows[i]))
+        mine = order[self.dp_rank :: self.dp]
+        found: dict[int, Any] = {}
+        for start in range(0, len(mine), self.rows_per_pass):
+            self._pass(rows, mine[start : start + self.rows_per_pass], reduce, found)
+        if self.pipeline is not None:  # the last stage reduced every row: it tells the others
+            box = [found]
+            dist.broadcast_object_list(box, src=ps.get_group_ranks("pp")[-1], group=ps.get_group("pp"))
+            found = box[0]
+        if self.dp > 1:
+            parts: list = [None] * self.dp
+            dist.all_gather_object(parts, found, group=ps.get_group("dp"))
+            found = {i: r for part in parts for i, r in part.items()}
+        return [found[i] for i in range(len(rows))]
+
+    def _pass(self, rows, picked: list[int], reduce: RowReduce, found: dict) -> None:
+        runner = self.pipeline
+        if runner is None:
+            width = math.ceil(max(len(rows[i]) for i in picked) / self.tp) * self.tp
+            count = len(picked)
+        else:
+            width, count = self.seq_length, self.rows_per_pass
+        tokens = torch.full((count, width), self.pad_id, dtype=torch.long)
+        for j, i in enumerate(picked):
+            tokens[j, : len(rows[i])] = torch.as_tensor(rows[i], dtype=torch.long)
+        tokens = tokens.to(self.device)
+
+        def keep(j: int, logits: torch.Tensor) -> None:  # logits [width, vocab / tp] of pass row j
+            if j < len(picked):  # the rest pad a pipelined pass
+                i = picked[j]
+                found[i] = reduce(i, self._whole_vocab(logits[: len(rows[i])]))
+
+        if runner is None:
+            out = self.chunks[0](tokens)
+            for j in range(count):
+                keep(j, out[j])
+            return
+        slots = torch.arange(count, device=self.device).reshape(count, 1)
+
+        def loss_fn(out: torch.Tensor, slot: torch.Tensor) -> torch.Tensor:  # one row per microbatch
+            keep(int(slot[0, 0]), out[0])
+            return out.new_zeros(())
+
+        runner.evaluate(count, tokens if runner.has_first else None, slots if runner.has_last else None, loss_fn)
+
+    def _whole_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.tp > 1:
+            parts = [torch.empty_like(logits) for _ in range(self.tp)]
+            dist.all_gather(parts, logits.contiguous(), group=ps.get_tensor_model_parallel_group())
+            logits = torch.cat(parts, dim=-1)
+        return logits[:, : self.vocab].float()
