@@ -9,8 +9,8 @@ give the same numbers for the same weights (tests/engine/test_harness.py):
   prefixed by the end-of-text token), their loglikelihoods summed per document;
 - generate_until: greedy only; the context left-truncated to max_length - max_gen_toks, tokens
   appended until end-of-text, a stop string in the decoded text, or max_gen_toks, then cut at
-  the first stop string. Every request still generating takes one more token per pass (no KV
-  cache yet: each pass reads the whole row again).
+  the first stop string; decoded from a KV cache where the model is on one pipeline stage
+  (forward.LayoutForward.greedy), every row re-read per token otherwise.
 Every rank runs the same requests (the world lm-eval sees is one process); the layout's ranks
 share the work inside LayoutForward.
 """
@@ -29,8 +29,11 @@ DEFAULT_MAX_GEN_TOKS = 256  # lm-eval's Hugging Face backend's default
 
 
 class ElastronLM(TemplateLM):
-    def __init__(self, forward: LayoutForward, tokenizer, *, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS):
+    def __init__(
+        self, forward: LayoutForward, tokenizer, *, max_gen_toks: int = DEFAULT_MAX_GEN_TOKS, kv_cache: bool = True
+    ):
         super().__init__()
+        self.kv_cache = kv_cache
         self.forward = forward
         self.tok = tokenizer
         self.max_length = forward.seq_length
@@ -102,20 +105,11 @@ class ElastronLM(TemplateLM):
                 raise ValueError(f"max_gen_toks {budget} must be below the model's seq_length {self.max_length}")
             budgets.append(budget)
             rows.append(self.tok_encode(context)[-(self.max_length - budget) :])
-        made: list[list[int]] = [[] for _ in rows]
-        active = [i for i, b in enumerate(budgets) if b > 0]
-        while active:
-            picks = self.forward.map_rows(
-                [rows[i] + made[i] for i in active], lambda _, logits: int(logits[-1].argmax())
-            )
-            still = []
-            for i, token in zip(active, picks, strict=True):
-                made[i].append(token)
-                text = self.tok_decode(made[i])
-                done = token == self.eot_token_id or any(s and s in text for s in stops[i])
-                if not done and len(made[i]) < budgets[i]:
-                    still.append(i)
-            active = still
+
+        def finished(i: int, made: list[int]) -> bool:
+            return made[-1] == self.eot_token_id or any(s and s in self.tok_decode(made) for s in stops[i])
+
+        made = self.forward.greedy(rows, budgets, finished, kv_cache=self.kv_cache)
         return [
             postprocess_generated_text(self.tok_decode(m), stop, think_end_token=None)
             for m, stop in zip(made, stops, strict=True)

@@ -37,6 +37,7 @@ from engine.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding,
 from engine.transformer import context_parallel
 from engine.transformer.config import TransformerConfig
 from engine.transformer.dropout import dropout
+from engine.transformer.kv_cache import KVCache
 from engine.transformer.moe.moe_layer import local_experts
 from engine.transformer.mtp import MultiTokenPrediction
 from engine.transformer.packed_seq import PackedSeqParams
@@ -136,14 +137,19 @@ class GPTModel(LanguageModel):
             return "embedding.weight"
         return name
 
-    def _embed(self, ids: torch.Tensor, packed: PackedSeqParams | None = None) -> torch.Tensor:
+    def _embed(
+        self, ids: torch.Tensor, packed: PackedSeqParams | None = None, rows_at: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """ids [s, b] (this CP rank's tokens) -> [s, b, h], or this rank's sequence chunk
-        [s/tp, b, h] under SP."""
+        [s/tp, b, h] under SP. `rows_at` [s, b]: each token's position in its row (decoding)."""
         x = self.embedding(ids)
         if self.position_embeddings is not None:
             s = ids.shape[0]
+            per_token = packed is not None or rows_at is not None
             if packed is not None:  # [s, b]: each token's position in its own sample
                 positions = packed.position_ids.t()
+            elif rows_at is not None:
+                positions = rows_at
             else:
                 positions = context_parallel.local_positions(s * context_parallel.cp_size(), ids.device)
             if self.config.sequence_parallel:
@@ -151,14 +157,23 @@ class GPTModel(LanguageModel):
                 chunk = s // tp
                 positions = positions[rank * chunk : (rank + 1) * chunk]
             embedded = self.position_embeddings(positions)
-            x = x + (embedded if packed is not None else embedded.unsqueeze(1))
+            x = x + (embedded if per_token else embedded.unsqueeze(1))
         return dropout(x, self.config.hidden_dropout, self.training, self.config.sequence_parallel)
 
     def _rotary(
-        self, local_seq: int, dtype: torch.dtype, packed: PackedSeqParams | None = None
+        self,
+        local_seq: int,
+        dtype: torch.dtype,
+        packed: PackedSeqParams | None = None,
+        kv_cache: KVCache | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE (cos, sin) at the global positions of this CP rank's `local_seq` tokens; for
-        packed rows [s, b, 1, head_dim] at each token's position in its sample."""
+        packed rows [s, b, 1, head_dim] at each token's position in its sample; with a KV cache
+        at each token's position in its row."""
+        if kv_cache is not None:
+            cos, sin = self.rotary(kv_cache.max_len, dtype)
+            index = kv_cache.positions(local_seq).t()
+            return cos[index].squeeze(3), sin[index].squeeze(3)
         cp = context_parallel.cp_size()
         cos, sin = self.rotary(local_seq * cp, dtype)
         if packed is not None:  # no CP with packing (job spec); positions < local_seq
@@ -174,20 +189,26 @@ class GPTModel(LanguageModel):
         labels: torch.Tensor | None = None,
         packed_seq_params: PackedSeqParams | None = None,
         mtp_labels: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
         """First stage: token ids [b, s] (this CP rank's two chunks under CP); later stages:
         hidden states [s, b, h] (a sequence chunk under SP). Last stage: per-token loss [b, s]
         when labels are given, else this rank's vocabulary slice of the logits [b, s, vocab/tp].
         Other stages return hidden states. `packed_seq_params`: the rows' position and segment
         ids [b, s] when they hold several samples each (every stage needs them). `mtp_labels`
-        [b, s]: the labels, for the multi-token prediction depths (last stage; training only)."""
+        [b, s]: the labels, for the multi-token prediction depths (last stage; training only).
+        `kv_cache` (one stage holding the whole model, no packing, no CP): the tokens [b, s]
+        continue each row at the cache's `starts`; the cache keeps their keys and values."""
         packed = packed_seq_params
         if self.pre_process:
-            x = self._embed(x.t(), packed)
+            rows_at = kv_cache.positions(x.shape[1]).t() if kv_cache is not None else None
+            x = self._embed(x.t(), packed, rows_at)
         seq = x.shape[0] * (ps.get_tensor_model_parallel_world_size() if self.config.sequence_parallel else 1)
-        rotary = self._rotary(seq, x.dtype, packed) if self.rotary is not None else None
+        rotary = self._rotary(seq, x.dtype, packed, kv_cache) if self.rotary is not None else None
         mask = packed.attention_mask() if packed is not None else None
-        x = self.decoder(x, rotary, mask)
+        if kv_cache is not None:
+            mask = kv_cache.attention_mask(seq)
+        x = self.decoder(x, rotary, mask, kv_cache)
         if not self.post_process:
             return x
         if self.mtp is not None and mtp_labels is not None:

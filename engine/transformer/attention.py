@@ -13,6 +13,10 @@ an RMSNorm (LayerNorm for GPT-2 style) of each query and key head over head_dim 
 (`qk_layernorm`, Qwen3): one weight for q and one for k, shared by all heads and held whole by
 every TP rank, each of which normalises its own heads, so their grads are summed over TP.
 
+With a `kv_cache` (greedy decoding, engine/transformer/kv_cache.py) the step's keys and values
+are written into this rank's groups of the cache and the queries attend the whole cache under
+its mask (each query its own row's positions up to its own).
+
 Under context parallelism (parallel.context > 1) the core is the CP ring attention of
 engine.transformer.context_parallel over this rank's two sequence chunks; it keeps only q, k, v,
 the output and its log-sum-exp for backward, so selective recompute has nothing to add there.
@@ -30,6 +34,7 @@ from engine import parallel_state as ps
 from engine.tensor_parallel import ColumnParallelLinear, RowParallelLinear, checkpoint, get_rng_tracker
 from engine.transformer import context_parallel
 from engine.transformer.config import TransformerConfig
+from engine.transformer.kv_cache import LayerCache
 from engine.transformer.norm import build_norm
 from engine.transformer.rope import apply_rotary
 
@@ -75,9 +80,11 @@ class SelfAttention(nn.Module):
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None = None,
+        kv_cache: LayerCache | None = None,
     ) -> torch.Tensor:
         """`attention_mask`: [b, 1, s, s] bool (True = attend) for packed rows, in place of the
-        causal mask (engine.transformer.packed_seq); None: causal."""
+        causal mask (engine.transformer.packed_seq); None: causal. With `kv_cache`, the cache's
+        mask [b, 1, s, max_len]."""
         qkv = self.linear_qkv(x)  # [s, b, groups_local * (q_per_group + 2) * head_dim]
         s, b = qkv.shape[:2]
         hd = self.config.head_dim
@@ -91,6 +98,8 @@ class SelfAttention(nn.Module):
             cos, sin = rotary
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, heads, s, head_dim]
+        if kv_cache is not None:  # attend every cached position of the row, this step's too
+            k, v = kv_cache.update(k, v)
         if self.config.recompute == "selective" and self.context_parallel is None:
             out = checkpoint(self.core_attention, q, k, v, attention_mask)
         else:

@@ -118,8 +118,11 @@ class MultiLatentAttention(nn.Module):
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None = None,
+        kv_cache=None,
     ) -> torch.Tensor:
         """x: [s, b, h] (a sequence chunk under SP) -> [s, b, h]; `attention_mask` as SelfAttention's."""
+        if kv_cache is not None:
+            raise ValueError("model.mla: decoding with a KV cache is not built for multi-latent attention")
         mla, heads = self.mla, self.heads_local
         nope, rope, vd = mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim
         q = self._queries(x)  # [S, b, heads_local * (nope + rope)]

@@ -13,6 +13,7 @@ from engine.tensor_parallel import checkpoint
 from engine.transformer.attention import SelfAttention
 from engine.transformer.config import TransformerConfig
 from engine.transformer.dropout import dropout
+from engine.transformer.kv_cache import KVCache, LayerCache
 from engine.transformer.mla import MultiLatentAttention
 from engine.transformer.mlp import MLP
 from engine.transformer.moe import MoELayer
@@ -35,9 +36,10 @@ class TransformerLayer(nn.Module):
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None = None,
+        kv_cache: LayerCache | None = None,
     ) -> torch.Tensor:
         c = self.config
-        y = self.self_attention(self.input_layernorm(x), rotary, attention_mask)
+        y = self.self_attention(self.input_layernorm(x), rotary, attention_mask, kv_cache=kv_cache)
         x = x + dropout(y, c.hidden_dropout, self.training, c.sequence_parallel)
         y = self.mlp(self.pre_mlp_layernorm(x))
         return x + dropout(y, c.hidden_dropout, self.training, c.sequence_parallel)
@@ -67,13 +69,14 @@ class TransformerBlock(nn.Module):
         x: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor] | None,
         attention_mask: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
-        """`attention_mask`: packed rows' block-diagonal causal mask, or None (causal)."""
-        recompute = self.config.recompute == "full"
-        for layer in self.layers:
-            x = (
-                checkpoint(layer, x, rotary, attention_mask)
-                if recompute
-                else layer(x, rotary, attention_mask)
-            )
+        """`attention_mask`: packed rows' block-diagonal causal mask, or None (causal), or the
+        KV cache's mask when decoding with `kv_cache`."""
+        recompute = self.config.recompute == "full" and kv_cache is None
+        for i, layer in enumerate(self.layers):
+            if recompute:
+                x = checkpoint(layer, x, rotary, attention_mask)
+            else:
+                x = layer(x, rotary, attention_mask, kv_cache.layer(i) if kv_cache is not None else None)
         return self.final_layernorm(x) if self.final_layernorm is not None else x
