@@ -209,7 +209,10 @@ def eval_checkpoint(
         for name, value in metrics.items():
             if isinstance(value, float) and "_stderr" not in name:
                 typer.echo(f"{task}  {name.split(',')[0]}  {value:.6g}")
-    typer.echo(f"evaluated iteration {result['iteration']} of {checkpoint} on {ranks} rank(s)")
+    typer.echo(
+        f"evaluated iteration {result['iteration']} of {checkpoint} on {ranks} rank(s): "
+        f"{result['tokens']} tokens in {result['seconds']:.1f} s"
+    )
     if output is not None:
         output.write_text(json.dumps(result, indent=2, default=str) + "\n")
 

@@ -34,6 +34,7 @@ ENGINE_FLOORS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("evaluation, step meter", ("evaluation", "step_meter")),
     ("training", ("training",)),
     ("rank loop, launcher", ("train_loop", "launcher")),
+    ("lm-eval harness", ("harness",)),
     ("commands", ("cli",)),
 )  # fmt: skip
 
@@ -165,7 +166,7 @@ def test_the_dispatcher_lists_every_layers_commands_as_before_the_split():
 
     # typer keeps the commands in the order they were added (and lists them so in --help)
     assert list(typer.main.get_command(app).commands) == [
-        "train", "export", "schema", "preprocess", "checkpoint",  # engine/cli.py (checkpoint: the admin's convert)
+        "train", "export", "eval", "schema", "preprocess", "checkpoint",  # engine/cli.py (checkpoint: the admin's convert)
         "worker-run",  # workers/cli.py
         # service/cli.py; its command groups (token, jobs: a listing with `jobs export`, tenants, sweep) come last
         "up", "down", "submit", "status", "logs", "cancel", "demo", "queue", "token", "jobs", "tenants", "sweep",

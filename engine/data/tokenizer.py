@@ -209,3 +209,29 @@ def build_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer | SentencePieceTok
     if kind == "sentencepiece":
         return SentencePieceTokenizer(path)
     return ByteTokenizer()
+
+
+def write_corpus_bpe(folder: str | Path, corpus: str | Path, vocab_size: int = 300) -> Path:
+    """A small byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json, EOD
+    `<|endoftext|>` = id 0) trained on the text file `corpus` (the shipped one:
+    engine.data.sources.SHIPPED_CORPUS) into `folder`: an `hf:` tokenizer that transformers and
+    lm-eval load too, for tests, benches and a first try without a download."""
+    import json
+
+    from tokenizers import Tokenizer as _HF
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    folder = Path(folder)
+    tok = _HF(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train([str(corpus)], trainer)
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    return folder

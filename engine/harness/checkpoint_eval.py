@@ -11,8 +11,10 @@ lm-eval on the same requests with our backend (backend.py); rank 0's results are
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +24,7 @@ from engine.harness.tasks import ResolvedTasks
 from engine.jobspec.layout import split_checkpoint_uri
 
 DECODERS = ("gpt2", "llama")  # families lm-eval's causal-LM requests fit (bert and t5 do not)
+# The ranks' environment: no hub (a miss fails at once instead of timing out).
 OFFLINE = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
@@ -127,22 +130,35 @@ def eval_rank(run: EvalRun) -> dict | None:
     try:
         forward = LayoutForward(trainer, rows_per_pass=run.rows_per_pass)
         lm = ElastronLM(forward, build_tokenizer(spec.data.tokenizer), max_gen_toks=run.max_gen_toks)
-        out = simple_evaluate(
-            model=lm,
-            tasks=run.tasks.specs,
-            task_manager=run.tasks.task_manager(),
-            num_fewshot=run.num_fewshot,
-            limit=run.limit,
-            bootstrap_iters=1000,
-            log_samples=run.samples,
-            random_seed=run.seed,
-            numpy_random_seed=run.seed,
-            torch_random_seed=run.seed,
-            fewshot_random_seed=run.seed,
-        )
+        start = time.perf_counter()
+        # lm-eval's progress bars and task warnings: rank 0's (every rank runs the same).
+        quiet = contextlib.redirect_stderr(open(os.devnull, "w")) if dist.get_rank() else contextlib.nullcontext()  # noqa: SIM115
+        with quiet:
+            out = simple_evaluate(
+                model=lm,
+                tasks=run.tasks.specs,
+                task_manager=run.tasks.task_manager(),
+                num_fewshot=run.num_fewshot,
+                limit=run.limit,
+                bootstrap_iters=1000,
+                log_samples=run.samples,
+                random_seed=run.seed,
+                numpy_random_seed=run.seed,
+                torch_random_seed=run.seed,
+                fewshot_random_seed=run.seed,
+            )
+        seconds = time.perf_counter() - start
+        tokens = [0] * dist.get_world_size()  # each replica's count, once (its rank 0 in TP x PP)
+        dist.all_gather_object(tokens, forward.tokens_read if ps.get_rank_in("mp") == 0 else 0)
         if dist.get_rank() != 0:
             return None
-        answer = {"iteration": trainer.iteration, "results": out["results"], "n-samples": out.get("n-samples", {})}
+        answer = {
+            "iteration": trainer.iteration,
+            "results": out["results"],
+            "n-samples": out.get("n-samples", {}),
+            "seconds": seconds,
+            "tokens": sum(tokens),
+        }
         if run.samples:
             answer["samples"] = per_sample(out["samples"])
         return answer
@@ -173,7 +189,8 @@ def evaluate_checkpoint(
     samples: bool = False,
 ) -> dict:
     """lm-eval's results of `tasks` on `checkpoint`, evaluated on `layout` by local processes:
-    {"checkpoint", "iteration", "layout", "results": {task: {metric: value}}, "n-samples"}, and
+    {"checkpoint", "iteration", "layout", "results": {task: {metric: value}}, "n-samples",
+    "seconds" (lm-eval's run, loading excluded), "tokens" (fed to the model, padding not)}, and
     with `samples` each document's requests and answers ("samples": per_sample)."""
     from engine.device import resolve_device_type
     from engine.launcher import spawn
@@ -191,5 +208,7 @@ def evaluate_checkpoint(
         "layout": {"ranks": layout.ranks, **layout.parallel()},
         "results": answer["results"],
         "n-samples": answer["n-samples"],
+        "seconds": answer["seconds"],
+        "tokens": answer["tokens"],
         **({"samples": answer["samples"]} if samples else {}),
     }

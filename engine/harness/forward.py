@@ -59,6 +59,7 @@ class LayoutForward:
         self.pad_id = pad_id
         self.step_width = self.tp if trainer.config.sequence_parallel else 1
         self.caches = self.pipeline is None and trainer.config.mla is None
+        self.tokens_read = 0  # real (unpadded) tokens fed to the model by this replica: throughput
 
     @torch.no_grad()
     def map_rows(self, rows: Sequence[Sequence[int]], reduce: RowReduce) -> list:
@@ -121,6 +122,7 @@ class LayoutForward:
         tokens = torch.full((b, width), self.pad_id, dtype=torch.long)
         for j, row in enumerate(seqs):
             tokens[j, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+            self.tokens_read += len(row)
         logits = model(tokens.to(self.device), kv_cache=cache)
         at = [len(r) - 1 for r in seqs]  # where each row's next token is read, in the step
         made: dict[int, list[int]] = {i: [] for i in picked}
@@ -143,6 +145,7 @@ class LayoutForward:
                 window = row[starts[j] : starts[j] + w]
                 step[j, : len(window)] = torch.as_tensor(window, dtype=torch.long)
             cache.starts = torch.as_tensor(starts, device=self.device)
+            self.tokens_read += len(active)
             at = [len(r) - 1 - s for r, s in zip(seqs, starts, strict=True)]
             logits = model(step.to(self.device), kv_cache=cache)
 
@@ -156,6 +159,7 @@ class LayoutForward:
         tokens = torch.full((count, width), self.pad_id, dtype=torch.long)
         for j, i in enumerate(picked):
             tokens[j, : len(rows[i])] = torch.as_tensor(rows[i], dtype=torch.long)
+            self.tokens_read += len(rows[i])
         tokens = tokens.to(self.device)
 
         def keep(j: int, logits: torch.Tensor) -> None:  # logits [width, vocab / tp] of pass row j

@@ -42,24 +42,10 @@ def save_tiny(folder, config_cls, model_cls, seed: int = 0, dtype=torch.float32,
 
 def write_tokenizer(folder, vocab_size: int = 300) -> None:
     """A small byte-level BPE tokenizer.json (+ tokenizer_config.json) trained on the shipped corpus."""
-    import json
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     from engine.data.sources import SHIPPED_CORPUS
+    from engine.data.tokenizer import write_corpus_bpe
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<|endoftext|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train([str(SHIPPED_CORPUS)], trainer)
-    tok.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    write_corpus_bpe(folder, SHIPPED_CORPUS, vocab_size)
 
 
 def upload(folder, bucket: str, prefix: str) -> str:
