@@ -168,6 +168,9 @@ def eval_checkpoint(
     device: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "auto",
     endpoint_url: Annotated[str | None, typer.Option(help="S3 endpoint (default: the boto3 chain).")] = None,
     timeout_s: Annotated[float, typer.Option(min=1.0, help="Stop (exit 1) after this many seconds.")] = 3600.0,
+    print_json: Annotated[
+        bool, typer.Option("--print-json", help="End with one line `eval-result {JSON}` (how the service reads the scores).")
+    ] = False,
 ) -> None:
     """Score a committed checkpoint with lm-evaluation-harness tasks where it is: no export, on
     the layout asked for (whatever layout saved it). Prints one line per task and metric.
@@ -215,6 +218,8 @@ def eval_checkpoint(
     )
     if output is not None:
         output.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    if print_json:
+        typer.echo("eval-result " + json.dumps(result, default=str, separators=(",", ":")))
 
 
 @app.command()

@@ -24,7 +24,7 @@ from service.launcher import EntrypointResources, Launcher, RayJobsLauncher
 from service.limits import BodySizeLimit, ResponseSizeLimit, StoreRateLimiter, request_rates
 from service.metrics import HttpMetrics, JobSeries, SchedulerMetrics
 from service.reconciler import Reconciler
-from service.routers import exports, health, jobs, logs, scheduling, storage, sweeps, telemetry, ui
+from service.routers import evals, exports, health, jobs, logs, scheduling, storage, sweeps, telemetry, ui
 from service.settings import Settings
 from service.store.db import make_engine, make_sessionmaker
 from service.store.migrate import upgrade
@@ -103,6 +103,7 @@ def create_app(
     errors.install(app)
     app.include_router(jobs.router)
     app.include_router(exports.router)
+    app.include_router(evals.router)
     app.include_router(sweeps.router)
     app.include_router(scheduling.router)
     app.include_router(storage.router)

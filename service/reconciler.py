@@ -15,7 +15,9 @@ Every pass (every `reconcile_interval_s`, or sooner when a request nudges it):
    cannot tell, oldest first, `dispatch_batch` per pass, as Ray Jobs queues them itself
    (service/reconcile/launch.py, which also says why a crash at any point of a launch is safe);
 6. checkpoint exports (service/export_runs.py): submit the recorded ones as their own Ray jobs
-   with resource requests, poll the unfinished ones and record how they ended.
+   with resource requests, poll the unfinished ones and record how they ended;
+7. checkpoint evaluations (service/eval_runs.py): the same for `elastron eval`, their scores
+   read back from its log.
 Between 4 and 5, running sweeps are advanced (service/reconcile/sweeps.py: metrics to the study,
 pruned trials asked to stop, new trials recorded as queued jobs, which step 5 then launches), and
 retired attempts that Ray never confirmed ended are watched and stopped should
@@ -38,6 +40,7 @@ from collections.abc import Callable
 from sqlalchemy.orm import Session, sessionmaker
 
 from service import fencing
+from service.eval_runs import EvalRuns
 from service.export_runs import ExportRuns
 from service.launcher import Launcher, LauncherUnavailable
 from service.metrics import SchedulerMetrics
@@ -84,6 +87,7 @@ class Reconciler:
             sessions, settings, self.clock, self._stopping, self.launching, self.stops, metrics
         )
         self.exports = ExportRuns(sessions, launcher, settings, self.clock, self._stopping)
+        self.evals = EvalRuns(sessions, launcher, settings, self.clock, self._stopping)
         self.sweeps = SweepTrials(sessions, launcher, settings, self.clock, self._stopping)
 
     async def run(self) -> None:
@@ -127,6 +131,7 @@ class Reconciler:
                     self.sweeps.run_pass(self.capacity)
                 self._dispatch()
                 self.exports.run_pass()
+                self.evals.run_pass()
             except LauncherUnavailable as err:  # Ray went away during the pass: try again later
                 self.ray_reachable = False
                 log.warning("reconcile pass cut short: %s", err)

@@ -76,6 +76,11 @@ class Settings(BaseSettings):
         description="The command a checkpoint export runs (as its own Ray job); the checkpoint, --format, "
         "--output and --dtype are appended.",
     )
+    eval_entrypoint: str = Field(
+        "elastron eval",
+        description="The command a checkpoint evaluation runs (as its own Ray job); the tasks, layout, "
+        "--print-json and the checkpoint are appended.",
+    )
     ray_timeout_s: float = Field(5.0, gt=0, description="Longest wait on one Ray Jobs API call.")
     reconcile_interval_s: float = Field(2.0, gt=0, description="How often non-final jobs are polled.")
     dispatch_batch: int = Field(16, ge=1, description="Queued jobs launched per reconcile pass.")

@@ -144,6 +144,15 @@ def export_env(settings: Settings, session: Session, job_id: str, tenant: str, o
     return env
 
 
+def eval_env(settings: Settings, session: Session, job_id: str, tenant: str) -> dict[str, str]:
+    """An evaluation's environment: the tenant's credentials and, for a confined job, the
+    tenant's roots (the checkpoint it reads is inside them; it writes nothing)."""
+    env = credentials_env(settings, tenant)
+    if job_roots(settings, session, job_id, tenant) is not None:
+        env[ENV_STORAGE_ROOTS] = tenant_roots(settings, session, tenant).to_env()
+    return env
+
+
 def output_problem(output: str, roots: StorageRoots | None) -> str | None:
     """Why an export may not write `output` (None: it may)."""
     if roots is None or roots.allows(output, "write"):

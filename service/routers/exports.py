@@ -26,7 +26,7 @@ from service.storage_policy import tenant_roots
 from service.store.db import in_transaction
 from service.store.exports import create_export, get_export
 from service.store.jobs import get_job
-from service.store.models import Checkpoint, Export
+from service.store.models import Checkpoint, Export, Job
 
 router = APIRouter(prefix="/v1/jobs", tags=["exports"])
 
@@ -34,6 +34,41 @@ IterationPath = Annotated[
     int, Path(ge=0, le=ITERATION_MAX, description="The checkpoint's iteration (GET .../checkpoints).")
 ]
 ExportId = Annotated[str, Path(min_length=1, max_length=40, description="The export's id (exp-...).")]
+
+
+def committed_checkpoint(session: Session, caller, job_id: str, iteration: int, nothing: str) -> tuple[Job, str]:
+    """(the job, the folder its checkpoint of `iteration` is in) for a command that reads it (an
+    export, an evaluation): 404 for a job the caller cannot see or an iteration it did not save,
+    409 for a failed save (`nothing`: what that leaves, e.g. "nothing to export") or a job
+    without checkpoint.path."""
+    job = get_job(session, job_id)
+    if job is None or not caller.can_see(job.tenant):
+        raise not_found(job_id)
+    saved = session.scalar(
+        select(Checkpoint)
+        .where(Checkpoint.job_id == job.id, Checkpoint.iteration == iteration)
+        .order_by(Checkpoint.id.desc())
+        .limit(1)
+    )
+    if saved is None:
+        raise HTTPException(
+            status.HTTP_404_NOT_FOUND,
+            detail=f"job {job_id} has no checkpoint at iteration {iteration} "
+            "(GET /v1/jobs/{job_id}/checkpoints lists those it saved)",
+        )
+    if saved.result != "success":
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            detail=f"the checkpoint save of job {job_id} at iteration {iteration} failed: "
+            f"{nothing}; choose another iteration",
+        )
+    source = checkpoint_folder(job.spec, job.id, iteration)
+    if source is None:
+        raise HTTPException(
+            status.HTTP_409_CONFLICT,
+            detail=f"job {job_id} has no checkpoint.path: the service cannot tell where it saved",
+        )
+    return job, source
 
 
 @router.post(
@@ -68,33 +103,7 @@ def export_job_checkpoint(
     ctx.limits.enforce(caller.tenant, "export", "asks for exports")  # ELASTRON_EXPORT_RATE_PER_MINUTE
 
     def record(session: Session) -> ExportOut:
-        job = get_job(session, job_id)
-        if job is None or not caller.can_see(job.tenant):
-            raise not_found(job_id)
-        saved = session.scalar(
-            select(Checkpoint)
-            .where(Checkpoint.job_id == job.id, Checkpoint.iteration == iteration)
-            .order_by(Checkpoint.id.desc())
-            .limit(1)
-        )
-        if saved is None:
-            raise HTTPException(
-                status.HTTP_404_NOT_FOUND,
-                detail=f"job {job_id} has no checkpoint at iteration {iteration} "
-                "(GET /v1/jobs/{job_id}/checkpoints lists those it saved)",
-            )
-        if saved.result != "success":
-            raise HTTPException(
-                status.HTTP_409_CONFLICT,
-                detail=f"the checkpoint save of job {job_id} at iteration {iteration} failed: "
-                "nothing to export; choose another iteration",
-            )
-        source = checkpoint_folder(job.spec, job.id, iteration)
-        if source is None:
-            raise HTTPException(
-                status.HTTP_409_CONFLICT,
-                detail=f"job {job_id} has no checkpoint.path: the service cannot tell where it saved",
-            )
+        job, source = committed_checkpoint(session, caller, job_id, iteration, "nothing to export")
         problem = format_problem(job.spec, body.format)
         if problem is not None:
             raise HTTPException(

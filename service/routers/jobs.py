@@ -61,6 +61,9 @@ JOB_LINKS = {
     "ExportCheckpoint": {"operationId": "export_job_checkpoint", "parameters": _JOB_ID},
     "JobExports": {"operationId": "list_job_exports", "parameters": _JOB_ID},
     "JobExport": {"operationId": "get_job_export", "parameters": _JOB_ID},
+    "EvaluateCheckpoint": {"operationId": "evaluate_job_checkpoint", "parameters": _JOB_ID},
+    "JobEvals": {"operationId": "list_job_evals", "parameters": _JOB_ID},
+    "JobEval": {"operationId": "get_job_eval", "parameters": _JOB_ID},
     "PostTelemetry": {
         "operationId": "post_telemetry_v1_internal_jobs__job_id__telemetry_post",
         "parameters": _JOB_ID,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from sqlalchemy import Connection, Engine, inspect, text
 
-HEAD = "0008_sweeps"
+HEAD = "0009_evals"
 MIGRATIONS = Path(__file__).parent / "migrations"
 _PG_LOCK_ID = 0x656C617374726F6E  # "elastron"
 

@@ -200,6 +200,32 @@ class Export(Base):
     finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
 
 
+class Evaluation(Base):
+    """One lm-eval run (`elastron eval`) on a committed checkpoint, as its own launcher submission.
+
+    `status`: pending (recorded; `submitted_at` null until the launcher has it) -> running ->
+    succeeded | failed. `source`: the checkpoint folder the service computes from the job's spec
+    as run (as an export's). `tasks` and `options` (limit, num_fewshot, ranks, tensor, pipeline)
+    are what was asked; `results`: lm-eval's metrics per task, read back as JSON from the
+    command's last `eval-result` line."""
+
+    __tablename__ = "job_evals"
+
+    id: Mapped[str] = mapped_column(String(40), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    iteration: Mapped[int] = mapped_column(Integer)
+    source: Mapped[str] = mapped_column(Text)
+    tasks: Mapped[list] = mapped_column(JSON)
+    options: Mapped[dict] = mapped_column(JSON)
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    results: Mapped[dict | None] = mapped_column(JSON, nullable=True)
+    message: Mapped[str | None] = mapped_column(Text, nullable=True)
+    submission_id: Mapped[str] = mapped_column(String(200))
+    created_at: Mapped[float] = mapped_column(Float)
+    submitted_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+    finished_at: Mapped[float | None] = mapped_column(Float, nullable=True)
+
+
 class TenantQuota(Base):
     """A tenant's limits (null: unlimited), set by an admin: what may run at once, how many jobs
     may wait, and what its jobs may ask of the scheduler."""

@@ -232,3 +232,10 @@ def test_decoding_from_the_kv_cache_equals_rereading_every_row(family, layout, r
     cached, reread = spawn(_greedy_with_and_without_cache, layout.ranks, (job, rows, 40), timeout_s=240)[0]
     assert cached == reread
     assert [len(m) for m in cached] == [40, 40, 40] and len({tuple(m) for m in cached}) == 3
+
+
+def test_the_tasks_the_service_offers_are_the_shipped_ones():
+    from engine.harness.tasks import shipped_tasks
+    from engine.jobspec.evaluation import SHIPPED_TASKS
+
+    assert sorted(shipped_tasks()) == list(SHIPPED_TASKS)

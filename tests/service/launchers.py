@@ -36,6 +36,7 @@ class FakeLauncher(Launcher):
         self.tails = 0
         self.break_tail_after: int | None = None  # the next log stream breaks after this many lines
         self.nodes: list | None = None  # capacity(): None = unknown (no scheduling)
+        self.logs_of: dict[str, str] = {}  # a submission's log, where a test sets one
 
     def _check(self) -> None:
         if not self.up:
@@ -96,7 +97,7 @@ class FakeLauncher(Launcher):
 
     def logs(self, submission_id):
         self._check()
-        return f"log of {submission_id}\n"
+        return self.logs_of.get(submission_id, f"log of {submission_id}\n")
 
     async def tail(self, submission_id) -> AsyncIterator[str]:
         self._check()
