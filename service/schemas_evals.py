@@ -6,50 +6,16 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, Field
 
-from engine.jobspec.evaluation import SHIPPED_TASKS
+from engine.jobspec.evaluation import EvalRequestSpec
 from service.schemas import stored_time
 from service.store.models import Evaluation
 
-MAX_EVAL_RANKS = 64
 
-
-class EvalIn(BaseModel):
-    """lm-eval tasks to run on a committed checkpoint, and the layout to run them on."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    tasks: list[str] = Field(
-        min_length=1,
-        max_length=len(SHIPPED_TASKS),
-        description=f"lm-eval tasks shipped with elastron: {', '.join(SHIPPED_TASKS)} (their data ship with it; "
-        "`elastron eval` on the command line runs any task over local files).",
-    )
-    limit: int | None = Field(None, ge=1, le=100_000, description="At most this many documents per task.")
-    num_fewshot: int | None = Field(None, ge=0, le=32, description="Few-shot examples per prompt (default: the task's).")
-    ranks: int = Field(1, ge=1, le=MAX_EVAL_RANKS, description="Processes (GPUs) of the evaluation.")
-    tensor: int = Field(1, ge=1, le=MAX_EVAL_RANKS, description="Tensor-parallel size.")
-    pipeline: int = Field(1, ge=1, le=MAX_EVAL_RANKS, description="Pipeline-parallel size.")
-
-    @field_validator("tasks")
-    @classmethod
-    def _shipped(cls, tasks: list[str]) -> list[str]:
-        unknown = [t for t in tasks if t not in SHIPPED_TASKS]
-        if unknown:
-            raise ValueError(f"unknown task(s) {', '.join(map(repr, unknown))}: choose from {', '.join(SHIPPED_TASKS)}")
-        if len(set(tasks)) != len(tasks):
-            raise ValueError("a task is named twice")
-        return tasks
-
-    @model_validator(mode="after")
-    def _layout(self) -> EvalIn:
-        if self.ranks % (self.tensor * self.pipeline):
-            raise ValueError(f"ranks {self.ranks} is not a multiple of tensor x pipeline = {self.tensor * self.pipeline}")
-        return self
-
-    def options(self) -> dict[str, Any]:
-        return self.model_dump(exclude={"tasks"})
+class EvalIn(EvalRequestSpec):
+    """lm-eval tasks to run on a committed checkpoint, and the layout to run them on (the job
+    spec's evaluation.on_checkpoint asks the same for each checkpoint)."""
 
 
 EvalStatus = Literal["pending", "running", "succeeded", "failed"]

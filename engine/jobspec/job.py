@@ -15,6 +15,7 @@ from engine.jobspec import layout
 from engine.jobspec.checkpoint import CheckpointSpec
 from engine.jobspec.common import _divisors, _Section
 from engine.jobspec.data import DataSpec
+from engine.jobspec.evaluation import EvaluationSpec
 from engine.jobspec.hf_config import HFConfigError, resolve_hf_config
 from engine.jobspec.model import HF_CONFIG_ERROR, ModelSpec
 from engine.jobspec.parallel import ParallelSpec
@@ -36,6 +37,7 @@ class JobSpec(_Section):
     resilience: ResilienceSpec = Field(default_factory=ResilienceSpec)
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     scheduling: SchedulingSpec = Field(default_factory=SchedulingSpec)
+    evaluation: EvaluationSpec = Field(default_factory=EvaluationSpec)
 
     @property
     def data_parallel_size(self) -> int:

@@ -24,7 +24,7 @@ from service.routers.jobs import AUTH, NOT_FOUND
 from service.schemas import Problem
 from service.schemas_evals import EvalIn, EvalList, EvalOut
 from service.store.db import in_transaction
-from service.store.evals import SUCCEEDED, UNFINISHED, create_eval, get_eval
+from service.store.evals import UNFINISHED, create_eval, get_eval, identical_eval
 from service.store.models import Evaluation, Job
 
 router = APIRouter(prefix="/v1/jobs", tags=["evals"])
@@ -55,7 +55,7 @@ def evaluate_job_checkpoint(
 
     def record(session: Session) -> EvalOut:
         job, source = committed_checkpoint(session, caller, job_id, iteration, "nothing to evaluate")
-        same = _identical(session, job.id, iteration, body)
+        same = identical_eval(session, job.id, iteration, body.tasks, body.options())
         if same is not None:  # a retry, or the same request twice
             response.status_code = status.HTTP_200_OK
             return EvalOut.from_row(same)
@@ -67,17 +67,6 @@ def evaluate_job_checkpoint(
     out = in_transaction(ctx.sessions, record)
     ctx.reconciler.nudge()
     return out
-
-
-def _identical(session: Session, job_id: str, iteration: int, body: EvalIn) -> Evaluation | None:
-    rows = session.scalars(
-        select(Evaluation).where(
-            Evaluation.job_id == job_id,
-            Evaluation.iteration == iteration,
-            Evaluation.status.in_((*UNFINISHED, SUCCEEDED)),
-        )
-    ).all()
-    return next((r for r in rows if r.tasks == body.tasks and r.options == body.options()), None)
 
 
 def _check_in_flight(session: Session, job: Job, most: int) -> None:

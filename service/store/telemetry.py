@@ -28,6 +28,7 @@ from engine.jobspec import contract
 from service import progress, stragglers
 from service.states import FINAL, JobState
 from service.store import stats as job_stats
+from service.store.evals import evaluations_on_checkpoint
 from service.store.jobs import add_event, transition
 from service.store.models import Checkpoint, Job, JobEvent, JobMetric
 
@@ -239,6 +240,8 @@ def _apply_checkpoint(
         job_stats.add(stats, "ckpt_retries", retries)
     if not ok:
         return
+    if iteration is not None:  # the job spec's evaluation.on_checkpoint (service/store/evals.py)
+        evaluations_on_checkpoint(session, job, iteration)
     if seconds is not None:
         job_stats.observe(stats, "ckpt_save", job_stats.CHECKPOINT_BUCKETS, seconds)
     if size is not None:

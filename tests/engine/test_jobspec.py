@@ -476,7 +476,7 @@ def test_unknown_top_level_key():
     refused(
         job(tensor_paralel=2),
         r"^tensor_paralel: unknown key: did you mean 'parallel'\? known keys here: name, model, parallel, data, training, optimizer, "
-        r"checkpoint, resilience, resources, scheduling$",
+        r"checkpoint, resilience, resources, scheduling, evaluation$",
     )
 
 
@@ -657,7 +657,7 @@ def test_load_job_reports_validation_errors_as_job_spec_errors(tmp_path):
         load_job(path)
 
 
-def test_json_schema_has_the_ten_sections():
+def test_json_schema_has_the_eleven_sections():
     schema = json_schema()
     assert list(schema["properties"]) == [
         "name",
@@ -670,6 +670,7 @@ def test_json_schema_has_the_ten_sections():
         "resilience",
         "resources",
         "scheduling",
+        "evaluation",
     ]
     assert schema["additionalProperties"] is False
     assert schema["$defs"]["ParallelSpec"]["additionalProperties"] is False

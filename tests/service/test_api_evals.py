@@ -180,3 +180,27 @@ def test_a_real_checkpoint_is_evaluated_by_a_real_process(start_env, processes, 
     assert done["status"] == "succeeded", done
     assert set(done["results"]) == {"elastron_mc", "elastron_ppl"}
     assert 0.0 <= done["results"]["elastron_mc"]["acc"] <= 1.0 and done["results"]["elastron_ppl"]["bits_per_byte"] > 0
+
+
+def test_on_checkpoint_evaluates_every_nth_committed_checkpoint_once(env):
+    from tests.service.test_api_jobs import TINY
+
+    spec = {**TINY, "evaluation": {"on_checkpoint": {"tasks": ["elastron_mc", "elastron_gen"], "every": 2, "limit": 3}}}
+    with env.client() as c:
+        r = c.post("/v1/jobs", json=spec)
+        assert r.status_code == 201, r.text
+        job_id = r.json()["id"]
+    checkpoint_events(job_id, env, saved=(10, 20), failed=(25,))
+    checkpoint_events(job_id, env, saved=(30, 40))
+    checkpoint_events(job_id, env, saved=(40,))  # a save reported twice: still one evaluation
+    with env.client() as c:
+        rows = c.get(f"/v1/jobs/{job_id}/evals").json()["evals"]
+    assert [(e["iteration"], e["tasks"], e["options"]["limit"]) for e in rows] == [
+        (20, ["elastron_mc", "elastron_gen"], 3),
+        (40, ["elastron_mc", "elastron_gen"], 3),
+    ]
+    for e in rows:  # submitted by the reconciler as any other evaluation
+        wait_for(lambda e=e: e["submission_id"] in env.launcher.submissions, 10, "the submissions")
+    with env.client() as c:  # and a bad on_checkpoint is the job spec's 422, naming the field
+        r = c.post("/v1/jobs", json={**TINY, "evaluation": {"on_checkpoint": {"tasks": ["mmlu"]}}})
+    assert r.status_code == 422 and "evaluation.on_checkpoint.tasks" in r.text, r.text
