@@ -27,7 +27,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from service.states import JobState
 from service.store import scheduler_stats
 from service.store import stats as job_stats
-from service.store.models import Job, Sweep, SweepTrial
+from service.store.models import Evaluation, Job, Sweep, SweepTrial
 from service.store.sweeps import SWEEP_STATES, TRIAL_STATES
 
 _METHODS = frozenset({"GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"})
@@ -111,16 +111,17 @@ class JobSeries:
             ).all()
             scheduler = scheduler_stats.read(s)
             sweeps = _sweep_counts(s, cutoff)
+            scores = _eval_scores(s, cutoff)
         counts: dict[str, int] = {}
         queue = []
         for state, tenant, priority, n in groups:
             counts[state] = counts.get(state, 0) + n
             if state == JobState.QUEUED.value:
                 queue.append((tenant, priority, n))
-        return rows, counts, queue, scheduler, sweeps
+        return rows, counts, queue, scheduler, sweeps, scores
 
     def render(self) -> str:
-        rows, counts, queue, scheduler, sweeps = self._read()
+        rows, counts, queue, scheduler, sweeps, scores = self._read()
         jobs = _Family("elastron_jobs", "gauge", "Jobs in each state.")
         for state in JobState:
             jobs.add(f'state="{state.value}"', counts.get(state.value, 0))
@@ -280,7 +281,9 @@ class JobSeries:
             step,
             ckpt_save,
         )
-        return "".join(f.text() for f in families) + _scheduler_text(scheduler) + _sweep_text(*sweeps)
+        return (
+            "".join(f.text() for f in families) + _scheduler_text(scheduler) + _sweep_text(*sweeps) + _eval_text(scores)
+        )
 
 
 def _sweep_counts(s: Session, cutoff: float) -> tuple[dict[str, int], dict[str, int]]:
@@ -298,6 +301,46 @@ def _sweep_counts(s: Session, cutoff: float) -> tuple[dict[str, int], dict[str, 
     for kind, state, n in s.execute(union_all(sweeps, trials)).all():
         counts[kind][state] = n
     return counts["sweep"], counts["trial"]
+
+
+def _eval_scores(s: Session, cutoff: float) -> list[tuple[str, str, int, dict]]:
+    """(job, tenant, iteration, scores) of each job's newest succeeded evaluation, for the jobs
+    running or ended within the retention (one row per job: its size does not grow with
+    checkpoints)."""
+    recent = or_(Job.finished_at.is_(None), Job.finished_at >= cutoff)
+    newest = (
+        select(Evaluation.job_id, func.max(Evaluation.iteration).label("iteration"))
+        .join(Job, Job.id == Evaluation.job_id)
+        .where(recent, Evaluation.status == "succeeded")
+        .group_by(Evaluation.job_id)
+        .subquery()
+    )
+    rows = s.execute(
+        select(Evaluation.job_id, Job.tenant, Evaluation.iteration, Evaluation.results, Evaluation.finished_at)
+        .join(Job, Job.id == Evaluation.job_id)
+        .join(newest, (newest.c.job_id == Evaluation.job_id) & (newest.c.iteration == Evaluation.iteration))
+        .where(Evaluation.status == "succeeded")
+        .order_by(Evaluation.finished_at)
+    ).all()
+    found: dict[str, tuple[str, str, int, dict]] = {}
+    for job_id, tenant, iteration, results, _ in rows:  # several at that iteration: the last to finish
+        merged = {**(found[job_id][3] if job_id in found else {}), **(results or {})}
+        found[job_id] = (job_id, tenant, iteration, merged)
+    return list(found.values())
+
+
+def _eval_text(scores: list[tuple[str, str, int, dict]]) -> str:
+    score = _Family("elastron_job_eval_score", "gauge", "The newest evaluated checkpoint's lm-eval scores.")
+    at = _Family("elastron_job_eval_iteration", "gauge", "The iteration of the newest evaluated checkpoint.")
+    for job_id, tenant, iteration, results in scores:
+        labels = f'job="{_label(job_id)}",tenant="{_label(tenant)}"'
+        at.add(labels, iteration)
+        for task, metrics in sorted(results.items()):
+            for metric, value in sorted((metrics or {}).items()):
+                number = _number(value)
+                if number is not None:
+                    score.add(f'{labels},task="{_label(task)}",metric="{_label(metric)}"', number)
+    return score.text() + at.text()
 
 
 def _sweep_text(sweeps: dict[str, int], trials: dict[str, int]) -> str:

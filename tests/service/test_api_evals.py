@@ -85,6 +85,12 @@ def test_the_scores_come_from_the_commands_log_and_the_end_is_a_job_event(env):
     assert "error: --tasks" in failed["message"] and "exit code 2" in failed["message"]
     with env.client() as c:
         events = c.get(f"/v1/jobs/{job_id}/events").json()["events"]
+    with env.client("admin") as admin:  # the newest evaluated checkpoint's scores on /metrics
+        text = admin.get("/metrics").text
+    labels = f'job="{job_id}",tenant="alice"'
+    assert f'elastron_job_eval_score{{{labels},task="elastron_mc",metric="acc"}} 0.5' in text
+    assert f'elastron_job_eval_score{{{labels},task="elastron_mc",metric="acc_norm"}} 0.25' in text
+    assert f"elastron_job_eval_iteration{{{labels}}} 10.0" in text
     ends = [(e["kind"], e["data"]["eval_id"]) for e in events if e["kind"] in ("eval_succeeded", "eval_failed")]
     assert sorted(ends) == sorted([("eval_succeeded", good["id"]), ("eval_failed", bare["id"]), ("eval_failed", bad["id"])])
 

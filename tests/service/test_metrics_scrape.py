@@ -29,7 +29,7 @@ def test_scrape_queries_do_not_grow_with_jobs(start_env):
         for job_id in ids[:50]:
             admin.post(f"/v1/internal/jobs/{job_id}/telemetry", json={"records": [record]})
     text, queries = scrape()
-    assert queries == 4  # the jobs shown, the counts per state, the scheduler's row, sweeps and trials per state
+    assert queries == 5  # the jobs shown, counts per state, the scheduler's row, sweeps and trials, evaluations
     assert all(f'elastron_job_iteration{{job="{i}",tenant="alice"}} 1.0' in text for i in ids[:50])
     assert all(f'elastron_job_state{{job="{i}",tenant="alice",state="queued"}} 1.0' in text for i in ids[50:])
     assert 'elastron_jobs{state="queued"} 50.0' in text and 'elastron_jobs{state="running"} 50.0' in text
@@ -42,6 +42,6 @@ def test_scrape_queries_do_not_grow_with_jobs(start_env):
         ),
     )
     text, queries = scrape()
-    assert queries == 4  # the jobs shown, the counts per state, the scheduler's row, sweeps and trials per state
+    assert queries == 5  # the jobs shown, counts per state, the scheduler's row, sweeps and trials, evaluations
     assert not any(f'job="{i}"' in text for i in ids[:10]) and f'job="{ids[10]}"' in text
     assert 'elastron_jobs{state="succeeded"} 10.0' in text
