@@ -306,12 +306,41 @@ function drawRanks(job) {
       <span class="num">${(1000 * t).toFixed(1)} ms${ratio[r] !== undefined ? ` · ${ratio[r].toFixed(2)}x` : ""}</span></div>`).join("");
 }
 
+// The job's evaluations (GET /v1/jobs/{id}/evals): one chart per task, a line per metric over
+// the evaluated checkpoints' iterations (those with scores: only a finished, successful evaluation
+// has them), and a row per evaluation.
+function drawEvals(evals) {
+  const done = evals.filter((e) => e.results);
+  const tasks = [...new Set(done.flatMap((e) => Object.keys(e.results)))].sort();
+  const box = document.getElementById("eval-charts");
+  const ids = tasks.map((t) => `eval-chart-${t.replace(/[^A-Za-z0-9_-]/g, "_")}`);
+  if (box.dataset.tasks !== tasks.join(",")) {
+    box.dataset.tasks = tasks.join(",");
+    box.innerHTML = tasks.length
+      ? tasks.map((t, k) => `<div class="chart"><h3>${esc(t)}</h3><canvas id="${ids[k]}" data-task="${esc(t)}"></canvas></div>`).join("")
+      : '<p class="muted">No evaluation yet (POST /v1/jobs/{id}/checkpoints/{iteration}/evals, or evaluation.on_checkpoint in the job file).</p>';
+  }
+  tasks.forEach((task, k) => {
+    const metrics = [...new Set(done.flatMap((e) => Object.keys(e.results[task] || {})))].sort();
+    const series = metrics.map((m) => ({
+      label: m,
+      dots: true,
+      points: done.filter((e) => e.results[task] && num(e.results[task][m]) !== null)
+        .map((e) => [e.iteration, e.results[task][m]]).sort((a, b) => a[0] - b[0]),
+    }));
+    drawChart(document.getElementById(ids[k]), { series });
+  });
+  document.querySelector("#evals tbody").innerHTML = evals.map((e) => `
+    <tr data-eval="${esc(e.id)}"><td>${e.iteration}</td><td>${esc(e.tasks.join(", "))}</td><td>${esc(e.status)}</td><td>${esc(e.message || "")}</td></tr>`).join("") || '<tr><td colspan="4" class="muted">none yet</td></tr>';
+}
+
 async function showJob(id) {
-  const [job, metrics, events, checkpoints] = await Promise.all([
+  const [job, metrics, events, checkpoints, evals] = await Promise.all([
     api(`/v1/jobs/${encodeURIComponent(id)}`),
     api(`/v1/jobs/${encodeURIComponent(id)}/metrics?max_points=500`),
     api(`/v1/jobs/${encodeURIComponent(id)}/events?limit=500`),
     api(`/v1/jobs/${encodeURIComponent(id)}/checkpoints`),
+    api(`/v1/jobs/${encodeURIComponent(id)}/evals`),
   ]);
   if (!document.getElementById("job-page") || view.dataset.job !== id) {
     view.dataset.job = id;
@@ -323,6 +352,8 @@ async function showJob(id) {
         <h2>Per rank: forward-backward time of the last logged step</h2><div id="ranks" class="ranks"></div>
         <h2>Charts</h2>
         <div class="charts">${CHARTS.map(([cid, title]) => `<div class="chart"><h3>${esc(title)}</h3><canvas id="chart-${cid}"></canvas></div>`).join("")}</div>
+        <h2>Evaluations</h2><div class="charts" id="eval-charts"></div>
+        <table id="evals"><thead><tr><th>Iteration</th><th>Tasks</th><th>Status</th><th>Message</th></tr></thead><tbody></tbody></table>
         <div class="columns">
           <div><h2>Events</h2><ul class="timeline" id="events"></ul></div>
           <div><h2>Checkpoints</h2><table id="checkpoints"><thead><tr><th>Iteration</th><th>Result</th><th>Size</th><th>Seconds</th><th>Where</th></tr></thead><tbody></tbody></table></div>
@@ -351,6 +382,7 @@ async function showJob(id) {
   document.getElementById("facts").innerHTML = facts.map(([k, v]) => `<div data-fact="${esc(k)}"><span>${esc(k)}</span>${esc(v)}</div>`).join("");
   drawRanks(job);
   drawCharts(metrics.records);
+  drawEvals(evals.evals);
   document.getElementById("events").innerHTML = events.events.map((e) => `
     <li><b>${esc(e.kind)}</b> <span class="muted">${e.time ? new Date(e.time).toLocaleTimeString() : ""}${e.iteration !== null ? " · iteration " + e.iteration : ""}</span><br>${esc(e.message || "")}</li>`).join("") || '<li class="muted">none yet</li>';
   document.querySelector("#checkpoints tbody").innerHTML = checkpoints.checkpoints.map((c) => `

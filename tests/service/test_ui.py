@@ -168,6 +168,37 @@ def test_sign_in_see_a_job_its_chart_points_and_cancel_it(env, browser):
     wait_for(lambda: "cancelled" in browser.find_element(By.ID, "job-state").text, 20, "the page to show it")
 
 
+def test_the_job_page_charts_each_tasks_scores_over_the_evaluated_checkpoints(env, browser):
+    import json
+
+    from selenium.webdriver.common.by import By
+
+    from service.launcher import LaunchStatus
+    from tests.service.test_api_evals import wait_eval
+    from tests.service.test_api_exports import job_with_checkpoints
+
+    job_id = job_with_checkpoints(env, saved=(10, 20, 30))
+    with env.client() as c:
+        rows = [c.post(f"/v1/jobs/{job_id}/checkpoints/{i}/evals", json={"tasks": ["elastron_mc"]}).json() for i in (10, 20, 30)]
+    for k, row in enumerate(rows[:2]):  # two succeed, the third is still pending
+        wait_for(lambda row=row: row["submission_id"] in env.launcher.submissions, 10, "the submission")
+        result = {"results": {"elastron_mc": {"acc,none": 0.25 * (k + 1), "acc_norm,none": 0.5}}}
+        env.launcher.logs_of[row["submission_id"]] = "eval-result " + json.dumps(result)
+        env.launcher.set_status(row["submission_id"], LaunchStatus.SUCCEEDED)
+    for row in rows[:2]:
+        assert wait_eval(env, job_id, row["id"], ("succeeded", "failed"))["status"] == "succeeded"
+    sign_in(browser, env.server.url, env.tokens["alice"])
+    wait_for(lambda: browser.execute_script("return window.elastronReady"), 20, "the jobs list")
+    ready_after(browser, f"#/jobs/{job_id}")
+    chart = browser.find_element(By.ID, "eval-chart-elastron_mc")
+    assert json.loads(chart.get_attribute("data-series")) == [
+        {"label": "acc", "color": "#3559e0", "points": 2},
+        {"label": "acc_norm", "color": "#e0703b", "points": 2},
+    ]
+    statuses = [r.text for r in browser.find_elements(By.CSS_SELECTOR, "#evals tbody tr")]
+    assert len(statuses) == 3 and "pending" in statuses[2] and all("succeeded" in t for t in statuses[:2])
+
+
 def test_a_bad_job_file_shows_the_fields_error(env, browser):
     from selenium.webdriver.common.by import By
 
