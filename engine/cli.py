@@ -168,6 +168,10 @@ def eval_checkpoint(
     device: Annotated[str, typer.Option(help="cpu, cuda or auto.")] = "auto",
     endpoint_url: Annotated[str | None, typer.Option(help="S3 endpoint (default: the boto3 chain).")] = None,
     timeout_s: Annotated[float, typer.Option(min=1.0, help="Stop (exit 1) after this many seconds.")] = 3600.0,
+    run_name: Annotated[
+        str | None,
+        typer.Option("--run", help="The training run whose loggers get the scores (default: the job's name; the service passes the job id)."),
+    ] = None,
     print_json: Annotated[
         bool, typer.Option("--print-json", help="End with one line `eval-result {JSON}` (how the service reads the scores).")
     ] = False,
@@ -203,6 +207,7 @@ def eval_checkpoint(
             rows_per_pass=batch_size,
             endpoint_url=endpoint_url,
             timeout_s=timeout_s,
+            run_name=run_name,
         )
     except (TaskError, EvalError, JobSpecError, FileNotFoundError, CheckpointCorruptError) as err:
         fail(str(err))

@@ -202,11 +202,16 @@ class Loggers:
             raise
 
     def log(self, record: dict[str, Any]) -> None:
-        values = scalars(record)
-        if not values or not isinstance(record.get("iteration"), int):
+        if isinstance(record.get("iteration"), int):
+            self.log_values(record["iteration"], scalars(record))
+
+    def log_values(self, step: int, values: dict[str, float]) -> None:
+        """Scalars by tag at `step` (a step record's, or an evaluation's `eval/<task>/<metric>`)."""
+        values = {k: v for k, v in values.items() if isinstance(v, int | float) and math.isfinite(v)}
+        if not values:
             return
         for name, logger in list(self.active.items()):
-            self._guard(name, logger.log, record["iteration"], values)
+            self._guard(name, logger.log, step, values)
 
     def close(self) -> None:
         for name, logger in list(self.active.items()):

@@ -29,6 +29,7 @@ class EvalRuns(CommandRuns):
             tasks=row.tasks,
             options=row.options,
             endpoint_url=(job.spec.get("checkpoint") or {}).get("endpoint_url"),
+            run=job.id,
         )
         ranks = int(row.options.get("ranks", 1))
         cpus = max(self.settings.export_num_cpus, 1.0) * ranks  # each rank a process of its own

@@ -22,10 +22,11 @@ MAX_RESULT_CHARS = 256 * 1024  # a few tasks' metrics are a few KB: more is not 
 
 
 def eval_command(
-    settings: Settings, *, source: str, tasks: list[str], options: dict[str, Any], endpoint_url: str | None
+    settings: Settings, *, source: str, tasks: list[str], options: dict[str, Any], endpoint_url: str | None, run: str
 ) -> list[str]:
     """`elastron eval --tasks T --ranks R --tensor T --pipeline P [--limit L] [--num-fewshot K]
-    --print-json [--endpoint-url U] -- CHECKPOINT` (the checkpoint after `--`: no name is an option)."""
+    --run JOB_ID --print-json [--endpoint-url U] -- CHECKPOINT` (the checkpoint after `--`: no name
+    is an option; `--run`: the job's training.loggers get the scores under its run)."""
     argv = [*shlex.split(settings.eval_entrypoint), "--tasks", ",".join(tasks)]
     for name in ("ranks", "tensor", "pipeline"):
         argv += [f"--{name}", str(int(options.get(name, 1)))]
@@ -33,7 +34,7 @@ def eval_command(
         argv += ["--limit", str(int(options["limit"]))]
     if options.get("num_fewshot") is not None:
         argv += ["--num-fewshot", str(int(options["num_fewshot"]))]
-    argv.append("--print-json")
+    argv += ["--run", run, "--print-json"]
     if endpoint_url:
         argv += ["--endpoint-url", endpoint_url]
     return [*argv, "--", source]

@@ -63,6 +63,11 @@ class EvalRun:
     max_gen_toks: int = 256
     seed: int = 1234
     samples: bool = False
+    # training.loggers of the job that saved the checkpoint, its spec and run name: rank 0 logs the
+    # scores there as eval/<task>/<metric> at the checkpoint's iteration, beside its curves.
+    loggers: tuple[str, ...] = ()
+    log_spec: dict[str, Any] | None = None
+    run_name: str | None = None
 
 
 def saved_job(checkpoint: str, *, endpoint_url: str | None = None, region: str | None = None) -> tuple[int, dict]:
@@ -152,6 +157,8 @@ def eval_rank(run: EvalRun) -> dict | None:
         dist.all_gather_object(tokens, forward.tokens_read if ps.get_rank_in("mp") == 0 else 0)
         if dist.get_rank() != 0:
             return None
+        if run.loggers:
+            log_scores(run, trainer.iteration, out["results"])
         answer = {
             "iteration": trainer.iteration,
             "results": out["results"],
@@ -164,6 +171,28 @@ def eval_rank(run: EvalRun) -> dict | None:
         return answer
     finally:
         ps.destroy_model_parallel()
+
+
+def score_tags(results: dict) -> dict[str, float]:
+    """lm-eval's results as `eval/<task>/<metric>` scalars (its "metric,filter" keys cut to the
+    metric; standard errors and non-numbers left out)."""
+    tags = {}
+    for task, metrics in results.items():
+        for key, value in metrics.items():
+            metric = str(key).split(",")[0]
+            if "_stderr" not in metric and metric != "sample_len" and isinstance(value, int | float):
+                tags[f"eval/{task}/{metric}"] = float(value)
+    return tags
+
+
+def log_scores(run: EvalRun, iteration: int, results: dict) -> None:
+    from engine.loggers import Loggers
+
+    loggers = Loggers(run.log_spec or run.job, list(run.loggers), run.run_name or run.job["name"])
+    try:
+        loggers.log_values(iteration, score_tags(results))
+    finally:
+        loggers.close()
 
 
 def per_sample(samples: dict) -> dict[str, list[dict]]:
@@ -187,18 +216,32 @@ def evaluate_checkpoint(
     region: str | None = None,
     timeout_s: float = 3600.0,
     samples: bool = False,
+    loggers: list[str] | None = None,
+    run_name: str | None = None,
 ) -> dict:
     """lm-eval's results of `tasks` on `checkpoint`, evaluated on `layout` by local processes:
     {"checkpoint", "iteration", "layout", "results": {task: {metric: value}}, "n-samples",
     "seconds" (lm-eval's run, loading excluded), "tokens" (fed to the model, padding not)}, and
-    with `samples` each document's requests and answers ("samples": per_sample)."""
+    with `samples` each document's requests and answers ("samples": per_sample). The scores go
+    to `loggers` (default: the saving job's training.loggers) as that job's run `run_name`
+    (default: its name; the service passes the job id its training logged under)."""
     from engine.device import resolve_device_type
     from engine.launcher import spawn
+    from engine.loggers import require as require_loggers
 
     iteration, saved = saved_job(checkpoint, endpoint_url=endpoint_url, region=region)
     job = eval_job(saved, checkpoint, layout, device=device, endpoint_url=endpoint_url, region=region)
-    run = EvalRun(job, tasks, limit, num_fewshot, rows_per_pass, max_gen_toks, samples=samples)
-    env = {**OFFLINE, **{k: v for k, v in os.environ.items() if k.startswith(("AWS_", "HF_HOME"))}}
+    names = tuple(loggers if loggers is not None else (saved.get("training") or {}).get("loggers") or ())
+    try:
+        require_loggers(list(names))  # before any rank starts, not after the evaluation
+    except RuntimeError as err:
+        raise EvalError(str(err)) from None
+    run = EvalRun(
+        job, tasks, limit, num_fewshot, rows_per_pass, max_gen_toks,
+        samples=samples, loggers=names, log_spec=saved, run_name=run_name or saved.get("name"),
+    )  # fmt: skip
+    passed = ("AWS_", "HF_HOME", "ELASTRON_", "MLFLOW_", "WANDB_")  # storage, caches, roots, loggers
+    env = {**OFFLINE, **{k: v for k, v in os.environ.items() if k.startswith(passed)}}
     answer = spawn(eval_rank, layout.ranks, (run,), device_type=resolve_device_type(device), timeout_s=timeout_s, env=env)[0]
     if answer["iteration"] != iteration:  # the resume loaded another checkpoint than the one asked
         raise RuntimeError(f"evaluated iteration {answer['iteration']}, asked for {iteration} ({checkpoint})")

@@ -239,3 +239,18 @@ def test_the_tasks_the_service_offers_are_the_shipped_ones():
     from engine.jobspec.evaluation import SHIPPED_TASKS
 
     assert sorted(shipped_tasks()) == list(SHIPPED_TASKS)
+
+
+def test_the_scores_go_to_the_training_runs_loggers_at_the_checkpoints_iteration(llama, tmp_path, monkeypatch):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    checkpoint, _ = llama
+    monkeypatch.setenv("ELASTRON_TENSORBOARD_DIR", str(tmp_path))
+    got = evaluate_checkpoint(checkpoint, resolve_tasks(["elastron_mc"]), loggers=["tensorboard"], run_name="the-run")
+    acc = EventAccumulator(str(tmp_path / "the-run" / "tensorboard"))
+    acc.Reload()
+    (point,) = acc.Scalars("eval/elastron_mc/acc")
+    assert point.step == got["iteration"] == 2
+    assert point.value == pytest.approx(got["results"]["elastron_mc"]["acc,none"], rel=1e-6)
+    assert "eval/elastron_mc/acc_norm" in acc.Tags()["scalars"]
+    assert not any("stderr" in t for t in acc.Tags()["scalars"])

@@ -47,7 +47,7 @@ def test_an_evaluation_is_accepted_recorded_and_submitted(env):
         entry = wait_for(lambda: env.launcher.submissions.get(row["submission_id"]), 10, "the submission")
         assert entry["entrypoint"] == [
             "elastron", "eval", "--tasks", "elastron_mc,elastron_ppl", "--ranks", "2", "--tensor", "2",
-            "--pipeline", "1", "--limit", "5", "--print-json", "--", folder,
+            "--pipeline", "1", "--limit", "5", "--run", job_id, "--print-json", "--", folder,
         ]  # fmt: skip
         assert entry["resources"].num_cpus == 2.0  # a CPU per rank
         again = c.post(f"/v1/jobs/{job_id}/checkpoints/10/evals", json=body)
