@@ -3,7 +3,7 @@
 The control plane (`service.app.create_app`, with the service tests' fake Ray launcher reporting
 one 8-CPU node, so the scheduler runs) runs on a loopback port; four jobs go through it: one
 trains and reports telemetry in two batches (every field of the engine's metrics record,
-checkpoints, a restart and its recovery, two rerun diagnoses), one succeeds, one fails, one is
+checkpoints, a restart and its recovery, two rerun diagnoses, an evaluation of a checkpoint), one succeeds, one fails, one is
 cancelled; then an urgent job preempts a low-priority one (the scheduler's series). Prometheus scrapes /metrics every second with the API scrape settings of
 deploy/prometheus/prometheus.yml and evaluates deploy/prometheus/rules. Then:
 
@@ -263,6 +263,18 @@ def stack(tmp_path_factory: pytest.TempPathFactory, prometheus_bin: Path) -> Ite
                     "uri": "s3://b/ck/10",
                 },
             ],
+        )
+        # An evaluation of the trained job's checkpoint (its scores' series): the fake launcher
+        # ends it with the line `elastron eval --print-json` ends its log with.
+        r = api.client.post(f"/v1/jobs/{trained}/checkpoints/10/evals", json={"tasks": ["elastron_mc"]})
+        assert r.status_code == 202, r.text
+        sid = r.json()["submission_id"]
+        wait_for(lambda: sid in api.launcher.submissions, what="the evaluation's submission")
+        api.launcher.logs_of[sid] = 'eval-result {"results": {"elastron_mc": {"acc,none": 0.5}}}'
+        api.launcher.set_status(sid, LaunchStatus.SUCCEEDED)
+        wait_for(
+            lambda: api.client.get(f"/v1/jobs/{trained}/evals").json()["evals"][0]["status"] == "succeeded",
+            what="the evaluation to succeed",
         )
         api.launcher.set_status(api.job(succeeded)["submission_id"], LaunchStatus.SUCCEEDED)
         api.wait_state(succeeded, "succeeded")
