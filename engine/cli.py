@@ -188,6 +188,7 @@ def eval_checkpoint(
     from engine.device import resolve_device_type
     from engine.harness.checkpoint_eval import EvalError, Layout, evaluate_checkpoint
     from engine.harness.tasks import TaskError, resolve_tasks
+    from engine.jobspec.evaluation import metric_scores
     from engine.launcher import RankFailure
 
     try:
@@ -213,10 +214,9 @@ def eval_checkpoint(
         fail(str(err))
     except RankFailure as err:
         fail(str(err), code=1)
-    for task, metrics in result["results"].items():
+    for task, metrics in metric_scores(result["results"]).items():
         for name, value in metrics.items():
-            if isinstance(value, float) and "_stderr" not in name:
-                typer.echo(f"{task}  {name.split(',')[0]}  {value:.6g}")
+            typer.echo(f"{task}  {name}  {value:.6g}")
     typer.echo(
         f"evaluated iteration {result['iteration']} of {checkpoint} on {ranks} rank(s): "
         f"{result['tokens']} tokens in {result['seconds']:.1f} s"

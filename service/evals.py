@@ -11,10 +11,10 @@ ones only (service/schemas_evals.py), and it writes nothing: its scores come bac
 from __future__ import annotations
 
 import json
-import math
 import shlex
 from typing import Any
 
+from engine.jobspec.evaluation import metric_scores
 from service.settings import Settings
 
 RESULT_PREFIX = "eval-result "
@@ -51,16 +51,4 @@ def scores_from_log(text: str) -> dict[str, dict[str, float]] | None:
     except ValueError:
         return None
     tasks = result.get("results") if isinstance(result, dict) else None
-    if not isinstance(tasks, dict):
-        return None
-    scores: dict[str, dict[str, float]] = {}
-    for task, metrics in tasks.items():
-        if not isinstance(metrics, dict):
-            continue
-        for key, value in metrics.items():
-            name = str(key).split(",")[0]
-            if "_stderr" in name or isinstance(value, bool) or not isinstance(value, int | float):
-                continue
-            if math.isfinite(value) and name not in ("sample_len",):
-                scores.setdefault(str(task)[:128], {})[name[:128]] = float(value)
-    return scores
+    return metric_scores(tasks) if isinstance(tasks, dict) else None

@@ -21,6 +21,7 @@ from typing import Any
 from engine.checkpointing.backends import open_storage
 from engine.checkpointing.commit import read_manifest, resolve_checkpoint
 from engine.harness.tasks import ResolvedTasks
+from engine.jobspec.evaluation import metric_scores
 from engine.jobspec.layout import split_checkpoint_uri
 
 DECODERS = ("gpt2", "llama")  # families lm-eval's causal-LM requests fit (bert and t5 do not)
@@ -174,15 +175,8 @@ def eval_rank(run: EvalRun) -> dict | None:
 
 
 def score_tags(results: dict) -> dict[str, float]:
-    """lm-eval's results as `eval/<task>/<metric>` scalars (its "metric,filter" keys cut to the
-    metric; standard errors and non-numbers left out)."""
-    tags = {}
-    for task, metrics in results.items():
-        for key, value in metrics.items():
-            metric = str(key).split(",")[0]
-            if "_stderr" not in metric and metric != "sample_len" and isinstance(value, int | float):
-                tags[f"eval/{task}/{metric}"] = float(value)
-    return tags
+    """lm-eval's results as `eval/<task>/<metric>` scalars (engine/jobspec/evaluation.py metric_scores)."""
+    return {f"eval/{task}/{metric}": value for task, metrics in metric_scores(results).items() for metric, value in metrics.items()}
 
 
 def log_scores(run: EvalRun, iteration: int, results: dict) -> None:

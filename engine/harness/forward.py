@@ -119,11 +119,7 @@ class LayoutForward:
         seqs = [list(rows[i]) for i in picked]
         cache = KVCache(b, self.seq_length, self.device)
         width = math.ceil(max(len(r) for r in seqs) / w) * w
-        tokens = torch.full((b, width), self.pad_id, dtype=torch.long)
-        for j, row in enumerate(seqs):
-            tokens[j, : len(row)] = torch.as_tensor(row, dtype=torch.long)
-            self.tokens_read += len(row)
-        logits = model(tokens.to(self.device), kv_cache=cache)
+        logits = model(self._right_padded(seqs, width, b), kv_cache=cache)
         at = [len(r) - 1 for r in seqs]  # where each row's next token is read, in the step
         made: dict[int, list[int]] = {i: [] for i in picked}
         active = set(range(b))
@@ -140,14 +136,21 @@ class LayoutForward:
             # Each row's last w tokens (the new one last) at their positions: only the new one's
             # keys and values are new; a done row feeds its last window again.
             starts = [max(0, len(r) - w) for r in seqs]
-            step = torch.full((b, w), self.pad_id, dtype=torch.long)
-            for j, row in enumerate(seqs):
-                window = row[starts[j] : starts[j] + w]
-                step[j, : len(window)] = torch.as_tensor(window, dtype=torch.long)
+            step = self._right_padded([row[s : s + w] for row, s in zip(seqs, starts, strict=True)], w, b, count_read=False)
             cache.starts = torch.as_tensor(starts, device=self.device)
             self.tokens_read += len(active)
             at = [len(r) - 1 - s for r, s in zip(seqs, starts, strict=True)]
-            logits = model(step.to(self.device), kv_cache=cache)
+            logits = model(step, kv_cache=cache)
+
+    def _right_padded(self, rows, width: int, count: int, count_read: bool = True) -> torch.Tensor:
+        """[count, width] tokens on the device: each row from the left, pad_id after it (and in
+        the rows past len(rows)); the real tokens count in tokens_read unless count_read is off."""
+        tokens = torch.full((count, width), self.pad_id, dtype=torch.long)
+        for j, row in enumerate(rows):
+            tokens[j, : len(row)] = torch.as_tensor(row, dtype=torch.long)
+            if count_read:
+                self.tokens_read += len(row)
+        return tokens.to(self.device)
 
     def _pass(self, rows, picked: list[int], reduce: RowReduce, found: dict) -> None:
         runner = self.pipeline
@@ -156,11 +159,7 @@ class LayoutForward:
             count = len(picked)
         else:
             width, count = self.seq_length, self.rows_per_pass
-        tokens = torch.full((count, width), self.pad_id, dtype=torch.long)
-        for j, i in enumerate(picked):
-            tokens[j, : len(rows[i])] = torch.as_tensor(rows[i], dtype=torch.long)
-            self.tokens_read += len(rows[i])
-        tokens = tokens.to(self.device)
+        tokens = self._right_padded([rows[i] for i in picked], width, count)
 
         def keep(j: int, logits: torch.Tensor) -> None:  # logits [width, vocab / tp] of pass row j
             if j < len(picked):  # the rest pad a pipelined pass

@@ -15,12 +15,36 @@ loaded. `elastron eval` on the command line takes any task over local files
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 from pydantic import Field, field_validator, model_validator
 
 from engine.jobspec.common import PositiveInt, _Section
 
 SHIPPED_TASKS = ("elastron_gen", "elastron_mc", "elastron_ppl")
 MAX_EVAL_RANKS = 64
+NOT_SCORES = ("sample_len",)  # lm-eval puts these beside the metrics; they count, not score
+
+
+def metric_scores(results: Any) -> dict[str, dict[str, float]]:
+    """{task: {metric: value}} of lm-eval's `results`: its "metric,filter" keys cut to the
+    metric, standard errors, counts and non-numbers left out. The one reading of lm-eval's
+    scores: the CLI prints it, the loggers get it, the service parses it from a log (so it
+    takes untrusted JSON: names capped at 128 characters, non-finite values dropped)."""
+    scores: dict[str, dict[str, float]] = {}
+    if not isinstance(results, dict):
+        return scores
+    for task, metrics in results.items():
+        if not isinstance(metrics, dict):
+            continue
+        for key, value in metrics.items():
+            name = str(key).split(",")[0]
+            if "_stderr" in name or name in NOT_SCORES or isinstance(value, bool) or not isinstance(value, int | float):
+                continue
+            if math.isfinite(value):
+                scores.setdefault(str(task)[:128], {})[name[:128]] = float(value)
+    return scores
 
 
 class EvalRequestSpec(_Section):
